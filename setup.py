@@ -1,0 +1,24 @@
+"""Build hook for the optional native kernels (gradsync._native).
+
+Everything else is configured in pyproject.toml. The extension is plain C against the Python
+C-API (no torch headers, so the build environment never needs torch). It is built on x86-64 only
+and is optional: if the compiler is missing the install still succeeds and gradsync runs on its
+pure-torch operators.
+"""
+
+import platform
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if platform.machine().lower() in {"x86_64", "amd64"} and platform.system() != "Windows":
+    ext_modules.append(
+        Extension(
+            "gradsync._native",
+            sources=["src/gradsync/_native.c"],
+            extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules)

@@ -1,0 +1,278 @@
+"""The codec contract.
+
+A codec turns a gradient into a :class:`~gradsync.codecs.payload.Payload` (one ``uint8`` tensor
+with an in-band header) and back. It never communicates. Per-tensor state (reused thresholds,
+PowerSGD factors, random generators, call counters) lives in one *stream* per ``EncodeContext.key``
+and is saved with :meth:`Codec.state_dict` as tensors and plain values only.
+
+Rules every codec follows:
+
+- the input may be any shape, contiguous or not (``channels_last`` included); it is read in its
+  logical (row-major) order and decoded to a contiguous tensor of the same shape and dtype;
+- floating inputs only (``none`` also passes integer and bool tensors through);
+- inf/NaN in the input is never hidden: the payload is flagged (``Payload.nonfinite``) and
+  decodes to a NaN-filled tensor, so a GradScaler that checks gradients skips the step;
+- the payload size is known from the numel (and the count in the header for variable-size
+  sparsifiers) and matches :meth:`Codec.estimate_nbytes` for fixed-size codecs;
+- randomness comes only from the stream's generator, seeded from ``(seed, key)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gradsync.codecs.config import CodecConfig
+from gradsync.codecs.ops.random import make_generator
+from gradsync.codecs.ops.workspace import Workspace
+from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Payload, allocate, write_header
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class EncodeContext:
+    """Facts about one encode call that are not part of the codec's configuration."""
+
+    key: str = ""
+    """The tensor stream: per-tensor state is kept apart by key (use the parameter name)."""
+    rank: int = 0
+    """This worker's rank; decorrelates stochastic rounding noise across workers."""
+    summands: int = 1
+    """How many payloads will be summed before decoding; summable formats leave that headroom."""
+    amax: float | None = None
+    """An agreed ``max |x|`` over all summands, so that summable formats pick the same scale."""
+
+
+@dataclass
+class Stream:
+    """Per-tensor state of a codec. Subclasses add fields (tensors, numbers, generators)."""
+
+    calls: int = 0
+    generator: torch.Generator | None = None
+
+
+class Codec(abc.ABC):
+    """Base class: input checks, streams, state, payload plumbing, optional torch.compile."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[CodecConfig]]
+    StreamType: ClassVar[type[Stream]] = Stream
+    aggregatable: ClassVar[bool] = False
+    """Payloads (their value section) can be summed without decoding: decode(sum) == sum(decode)."""
+    sparse: ClassVar[bool] = False
+    """The payload is (indices, values): the codec transmits a subset of the elements."""
+    lossless: ClassVar[bool] = False
+    randomized: ClassVar[bool] = False
+    """Encoding draws random numbers (from the stream's generator)."""
+
+    def __init__(self, config: CodecConfig) -> None:
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{self.name} needs a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.ws = Workspace()
+        self._streams: dict[str, Stream] = {}
+        self._encode_impl = self._encode
+        self._decode_impl = self._decode
+        if config.compile:
+            self._encode_impl = torch.compile(self._encode, dynamic=None)
+            self._decode_impl = torch.compile(self._decode, dynamic=None)
+
+    # ------------------------------------------------------------------ public API
+    def encode(
+        self, x: torch.Tensor, ctx: EncodeContext | None = None, *, out: torch.Tensor | None = None
+    ) -> Payload:
+        """Compress ``x``. ``out`` (uint8, at least :meth:`max_nbytes`) avoids an allocation."""
+        ctx = ctx or EncodeContext()
+        flat = self._flatten(x)
+        self.check_numel(flat.numel())
+        stream = self.stream(ctx.key)
+        payload = self._encode_impl(flat, x.shape, ctx, stream, out)
+        stream.calls += 1
+        return payload
+
+    def decode(
+        self, payload: Payload, *, out: torch.Tensor | None = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        """Decompress into a new tensor, or into (``accumulate``: add to) ``out``."""
+        if payload.codec != self.name:
+            raise ValueError(f"{self.name} cannot decode a payload made by {payload.codec!r}")
+        if out is None:
+            out = torch.zeros(payload.shape, dtype=payload.dtype, device=payload.data.device)
+            accumulate = False
+        elif out.shape != payload.shape or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous tensor of shape {tuple(payload.shape)}, got {tuple(out.shape)}"
+                f"{'' if out.is_contiguous() else ' (non-contiguous)'}"
+            )
+        flat = out.view(-1)
+        if payload.nonfinite:
+            flat.fill_(math.nan)
+            return out
+        self._decode_impl(payload, flat, accumulate)
+        return out
+
+    def estimate_nbytes(
+        self,
+        numel: int,
+        shape: torch.Size | tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Payload bytes for a ``dtype`` tensor of ``numel`` elements, computed without compressing.
+
+        Exact for fixed-size codecs; the expected size for codecs whose count varies per call.
+        """
+        return self._nbytes(numel, _shape(numel, shape), dtype)
+
+    def max_nbytes(
+        self,
+        numel: int,
+        shape: torch.Size | tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """An upper bound of the payload size (the capacity an ``out`` buffer needs)."""
+        return self._max_nbytes(numel, _shape(numel, shape), dtype)
+
+    def check_numel(self, numel: int) -> None:  # noqa: B027 - a hook with a no-op default
+        """Raise ``ValueError`` if this codec's config cannot be applied to ``numel`` elements."""
+
+    def payload_from_bytes(
+        self, data: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype
+    ) -> Payload:
+        """Wrap bytes received from a peer, checking that their size agrees with their header."""
+        p = Payload(data, self.name, torch.Size(shape), dtype)
+        expected = self.payload_nbytes(p)
+        if expected != p.nbytes:
+            raise ValueError(
+                f"{self.name}: received {p.nbytes} bytes but the header (count={p.count}) implies {expected}"
+            )
+        return p
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        """The size a payload must have given its header (variable-size codecs override)."""
+        return self.estimate_nbytes(payload.numel, payload.shape, payload.dtype)
+
+    def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
+        """Indices (into the flattened tensor) a sparse payload carries; ``None`` for dense codecs."""
+        sent = self.transmitted(payload)
+        return None if sent is None else sent[0]
+
+    def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(indices, decoded values)`` of a sparse payload (distinct indices); None for dense codecs.
+
+        Equal to ``decode(payload).view(-1)[indices]``, without materializing the dense tensor.
+        """
+        return None
+
+    # ------------------------------------------------------------------ state
+    def stream(self, key: str = "") -> Stream:
+        """The state of one tensor stream (created on first use)."""
+        s = self._streams.get(key)
+        if s is None:
+            s = self.StreamType()
+            if self.randomized:
+                s.generator = make_generator(getattr(self.config, "seed", 0), key)
+            self._streams[key] = s
+        return s
+
+    def reset_state(self) -> None:
+        """Forget every stream (thresholds, factors, generators, counters)."""
+        self._streams.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """All stream state as tensors and plain values (``torch.load(weights_only=True)`` reads it)."""
+        streams = {}
+        for key, s in self._streams.items():
+            fields = {}
+            for f in dataclasses.fields(s):
+                v = getattr(s, f.name)
+                fields[f.name] = v.get_state() if isinstance(v, torch.Generator) else v
+            streams[key] = fields
+        return {"codec": self.name, "config": self.config.to_dict(), "streams": streams}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the codec name and config must match."""
+        if state.get("codec") != self.name:
+            raise ValueError(f"state was saved by codec {state.get('codec')!r}, this is {self.name!r}")
+        mine = self.config.to_dict()
+        theirs = state.get("config", {})
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in diff)
+            raise ValueError(f"{self.name}: state was saved with a different config ({detail})")
+        self._streams.clear()
+        for key, fields in state.get("streams", {}).items():
+            s = self.stream(key)
+            for f in dataclasses.fields(s):
+                if f.name not in fields:
+                    continue
+                v = fields[f.name]
+                if isinstance(getattr(s, f.name), torch.Generator):
+                    getattr(s, f.name).set_state(v)
+                else:
+                    setattr(s, f.name, v)
+
+    # ------------------------------------------------------------------ for subclasses
+    @abc.abstractmethod
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        """Encode the flat, contiguous ``x`` (the original had ``shape``)."""
+
+    @abc.abstractmethod
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        """Write (or add) the decoded flat tensor into the flat, contiguous ``out``."""
+
+    @abc.abstractmethod
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        """Payload size for ``numel`` elements (expected size for variable-size codecs)."""
+
+    def _max_nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return self._nbytes(numel, shape, dtype)
+
+    def _flatten(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{self.name}: cannot compress a {x.dtype} tensor; codecs take float32, float16, bfloat16 or "
+                "float64 (send integer and bool tensors with the 'none' codec)"
+            )
+        return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+
+    def _new_payload(
+        self, nbytes: int, x: torch.Tensor, shape: torch.Size, out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Payload]:
+        data = allocate(nbytes, x.device, out)
+        return data, Payload(data, self.name, shape, x.dtype)
+
+    @staticmethod
+    def _finish(data: torch.Tensor, payload: Payload, header: Header) -> Payload:
+        write_header(data, header)
+        payload._header = header
+        return payload
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.spec()!r})"
+
+
+def _shape(numel: int, shape: torch.Size | tuple[int, ...] | None) -> torch.Size:
+    if shape is None:
+        return torch.Size([numel])
+    shape = torch.Size(shape)
+    if shape.numel() != numel:
+        raise ValueError(f"shape {tuple(shape)} does not hold {numel} elements")
+    return shape
+
+
+def nonfinite_flag(nonfinite: int | bool) -> Flag:
+    """The header flag for a non-finite count."""
+    return Flag.NONFINITE if nonfinite else Flag.NONE
+
+
+__all__ = ["HEADER_BYTES", "Codec", "EncodeContext", "Stream", "nonfinite_flag"]

@@ -1,0 +1,183 @@
+"""Dense codecs: ``none`` (passthrough) and the 16-bit float casts ``fp16`` and ``bf16``.
+
+All three are summable: the value section of payloads made with the same scale can be added
+element-wise (in the value dtype) and decodes to the sum.
+
+The 16-bit casts scale by a power of two, 2^e with e in the header's ``aux``, chosen from
+``max |x|`` so that ``summands`` payloads can be added without leaving the format's range. Powers
+of two change only the exponent, so every value representable in the format round-trips exactly.
+With ``scaling=auto`` (default) fp16 also scales small gradients *up* into its range, where they
+would otherwise flush to zero; bf16 has float32's exponent range and only ever scales down. To
+sum payloads from several workers, give every worker the same ``EncodeContext.amax`` (an agreed
+maximum), so that they pick the same exponent. Without it the exponent follows the local maximum:
+reused from the previous call while it still fits, so steady state costs one pass.
+``scaling=none`` casts as is and flags a payload whose finite values overflowed the format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gradsync.codecs.base import Codec, EncodeContext, Stream
+from gradsync.codecs.config import CodecConfig, check_choice
+from gradsync.codecs.ops import FORMAT_MAX, cast_checked, uncast
+from gradsync.codecs.payload import Flag, Header, Layout, Payload
+from gradsync.codecs.registry import register
+
+
+@dataclass(frozen=True)
+class NoneConfig(CodecConfig):
+    codec: ClassVar[str] = "none"
+
+
+@register
+class NoCompression(Codec):
+    """Dense passthrough: the raw bytes of the tensor (any dtype, integers and bool included)."""
+
+    name = "none"
+    Config = NoneConfig
+    aggregatable = True
+    lossless = True
+
+    def _flatten(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+
+    @staticmethod
+    def _layout(numel: int, dtype: torch.dtype) -> Layout:
+        return Layout([("val", numel, dtype)])
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return self._layout(numel, dtype).nbytes
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        lay = self._layout(x.numel(), x.dtype)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        lay.view(data, "val").copy_(x)
+        flags = Flag.NONE
+        if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+            flags = Flag.NONFINITE
+        return self._finish(data, payload, Header(count=x.numel(), flags=flags))
+
+    def values(self, payload: Payload) -> torch.Tensor:
+        """The summable value section."""
+        return self._layout(payload.numel, payload.dtype).view(payload.data, "val")
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        v = self.values(payload)
+        out.add_(v) if accumulate else out.copy_(v)
+
+
+@dataclass(frozen=True)
+class HalfConfig(CodecConfig):
+    codec: ClassVar[str] = "fp16"
+    scaling: str = "auto"
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice(self.codec, "scaling", self.scaling, ("auto", "none"))
+
+
+@dataclass(frozen=True)
+class BHalfConfig(HalfConfig):
+    codec: ClassVar[str] = "bf16"
+
+
+@dataclass
+class CastStream(Stream):
+    exponent: int | None = None
+
+
+class _HalfCodec(Codec):
+    """Shared by fp16 and bf16."""
+
+    aggregatable = True
+    StreamType = CastStream
+    fmt: ClassVar[torch.dtype]
+    config: HalfConfig
+
+    def _layout(self, numel: int) -> Layout:
+        return Layout([("val", numel, self.fmt)])
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return self._layout(numel).nbytes
+
+    def exponent_for(self, amax: float, summands: int) -> int:
+        """The power of two e such that ``summands * amax * 2^e`` sits at most at half the range."""
+        if not math.isfinite(amax) or amax <= 0.0:
+            return 0
+        e = math.floor(math.log2(FORMAT_MAX[self.fmt] / 2 / (amax * max(summands, 1))))
+        if self.fmt == torch.bfloat16:
+            e = min(e, 0)  # bf16 has float32's range: only scale down
+        return max(min(e, 100), -100)
+
+    def _fits(self, e: int, amax: float, summands: int) -> bool:
+        """Whether a previous exponent is still right for this maximum (no overflow, no waste)."""
+        best = self.exponent_for(amax, summands)
+        return e == best or (self.fmt == torch.float16 and best - 2 <= e <= best)
+
+    def _encode(
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext,
+        stream: CastStream,
+        out: torch.Tensor | None,  # type: ignore[override]
+    ) -> Payload:
+        lay = self._layout(x.numel())
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        vals = lay.view(data, "val")
+        if self.config.scaling == "none":
+            e = 0
+        elif ctx.amax is not None:
+            e = self.exponent_for(ctx.amax, ctx.summands)
+        else:
+            e = stream.exponent if stream.exponent is not None else 0
+        st = cast_checked(x, self.fmt, 2.0**e, vals)
+        if (
+            self.config.scaling == "auto"
+            and ctx.amax is None
+            and not st.nonfinite
+            and not self._fits(e, st.max_abs, ctx.summands)
+        ):
+            e = self.exponent_for(st.max_abs, ctx.summands)
+            st = cast_checked(x, self.fmt, 2.0**e, vals)
+        stream.exponent = e
+        flags = Flag.NONE
+        if st.nonfinite:
+            flags |= Flag.NONFINITE
+        if st.overflow:
+            flags |= Flag.OVERFLOW
+        return self._finish(data, payload, Header(count=x.numel(), flags=flags, aux=e))
+
+    def values(self, payload: Payload) -> torch.Tensor:
+        """The summable value section (in the 16-bit format)."""
+        return self._layout(payload.numel).view(payload.data, "val")
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        uncast(self.values(payload), self.fmt, 2.0 ** (-payload.header.aux), out, accumulate)
+
+
+@register
+class Fp16(_HalfCodec):
+    """IEEE half precision (2 bytes per element), power-of-two scaled."""
+
+    name = "fp16"
+    Config = HalfConfig
+    fmt = torch.float16
+
+
+@register
+class Bf16(_HalfCodec):
+    """bfloat16 (2 bytes per element): float32's range with 8 bits of mantissa."""
+
+    name = "bf16"
+    Config = BHalfConfig
+    fmt = torch.bfloat16

@@ -1,0 +1,205 @@
+"""Error feedback (residual accumulation) around any lossy codec, with paper 04's Algorithm 4.
+
+Per tensor stream the wrapper keeps a residual ``r`` of everything not yet transmitted::
+
+    v = r + g                  (plain)
+    u = m * u + g;  v = r + u  (momentum correction)
+    u = m * (u + g); v = r + u + g  (Nesterov momentum correction)
+    payload = encode(v);  r = v - decode(payload)
+    u[transmitted] = 0         (momentum-factor masking, with momentum)
+
+so ``g + r_old == decode(payload) + r_new`` holds exactly (the invariant the tests check). With
+momentum correction the optimizer must run without momentum: it has moved in here.
+
+Mixed precision: ``loss_scale`` is the scale the incoming gradient carries. The residual and
+momentum are kept in the current scale's units for speed and rescaled when it changes;
+:meth:`ErrorFeedback.state_dict` stores them unscaled. A gradient with inf/NaN produces a flagged
+payload and leaves every piece of state untouched, so the step a GradScaler skips never leaks
+into the residual.
+
+Local clipping (``clip``): before accumulation the gradient is scaled so that its L2 norm
+(unscaled) is at most ``clip``. Paper 04 clips with the global threshold divided by sqrt(world
+size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gradsync.codecs.base import Codec, EncodeContext
+from gradsync.codecs.config import OptionsConfig, check_range
+from gradsync.codecs.payload import Payload
+
+
+@dataclass(frozen=True)
+class FeedbackConfig(OptionsConfig):
+    codec: ClassVar[str] = "ef"
+    momentum: float = 0.0
+    nesterov: bool = False
+    masking: bool = True
+    clip: float | None = None
+
+    def validate(self) -> None:
+        check_range(self.codec, "momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError(f"{self.codec}: nesterov needs momentum > 0")
+        if self.clip is not None:
+            check_range(self.codec, "clip", self.clip, 0.0, lo_open=True)
+
+
+@dataclass
+class FeedbackStream:
+    residual: torch.Tensor | None = None  # flat, in units of `scale`
+    momentum: torch.Tensor | None = None  # flat, in units of `scale`
+    scale: float = 1.0
+    # work buffers (not state): the next residual / momentum is computed here, then swapped in
+    spare: torch.Tensor | None = None
+    spare_u: torch.Tensor | None = None
+
+
+def _buffer(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if spare is None or spare.shape != like.shape or spare.dtype != like.dtype or spare.device != like.device:
+        return torch.empty_like(like)
+    return spare
+
+
+class ErrorFeedback:
+    """Wrap a codec with error feedback; same encode/decode interface as the codec."""
+
+    def __init__(self, codec: Codec, config: FeedbackConfig | None = None) -> None:
+        config = config or FeedbackConfig()
+        if isinstance(codec, ErrorFeedback):
+            raise ValueError("error feedback is already applied to this codec")
+        if config.momentum > 0 and not codec.sparse:
+            raise ValueError(
+                "ef: momentum correction needs a sparsifying codec (topk, mstopk, dgc, ...), "
+                f"got {codec.name!r}; use the optimizer's momentum instead"
+            )
+        self.codec = codec
+        self.config = config
+        self.name = codec.name
+        self._streams: dict[str, FeedbackStream] = {}
+
+    aggregatable = property(lambda self: self.codec.aggregatable)
+    sparse = property(lambda self: self.codec.sparse)
+    lossless = property(lambda self: self.codec.lossless)
+
+    def spec(self) -> str:
+        return f"{self.codec.config.spec()}+{self.config.spec()}"
+
+    def encode(
+        self,
+        grad: torch.Tensor,
+        ctx: EncodeContext | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
+    ) -> Payload:
+        """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
+        ctx = ctx or EncodeContext()
+        if not (loss_scale > 0 and math.isfinite(loss_scale)):
+            raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
+        flat = self.codec._flatten(grad)
+        work_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+        s = self._streams.setdefault(ctx.key, FeedbackStream())
+        n = flat.numel()
+        if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
+            s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
+            s.momentum = None
+            s.scale = loss_scale
+        if loss_scale != s.scale:
+            ratio = loss_scale / s.scale
+            s.residual.mul_(ratio)
+            if s.momentum is not None:
+                s.momentum.mul_(ratio)
+            s.scale = loss_scale
+        g = flat if flat.dtype == work_dtype else flat.to(work_dtype)
+        alpha = 1.0
+        if self.config.clip is not None:
+            norm = float(torch.linalg.vector_norm(g)) / loss_scale
+            if norm > self.config.clip:
+                alpha = self.config.clip / norm
+        v = _buffer(s.spare, s.residual)
+        m = self.config.momentum
+        new_u = None
+        if m > 0:
+            u = s.momentum if s.momentum is not None else torch.zeros_like(s.residual)
+            new_u = _buffer(s.spare_u, s.residual)
+            if self.config.nesterov:  # u' = m (u + g); v = r + u' + g
+                torch.add(u, g, alpha=alpha, out=new_u).mul_(m)
+                torch.add(s.residual, new_u, out=v).add_(g, alpha=alpha)
+            else:  # u' = m u + g; v = r + u'
+                torch.mul(u, m, out=new_u).add_(g, alpha=alpha)
+                torch.add(s.residual, new_u, out=v)
+        else:
+            torch.add(s.residual, g, alpha=alpha, out=v)
+        payload = self.codec.encode(v.view(grad.shape), ctx, out=out)
+        if payload.nonfinite:
+            s.spare, s.spare_u = v, new_u
+            return payload  # a skipped step: residual and momentum stay as they were
+        sent = self.codec.transmitted(payload)
+        if sent is not None:
+            idx, values = sent
+            v.index_add_(0, idx.long(), values.to(v.dtype), alpha=-1)
+        else:
+            v.sub_(self.codec.decode(payload).view(-1).to(v.dtype))
+        s.spare, s.residual = s.residual, v
+        if new_u is not None:
+            if self.config.masking:
+                new_u.index_fill_(0, sent[0].long(), 0)
+            s.spare_u, s.momentum = s.momentum, new_u
+        return payload
+
+    def decode(
+        self, payload: Payload, *, out: torch.Tensor | None = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        return self.codec.decode(payload, out=out, accumulate=accumulate)
+
+    def estimate_nbytes(self, numel: int, shape: Any = None, dtype: torch.dtype = torch.float32) -> int:
+        return self.codec.estimate_nbytes(numel, shape, dtype)
+
+    def max_nbytes(self, numel: int, shape: Any = None, dtype: torch.dtype = torch.float32) -> int:
+        return self.codec.max_nbytes(numel, shape, dtype)
+
+    def payload_from_bytes(self, data: torch.Tensor, shape: Any, dtype: torch.dtype) -> Payload:
+        return self.codec.payload_from_bytes(data, shape, dtype)
+
+    def residual(self, key: str = "") -> torch.Tensor | None:
+        """The unscaled residual of a stream (a copy), or None before its first encode."""
+        s = self._streams.get(key)
+        return None if s is None or s.residual is None else s.residual / s.scale
+
+    def reset_state(self) -> None:
+        self._streams.clear()
+        self.codec.reset_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        streams = {}
+        for key, s in self._streams.items():
+            streams[key] = {
+                "residual": None if s.residual is None else s.residual / s.scale,
+                "momentum": None if s.momentum is None else s.momentum / s.scale,
+            }
+        return {"ef": self.config.to_dict(), "codec": self.codec.state_dict(), "streams": streams}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "ef" not in state:
+            raise ValueError("state has no error-feedback section (saved without ef?)")
+        mine = self.config.to_dict()
+        if state["ef"] != mine:
+            raise ValueError(f"ef: state was saved with config {state['ef']} but this wrapper has {mine}")
+        self.codec.load_state_dict(state["codec"])
+        self._streams = {
+            key: FeedbackStream(
+                residual=None if v["residual"] is None else v["residual"].clone(),
+                momentum=None if v["momentum"] is None else v["momentum"].clone(),
+            )
+            for key, v in state["streams"].items()
+        }
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.spec()!r})"

@@ -1,0 +1,143 @@
+"""PowerSGD: rank-r approximation by one step of power iteration with a warm-started factor.
+
+The gradient is viewed as a matrix M (first dimension by the rest). One step computes
+``P = M Q``, orthonormalizes P, then ``Q = M^T P``; the approximation is ``P Q^T``. ``Q`` is kept per
+stream and reused as the starting point of the next call (warm start), which is what makes a
+single iteration accurate over time.
+
+Across workers the steps are linear in M, so their factors can be summed (``aggregatable``):
+:meth:`PowerSGD.project` gives ``P_i = M_i Q`` (sum them), :meth:`PowerSGD.reproject` takes the
+summed P and gives ``Q_i = M_i^T orth(sum P)`` (sum them), and :meth:`PowerSGD.reconstruct`
+turns the summed Q into ``orth(sum P) (sum Q)^T = approx(sum M)``. Every worker must start from
+the same Q, which holds because Q comes from the stream's seeded generator and is then updated
+with the same summed values everywhere. :meth:`Codec.encode` runs the three steps locally.
+
+Matrices too small to gain (``rank * (rows + cols) >= rows * cols``) and 1-D tensors are sent
+dense: the payload is flagged ``DENSE`` and holds the values as float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.config import CodecConfig, check_range
+from gradsync.codecs.ops import orthogonalize_, tensor_stats
+from gradsync.codecs.payload import Flag, Header, Layout, Payload
+from gradsync.codecs.registry import register
+
+
+@dataclass(frozen=True)
+class PowersgdConfig(CodecConfig):
+    codec: ClassVar[str] = "powersgd"
+    rank: int = 4
+    warm_start: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "rank", self.rank, 1, 1024)
+
+
+@dataclass
+class PowersgdStream(Stream):
+    q: torch.Tensor | None = None  # cols x rank, float32: the warm start
+    p: torch.Tensor | None = None  # rows x rank, float32: orth(sum P) of the current call
+
+
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """The (rows, cols) view PowerSGD uses for a tensor of this shape."""
+    if len(shape) < 2:
+        return (shape.numel(), 1)
+    return (shape[0], shape.numel() // shape[0] if shape[0] else 0)
+
+
+@register
+class PowerSGD(Codec):
+    """Rank-r PowerSGD with warm start; payload holds P (rows x r) and Q (cols x r) in float32."""
+
+    name = "powersgd"
+    Config = PowersgdConfig
+    StreamType = PowersgdStream
+    aggregatable = True
+    randomized = True
+    config: PowersgdConfig
+
+    def compresses(self, shape: torch.Size) -> bool:
+        """Whether a tensor of this shape is sent as factors (else dense)."""
+        rows, cols = matrix_shape(shape)
+        r = self.config.rank
+        return len(shape) >= 2 and r * (rows + cols) < rows * cols
+
+    def _layout(self, shape: torch.Size) -> Layout:
+        rows, cols = matrix_shape(shape)
+        if not self.compresses(shape):
+            return Layout([("dense", shape.numel(), torch.float32)])
+        r = self.config.rank
+        return Layout([("p", rows * r, torch.float32), ("q", cols * r, torch.float32)])
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return self._layout(shape).nbytes
+
+    # --- the three summable steps -------------------------------------------------------------
+    def project(self, m: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
+        """``P = M Q`` with the stream's Q (drawn from its generator on first use)."""
+        cols = m.shape[1]
+        r = self.config.rank
+        if stream.q is None or stream.q.shape != (cols, r) or not self.config.warm_start:
+            assert stream.generator is not None
+            q = torch.randn(cols, r, generator=stream.generator, dtype=torch.float32)
+            stream.q = orthogonalize_(q).to(m.device)
+        return m @ stream.q
+
+    def reproject(self, m: torch.Tensor, p_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
+        """Orthonormalize the summed P (kept in the stream) and return ``Q = M^T P``."""
+        stream.p = orthogonalize_(p_sum.clone())
+        return m.T @ stream.p
+
+    def reconstruct(self, q_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
+        """``P (sum Q)^T``; the summed Q becomes the next warm start."""
+        assert stream.p is not None, "reconstruct() needs reproject() first"
+        stream.q = q_sum.clone()
+        return stream.p @ q_sum.T
+
+    # --- local codec ----------------------------------------------------------------------------
+    def _encode(
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext,
+        stream: PowersgdStream,
+        out: torch.Tensor | None,  # type: ignore[override]
+    ) -> Payload:
+        lay = self._layout(shape)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        st = tensor_stats(x)
+        if not self.compresses(shape):
+            lay.view(data, "dense").copy_(x)
+            return self._finish(
+                data, payload, Header(count=x.numel(), flags=Flag.DENSE | nonfinite_flag(st.nonfinite))
+            )
+        m = x.view(matrix_shape(shape)).float()
+        if st.nonfinite:
+            m = torch.zeros_like(m)  # keep the factors finite; the payload is flagged anyway
+        q = self.reproject(m, self.project(m, stream), stream)
+        stream.q = q.clone()
+        lay.view(data, "p").copy_(stream.p.reshape(-1))
+        lay.view(data, "q").copy_(q.reshape(-1))
+        return self._finish(data, payload, Header(count=self.config.rank, flags=nonfinite_flag(st.nonfinite)))
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        lay = self._layout(payload.shape)
+        if payload.header.flags & Flag.DENSE:
+            v = lay.view(payload.data, "dense")
+        else:
+            rows, cols = matrix_shape(payload.shape)
+            r = payload.header.count
+            p = lay.view(payload.data, "p").view(rows, r)
+            q = lay.view(payload.data, "q").view(cols, r)
+            v = (p @ q.T).reshape(-1)
+        out.add_(v) if accumulate else out.copy_(v)

@@ -1,0 +1,79 @@
+"""Common operators from which every codec is written (the CompLL idea, on torch).
+
+Each operator is defined in torch (any device, traceable by torch.compile) and, for contiguous
+float32 CPU tensors, runs a fused native kernel when ``gradsync._native`` is available.
+
+- reductions: :func:`tensor_stats` (sum/max of |x|, non-finite count, sum of squares)
+- threshold selection: :func:`count_ge`, :func:`kth_largest`, :class:`CandidateSet`, :func:`topk`
+- compaction and sparse add: :meth:`CandidateSet.select`, :func:`sparse_add_`, :func:`gather`
+- bit packing: :func:`pack_codes`, :func:`unpack_codes`, :func:`lut_decode`, :func:`sign_pack`,
+  :func:`threshold_pack`, :func:`stochastic_pack`
+- randomness: :func:`make_generator`, :func:`hashed_uniform`, :func:`stochastic_round`,
+  :func:`random_subset`
+- 16-bit floats: :func:`cast_checked`, :func:`uncast`
+- low rank: :func:`orthogonalize_`
+"""
+
+from gradsync.codecs.ops.bits import (
+    SignStats,
+    lut_decode,
+    pack_codes,
+    packed_nbytes,
+    sign_pack,
+    stochastic_pack,
+    threshold_pack,
+    unpack_codes,
+)
+from gradsync.codecs.ops.floats import FORMAT_MAX, CastStats, cast_checked, uncast
+from gradsync.codecs.ops.lowrank import orthogonalize_
+from gradsync.codecs.ops.native import backend
+from gradsync.codecs.ops.random import (
+    draw_index,
+    draw_words,
+    hashed_uniform,
+    make_generator,
+    random_subset,
+    stochastic_round,
+    stream_seed,
+)
+from gradsync.codecs.ops.reduce import TensorStats, tensor_stats
+from gradsync.codecs.ops.select import CandidateSet, Key, count_ge, f32, f32_above, keyed, kth_largest, topk
+from gradsync.codecs.ops.sparse import gather, sparse_add_
+from gradsync.codecs.ops.workspace import Workspace
+
+__all__ = [
+    "FORMAT_MAX",
+    "CandidateSet",
+    "CastStats",
+    "Key",
+    "SignStats",
+    "TensorStats",
+    "Workspace",
+    "backend",
+    "cast_checked",
+    "count_ge",
+    "draw_index",
+    "draw_words",
+    "f32",
+    "f32_above",
+    "gather",
+    "hashed_uniform",
+    "keyed",
+    "kth_largest",
+    "lut_decode",
+    "make_generator",
+    "orthogonalize_",
+    "pack_codes",
+    "packed_nbytes",
+    "random_subset",
+    "sign_pack",
+    "sparse_add_",
+    "stochastic_pack",
+    "stochastic_round",
+    "stream_seed",
+    "tensor_stats",
+    "threshold_pack",
+    "topk",
+    "uncast",
+    "unpack_codes",
+]

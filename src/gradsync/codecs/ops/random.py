@@ -1,0 +1,90 @@
+"""Randomness for codecs: explicit generators, counter-based uniforms, stochastic rounding.
+
+Rules (see DESIGN.md): no codec touches the global RNG. Each tensor stream owns a
+``torch.Generator`` seeded from ``(config seed, stream key)`` with a stable hash, so every rank
+that builds the same codec draws the same numbers. Per-element noise (stochastic rounding) uses a
+counter-based hash of the element index keyed by two 32-bit words drawn from that generator: it
+costs no memory, runs inside one fused pass, and the torch formula below gives bit-identical
+draws to the native kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from gradsync.codecs.ops import native
+
+_M32 = 0xFFFFFFFF
+
+
+def stream_seed(seed: int, key: str) -> int:
+    """A 63-bit seed for stream ``key`` of a codec seeded with ``seed``; stable across processes."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def make_generator(seed: int, key: str = "") -> torch.Generator:
+    """A CPU generator for one stream (CPU so that its state is device-independent)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(stream_seed(seed, key))
+    return g
+
+
+def draw_words(gen: torch.Generator, count: int = 2) -> list[int]:
+    """``count`` uniformly random 32-bit words from ``gen``."""
+    return [int(v) for v in torch.randint(0, 2**32, (count,), generator=gen, dtype=torch.int64)]
+
+
+def draw_index(gen: torch.Generator, high: int) -> int:
+    """A uniform integer in ``[0, high)``."""
+    if high <= 0:
+        raise ValueError(f"high must be positive, got {high}")
+    return int(torch.randint(0, high, (1,), generator=gen))
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # (h * c) mod 2^32 without overflowing int64: split c into 16-bit halves.
+    lo, hi = c & 0xFFFF, c >> 16
+    return (h * lo + ((h * hi) & 0xFFFF) * 65536) & _M32
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def hashed_uniform(n: int, k1: int, k2: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``u[i] = (mix(mix(i ^ k1) + k2) >> 8) / 2^24`` for ``i < n`` as float32 in ``[0, 1)``."""
+    i = torch.arange(n, dtype=torch.int64, device=device) & _M32
+    h = _mix32((_mix32(i ^ k1) + k2) & _M32)
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def stochastic_round(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Round each entry of ``x`` down or up at random so that the expectation is ``x``."""
+    k1, k2 = draw_words(gen)
+    u = hashed_uniform(x.numel(), k1, k2, x.device).view_as(x)
+    return torch.floor(x.float() + u)
+
+
+def random_subset(n: int, k: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``k`` distinct indices drawn uniformly from ``range(n)``, in increasing order.
+
+    int32 on the native path, int64 otherwise. The native path (Floyd's algorithm, O(k)) and the
+    torch path (a random permutation, O(n)) draw different, equally uniform subsets.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, n={n}], got {k}")
+    if native.enabled() and n <= native.MAX_NUMEL and torch.device(device).type == "cpu":
+        lo, hi = draw_words(gen)
+        idx = torch.empty(k, dtype=torch.int32)
+        bitmap = torch.empty((n + 63) // 64, dtype=torch.int64)
+        native.ext().random_subset(n, k, lo | (hi << 32), native.ptr(idx), bitmap.data_ptr())
+        return idx
+    perm = torch.randperm(n, generator=gen)[:k]
+    return perm.sort().values.to(device)

@@ -1,0 +1,62 @@
+"""Reductions over a whole tensor in one pass, accumulated in at least float32.
+
+``tensor_stats`` is what every codec calls first (or gets fused into its main pass): the mean
+and maximum magnitude drive the threshold searches, the sum of squares gives norms, and the
+non-finite count is how a codec reports an inf/NaN gradient instead of hiding it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.codecs.ops import native
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Magnitude statistics of a tensor.
+
+    ``nonfinite`` is non-zero when any element is inf or NaN (a count or, from fused passes, 1).
+    ``max_abs`` is only meaningful when ``nonfinite`` is 0. ``sum_abs`` / ``sum_sq`` are NaN
+    when the pass that produced the stats did not compute them.
+    """
+
+    numel: int
+    sum_abs: float
+    max_abs: float
+    nonfinite: int
+    sum_sq: float = math.nan
+
+    @property
+    def mean_abs(self) -> float:
+        return self.sum_abs / self.numel if self.numel else 0.0
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.sum_sq) if self.sum_sq >= 0 else math.nan
+
+
+def tensor_stats(x: torch.Tensor) -> TensorStats:
+    """Sum and max of ``|x|``, count of non-finite entries and sum of squares of a 1-D tensor."""
+    n = x.numel()
+    if n == 0:
+        return TensorStats(0, 0.0, 0.0, 0, 0.0)
+    if native.usable(x):
+        out = torch.empty(4, dtype=torch.float64)
+        native.ext().stats(native.ptr(x), n, out.data_ptr())
+        s, m, nf, q = out.tolist()
+        return TensorStats(n, s, m, int(nf), q)
+    xf = x.float()
+    a = xf.abs()
+    finite = torch.isfinite(xf)
+    nonfinite = int(n - int(finite.sum()))
+    max_abs = float(torch.where(torch.isnan(a), 0.0, a).max())
+    return TensorStats(n, float(a.sum()), max_abs, nonfinite, float(xf.square().sum()))
+
+
+def stats_from_parts(numel: int, parts: list[float]) -> TensorStats:
+    """Build :class:`TensorStats` from the ``[sum_abs, max_abs, nonfinite]`` a fused kernel wrote."""
+    return TensorStats(numel, parts[0], parts[1], int(parts[2]))

@@ -1,0 +1,319 @@
+"""Threshold selection: counting, compaction and exact top-k.
+
+Every selection method of the papers is a threshold search over ``key(x)`` (``|x|``, or ``x`` /
+``-x`` for one-signed selection) followed by a compaction. The expensive part is touching the whole
+tensor, so this module gives them one primitive that touches it once:
+
+:class:`CandidateSet` scans the tensor a single time, computing its statistics and compacting
+every element whose key is at least a *floor*. The floor is estimated from a small strided sample
+so that only a few times ``k`` elements survive. Afterwards, counting or selecting at any threshold
+at or above the floor reads only the candidates (kilobytes instead of megabytes); a threshold below
+the floor falls back to a pass over the full tensor, so every answer is exact whatever the data.
+On the torch path the floor is ``-inf`` and the candidates are the whole tensor, which makes that
+path the plain definition of the same algorithms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.codecs.ops import native
+from gradsync.codecs.ops.reduce import TensorStats, stats_from_parts, tensor_stats
+from gradsync.codecs.ops.workspace import Workspace
+
+
+class Key(enum.IntEnum):
+    """What a threshold is compared with (the values match the native kernels)."""
+
+    ABS = 0  # |x|
+    POS = 1  # x
+    NEG = 2  # -x
+
+
+def f32(v: float) -> float:
+    """Round a Python float to the nearest float32 (thresholds are compared in float32)."""
+    if math.isinf(v) or math.isnan(v):
+        return v
+    return struct.unpack("<f", struct.pack("<f", max(min(v, 3.4028234663852886e38), -3.4028234663852886e38)))[
+        0
+    ]
+
+
+def f32_above(v: float) -> float:
+    """The smallest float32 strictly greater than ``v``: ``key >= f32_above(v)`` is ``key > v``."""
+    t = torch.tensor([f32(v)], dtype=torch.float32)
+    return float(torch.nextafter(t, torch.tensor([math.inf], dtype=torch.float32)))
+
+
+def keyed(x: torch.Tensor, key: Key) -> torch.Tensor:
+    """``|x|``, ``x`` or ``-x`` as float32."""
+    xf = x.float()
+    if key == Key.ABS:
+        return xf.abs()
+    return xf if key == Key.POS else -xf
+
+
+def count_ge(x: torch.Tensor, thresholds: list[float], key: Key = Key.ABS) -> list[int]:
+    """``#{i : key(x_i) >= t}`` for each threshold, in one pass per 16 thresholds."""
+    ts = [f32(t) for t in thresholds]
+    if not ts:
+        return []
+    if native.usable(x):
+        counts: list[int] = []
+        for start in range(0, len(ts), 16):
+            chunk = torch.tensor(ts[start : start + 16], dtype=torch.float32)
+            out = torch.empty(chunk.numel(), dtype=torch.int64)
+            native.ext().count_ge(
+                native.ptr(x), x.numel(), chunk.data_ptr(), chunk.numel(), int(key), out.data_ptr()
+            )
+            counts.extend(out.tolist())
+        return counts
+    k = keyed(x, key)
+    return [int((k >= t).sum()) for t in ts]
+
+
+def kth_largest(keys: torch.Tensor, k: int, ws: Workspace | None = None) -> float:
+    """The ``k``-th largest entry of a 1-D float tensor without NaN (1-based)."""
+    n = keys.numel()
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}], got {k}")
+    if native.usable(keys):
+        scratch = (ws or Workspace()).get("kth", n, torch.float32)
+        return native.ext().kth_largest(native.ptr(keys), n, k, int(Key.POS), scratch.data_ptr())
+    return float(torch.kthvalue(keys.float().cpu(), n - k + 1).values)
+
+
+def keep_largest(
+    idx: torch.Tensor, val: torch.Tensor, keys: torch.Tensor, k: int, kth: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the entries with key > kth, then ties (key == kth) in index order, ``k`` in total.
+
+    ``idx``/``val``/``keys`` are aligned and in index order; the result keeps that order.
+    """
+    greater = keys > kth
+    ties = keys == kth
+    need = k - int(greater.sum())
+    keep = greater | (ties & (torch.cumsum(ties, 0) <= need))
+    return idx[keep], val[keep]
+
+
+@dataclass
+class CandidateSet:
+    """Elements of ``x`` with ``key(x) >= floor``, in index order, plus ``x``'s statistics."""
+
+    x: torch.Tensor
+    key: Key
+    floor: float
+    idx: torch.Tensor
+    val: torch.Tensor
+    keys: torch.Tensor
+    stats: TensorStats
+    ws: Workspace
+
+    @property
+    def count(self) -> int:
+        return self.idx.numel()
+
+    @classmethod
+    def scan(
+        cls,
+        x: torch.Tensor,
+        key: Key,
+        target: int,
+        minimum: int = 0,
+        at_least: float = -math.inf,
+        ws: Workspace | None = None,
+        want_sum: bool = True,
+    ) -> CandidateSet:
+        """Scan ``x`` once; aim for about ``target`` candidates and guarantee ``minimum``.
+
+        ``minimum`` candidates are guaranteed only when that many elements have a key of at least
+        ``at_least`` (the floor never goes below ``at_least``). With ``want_sum=False`` the
+        native pass skips ``sum |x|`` (``stats.sum_abs`` is then NaN).
+        """
+        ws = ws or Workspace()
+        n = x.numel()
+        if not native.usable(x):
+            return cls._everything(x, key, at_least, ws)
+        floor, rank, sample = _estimate_floor(x, key, target, ws)
+        floor = max(floor, at_least)
+        expected = rank * n / sample.numel() if sample.numel() else n
+        cap = min(n, max(int(1.5 * expected), 4096))
+        st = ws.get("scan_stats", 3, torch.float64)
+        while True:
+            idx = ws.get("cand_idx", cap, torch.int32)
+            val = ws.get("cand_val", cap, torch.float32)
+            cnt = native.ext().scan_select(
+                native.ptr(x),
+                n,
+                f32(floor),
+                int(key),
+                want_sum,
+                idx.data_ptr(),
+                val.data_ptr(),
+                cap,
+                st.data_ptr(),
+            )
+            if cnt > cap:  # more candidates than room: grow and scan again (ties or a bad sample)
+                cap = cnt
+                continue
+            if cnt < minimum and floor > at_least:  # floor too high: lower it
+                floor, rank = _lower_floor(sample, rank, at_least, ws)
+                continue
+            break
+        idx, val = idx[:cnt], val[:cnt]
+        keys = ws.get("cand_keys", cnt, torch.float32)
+        torch.abs(val, out=keys) if key == Key.ABS else (
+            keys.copy_(val) if key == Key.POS else torch.neg(val, out=keys)
+        )
+        return cls(x, key, floor, idx, val, keys, stats_from_parts(n, st.tolist()), ws)
+
+    @classmethod
+    def _everything(cls, x: torch.Tensor, key: Key, at_least: float, ws: Workspace) -> CandidateSet:
+        keys = keyed(x, key)
+        keys = torch.where(torch.isnan(keys), -math.inf, keys)
+        idx = torch.arange(x.numel(), device=x.device)
+        if at_least > -math.inf:
+            keep = keys >= f32(at_least)
+            idx, keys = idx[keep], keys[keep]
+        return cls(x, key, at_least, idx, x[idx], keys, tensor_stats(x), ws)
+
+    @classmethod
+    def at(
+        cls,
+        x: torch.Tensor,
+        key: Key,
+        floor: float,
+        ws: Workspace | None = None,
+        cap: int = 4096,
+        want_sum: bool = True,
+    ) -> CandidateSet:
+        """All elements with ``key >= floor`` (one pass; a second only if ``cap`` was too small)."""
+        ws = ws or Workspace()
+        if not native.usable(x):
+            return cls._everything(x, key, floor, ws)
+        n = x.numel()
+        cap = max(1, min(n, cap))
+        st = ws.get("scan_stats", 3, torch.float64)
+        while True:
+            idx = ws.get("cand_idx", cap, torch.int32)
+            val = ws.get("cand_val", cap, torch.float32)
+            cnt = native.ext().scan_select(
+                native.ptr(x),
+                n,
+                f32(floor),
+                int(key),
+                want_sum,
+                idx.data_ptr(),
+                val.data_ptr(),
+                cap,
+                st.data_ptr(),
+            )
+            if cnt <= cap:
+                break
+            cap = cnt
+        idx, val = idx[:cnt], val[:cnt]
+        return cls(x, key, floor, idx, val, keyed(val, key), stats_from_parts(n, st.tolist()), ws)
+
+    def count_ge(self, t: float) -> int:
+        """Exact ``#{i : key(x_i) >= t}`` over the whole tensor."""
+        t = f32(t)
+        if t >= self.floor:
+            if native.usable(self.keys):
+                return count_ge(self.keys, [t], Key.POS)[0]
+            return int((self.keys >= t).sum())
+        return count_ge(self.x, [t], self.key)[0]
+
+    def restrict(self, lo: float) -> CandidateSet:
+        """The elements with ``key >= lo`` as a new set (from the candidates when ``lo >= floor``)."""
+        lo = f32(lo)
+        if lo < self.floor:
+            # a private workspace: this set's candidates are views into self.ws
+            sub = CandidateSet.at(self.x, self.key, lo, Workspace(), cap=2 * self.count + 4096)
+            return dataclasses.replace(sub, stats=self.stats)
+        keep = self.keys >= lo
+        return dataclasses.replace(
+            self, floor=lo, idx=self.idx[keep], val=self.val[keep], keys=self.keys[keep]
+        )
+
+    def select(self, lo: float, hi: float = math.inf) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices and values of the elements with ``lo <= key < hi``, in index order."""
+        sub = self.restrict(lo)
+        if hi == math.inf:
+            return sub.idx, sub.val
+        keep = sub.keys < f32(hi)
+        return sub.idx[keep], sub.val[keep]
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` candidates with the largest keys (all if fewer), in index order.
+
+        Ties at the k-th key are broken by lower index.
+        """
+        if k >= self.count:
+            return self.idx, self.val
+        if k <= 0:
+            return self.idx[:0], self.val[:0]
+        kth = kth_largest(self.keys, k, self.ws)
+        if native.usable(self.val) and self.idx.dtype == torch.int32:
+            idx, val = self.idx.clone(), self.val.clone()
+            kept = native.ext().keep_top(
+                idx.data_ptr(), val.data_ptr(), idx.numel(), k, f32(kth), int(self.key)
+            )
+            return idx[:kept], val[:kept]
+        return keep_largest(self.idx, self.val, self.keys, k, kth)
+
+
+# Sample sizes for the floor estimate: about n / 256 elements, at least 4096, at most 65536.
+_SAMPLE_DIV, _SAMPLE_MIN, _SAMPLE_MAX = 256, 4096, 65536
+# Tensors up to this size are scanned with no floor at all (everything is a candidate).
+_SMALL = 32768
+
+
+def _estimate_floor(x: torch.Tensor, key: Key, target: int, ws: Workspace) -> tuple[float, int, torch.Tensor]:
+    """A threshold that about ``target`` elements reach, from a strided sample of keys."""
+    n = x.numel()
+    empty = x.new_empty(0)
+    if n <= _SMALL or target >= n:
+        return -math.inf, 0, empty
+    s = min(max(n // _SAMPLE_DIV, _SAMPLE_MIN), _SAMPLE_MAX)
+    stride = n // s
+    sample = x[stride // 2 :: stride][:s]
+    skeys = ws.get("sample_keys", sample.numel(), torch.float32)
+    torch.abs(sample, out=skeys) if key == Key.ABS else (
+        skeys.copy_(sample) if key == Key.POS else torch.neg(sample, out=skeys)
+    )
+    skeys = torch.nan_to_num(skeys, nan=-math.inf) if skeys.isnan().any() else skeys
+    # The count above the sample's r-th key is about r * n / s with relative spread 1 / sqrt(r):
+    # aim four spreads above the target so that falling short (and rescanning) is rare.
+    r0 = target * skeys.numel() / n
+    rank = max(1, math.ceil(r0 + 4 * math.sqrt(r0) + 4))
+    if rank > skeys.numel():
+        return -math.inf, rank, skeys
+    return kth_largest(skeys, rank, ws), rank, skeys
+
+
+def _lower_floor(sample: torch.Tensor, rank: int, at_least: float, ws: Workspace) -> tuple[float, int]:
+    rank = max(rank * 4, 1)
+    if sample.numel() == 0 or rank > sample.numel():
+        return at_least, rank
+    return max(kth_largest(sample, rank, ws), at_least), rank
+
+
+def topk(
+    x: torch.Tensor, k: int, key: Key = Key.ABS, at_least: float = -math.inf, ws: Workspace | None = None
+) -> tuple[torch.Tensor, torch.Tensor, TensorStats]:
+    """Exact top-``k`` of ``key(x)`` (ties broken by lower index), indices in increasing order.
+
+    Returns ``(indices, values, stats of x)``. Only elements with key >= ``at_least`` are
+    eligible, so fewer than ``k`` may come back. Cost on the native path: one fused pass over
+    ``x`` plus work on about ``2k`` candidates.
+    """
+    cand = CandidateSet.scan(x, key, target=k, minimum=k, at_least=at_least, ws=ws, want_sum=False)
+    idx, val = cand.top(k)
+    return idx, val, cand.stats

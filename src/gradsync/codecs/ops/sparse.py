@@ -1,0 +1,51 @@
+"""Sparse add (the decode of every sparsifier) with bounds checks on received indices."""
+
+from __future__ import annotations
+
+import torch
+
+from gradsync.codecs.ops import native
+
+
+def sparse_add_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``out[idx[j]] += alpha * val[j]`` for a 1-D ``out``; duplicates accumulate.
+
+    Indices come from peers, so each is checked against ``out.numel()`` first; an out-of-range
+    index raises ``IndexError`` and leaves ``out`` unchanged.
+    """
+    if idx.numel() != val.numel():
+        raise ValueError(f"idx and val must have the same length, got {idx.numel()} and {val.numel()}")
+    n = out.numel()
+    if idx.numel() == 0:
+        return out
+    if (
+        native.usable(out, val)
+        and idx.dtype == torch.int32
+        and idx.is_contiguous()
+        and idx.device.type == "cpu"
+    ):
+        lo, hi = torch.aminmax(idx)
+        _check_range(int(lo), int(hi), n)
+        native.ext().sparse_add(native.ptr(out), n, native.ptr(idx), native.ptr(val), idx.numel(), alpha)
+        return out
+    lo, hi = torch.aminmax(idx)
+    _check_range(int(lo), int(hi), n)
+    v = val.to(out.dtype)
+    return out.index_add_(0, idx.long(), v if alpha == 1.0 else v * alpha)
+
+
+def _check_range(lo: int, hi: int, n: int) -> None:
+    if lo < 0 or hi >= n:
+        bad = lo if lo < 0 else hi
+        raise IndexError(
+            f"sparse index {bad} is outside a tensor of {n} elements (corrupt or mismatched payload)"
+        )
+
+
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for in-range indices."""
+    if native.usable(x) and idx.dtype == torch.int32 and idx.is_contiguous():
+        val = torch.empty(idx.numel(), dtype=torch.float32)
+        native.ext().gather(native.ptr(x), native.ptr(idx), idx.numel(), native.ptr(val))
+        return val
+    return x[idx.long()]

@@ -1,0 +1,255 @@
+"""Quantizing codecs: ``onebit``, ``tbq``, ``terngrad`` and ``qrgc``.
+
+- ``onebit``: one sign bit per element plus reconstruction values (1-bit SGD). With ``scales=2``
+  (default) a non-negative element decodes to the mean of the non-negative elements and a negative
+  one to the mean of the negative elements, which minimizes the squared error for a sign code.
+  ``scales=1`` decodes to ``sign * mean |x|`` (the scaled-sign variant of BytePS / signSGD).
+- ``tbq``: threshold binary quantization (Strom): elements beyond ``+-threshold`` are sent as
+  ``+-threshold``, the rest as 0; 2-bit codes. Meant to run under error feedback.
+- ``terngrad``: stochastic ternary (``bits=2``) or ``2^(bits-1)-1``-level quantization scaled by the
+  maximum magnitude (optionally clipped at ``clip * rms``); unbiased up to that clipping.
+- ``qrgc``: paper 04's quantized residual compression: alternate between the ``k`` largest positive
+  and the ``k`` most negative elements, send their indices and a single mean value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.config import CodecConfig, SparsityConfig, check_choice, check_range
+from gradsync.codecs.ops import (
+    Key,
+    draw_words,
+    lut_decode,
+    packed_nbytes,
+    sign_pack,
+    sparse_add_,
+    stochastic_pack,
+    tensor_stats,
+    threshold_pack,
+    topk,
+)
+from gradsync.codecs.payload import Header, Layout, Payload
+from gradsync.codecs.registry import register
+from gradsync.codecs.sparse import index_dtype
+
+_TINY = 1.401298464324817e-45  # smallest positive float32: "strictly positive" as a floor
+
+
+def _codes_layout(numel: int, bits: int) -> Layout:
+    return Layout([("codes", packed_nbytes(numel, bits), torch.uint8)])
+
+
+@dataclass(frozen=True)
+class OnebitConfig(CodecConfig):
+    codec: ClassVar[str] = "onebit"
+    scales: int = 2
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice(self.codec, "scales", self.scales, (1, 2))
+
+
+@register
+class OneBit(Codec):
+    """Sign bits with one or two reconstruction values (header ``s0``: bit 1, ``s1``: bit 0)."""
+
+    name = "onebit"
+    Config = OnebitConfig
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return _codes_layout(numel, 1).nbytes
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        n = x.numel()
+        lay = _codes_layout(n, 1)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        st = sign_pack(x, lay.view(data, "codes"))
+        if self.config.scales == 2:
+            hi = st.pos_sum / st.pos_count if st.pos_count else 0.0
+            lo = st.neg_sum / st.neg_count if st.neg_count else 0.0
+        else:
+            m = (st.pos_sum - st.neg_sum) / n if n else 0.0
+            hi, lo = m, -m
+        return self._finish(data, payload, Header(count=n, flags=nonfinite_flag(st.nonfinite), s0=hi, s1=lo))
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        h = payload.header
+        lut_decode(
+            _codes_layout(payload.numel, 1).view(payload.data, "codes"), 1, [h.s1, h.s0], out, accumulate
+        )
+
+
+@dataclass(frozen=True)
+class TbqConfig(CodecConfig):
+    codec: ClassVar[str] = "tbq"
+    threshold: float = 0.01
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "threshold", self.threshold, 0.0, lo_open=True)
+
+
+@register
+class TBQ(Codec):
+    """2-bit codes: +threshold, -threshold or 0 (header ``count``: non-zero codes, ``s0``: threshold)."""
+
+    name = "tbq"
+    Config = TbqConfig
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return _codes_layout(numel, 2).nbytes
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        lay = _codes_layout(x.numel(), 2)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        tau = self.config.threshold
+        nonzero, nonfinite = threshold_pack(x, tau, lay.view(data, "codes"))
+        return self._finish(data, payload, Header(count=nonzero, flags=nonfinite_flag(nonfinite), s0=tau))
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        tau = payload.header.s0
+        lut_decode(
+            _codes_layout(payload.numel, 2).view(payload.data, "codes"),
+            2,
+            [0.0, tau, -tau, 0.0],
+            out,
+            accumulate,
+        )
+
+
+@dataclass(frozen=True)
+class TerngradConfig(CodecConfig):
+    codec: ClassVar[str] = "terngrad"
+    bits: int = 2
+    clip: float | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice(self.codec, "bits", self.bits, (2, 4, 8))
+        if self.clip is not None:
+            check_range(self.codec, "clip", self.clip, 0.0, lo_open=True)
+
+
+@register
+class TernGrad(Codec):
+    """Stochastic symmetric quantization scaled by max |x| (header ``s0``: scale, ``aux``: bits)."""
+
+    name = "terngrad"
+    Config = TerngradConfig
+    randomized = True
+
+    @property
+    def levels(self) -> int:
+        return 2 ** (self.config.bits - 1) - 1
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return _codes_layout(numel, self.config.bits).nbytes
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        assert stream.generator is not None
+        n, bits = x.numel(), self.config.bits
+        lay = _codes_layout(n, bits)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        st = tensor_stats(x)
+        scale = st.max_abs
+        if self.config.clip is not None and n:
+            scale = min(scale, self.config.clip * math.sqrt(st.sum_sq / n))
+        k1, k2 = draw_words(stream.generator)
+        # distinct noise per worker: otherwise every rank would round the same way
+        k2 = (k2 + 0x9E3779B9 * ctx.rank) & 0xFFFFFFFF
+        mult = self.levels / scale if scale > 0 and math.isfinite(scale) else 0.0
+        stochastic_pack(x, mult, self.levels, bits, (k1, k2), lay.view(data, "codes"))
+        header = Header(
+            count=n, flags=nonfinite_flag(st.nonfinite), aux=bits, s0=scale if math.isfinite(scale) else 0.0
+        )
+        return self._finish(data, payload, header)
+
+    def lut(self, scale: float, bits: int) -> list[float]:
+        levels = 2 ** (bits - 1) - 1
+        step = scale / levels
+        half = 1 << (bits - 1)
+        return [(-1.0 if c & half else 1.0) * (c & (half - 1)) * step for c in range(1 << bits)]
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        h = payload.header
+        bits = self.config.bits
+        lut_decode(
+            _codes_layout(payload.numel, bits).view(payload.data, "codes"),
+            bits,
+            self.lut(h.s0, bits),
+            out,
+            accumulate,
+        )
+
+
+@dataclass(frozen=True)
+class QrgcConfig(SparsityConfig):
+    codec: ClassVar[str] = "qrgc"
+
+
+@register
+class QRGC(Codec):
+    """Paper 04's quantized RGC: k same-signed indices and their mean (header ``s0``: mean, ``aux``: sign)."""
+
+    name = "qrgc"
+    Config = QrgcConfig
+    sparse = True
+    config: QrgcConfig
+
+    def check_numel(self, numel: int) -> None:
+        self.config.k_for(numel)
+
+    @staticmethod
+    def _layout(numel: int, count: int) -> Layout:
+        return Layout([("idx", count, index_dtype(numel))])
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return self._layout(numel, self.config.k_for(numel)).nbytes
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        if not 0 <= payload.count <= payload.numel:
+            raise ValueError(f"{self.name}: header count {payload.count} is outside [0, {payload.numel}]")
+        return self._layout(payload.numel, payload.count).nbytes
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        n = x.numel()
+        positive = stream.calls % 2 == 0
+        if n:
+            idx, val, st = topk(
+                x, self.config.k_for(n), Key.POS if positive else Key.NEG, at_least=_TINY, ws=self.ws
+            )
+        else:
+            idx, val, st = x.new_zeros(0, dtype=torch.int32), x[:0], tensor_stats(x)
+        mean = float(val.float().mean()) if val.numel() else 0.0
+        lay = self._layout(n, idx.numel())
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        lay.view(data, "idx").copy_(idx)
+        header = Header(
+            count=idx.numel(), flags=nonfinite_flag(st.nonfinite), aux=1 if positive else -1, s0=mean
+        )
+        return self._finish(data, payload, header)
+
+    def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self._layout(payload.numel, payload.count).view(payload.data, "idx")
+        return idx, torch.full((idx.numel(),), payload.header.s0, dtype=payload.dtype, device=idx.device)
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        if not accumulate:
+            out.zero_()
+        idx, val = self.transmitted(payload)
+        sparse_add_(out, idx, val.to(out.dtype))

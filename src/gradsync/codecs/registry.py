@@ -1,0 +1,65 @@
+"""Codec registry and :func:`build_codec`, the one factory for spec strings and configs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gradsync.codecs.config import CodecConfig, split_spec
+
+if TYPE_CHECKING:
+    from gradsync.codecs.base import Codec
+    from gradsync.codecs.feedback import ErrorFeedback
+
+_CODECS: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec buildable by its ``name``."""
+    if cls.name in _CODECS:
+        raise ValueError(f"codec {cls.name!r} is registered twice")
+    if cls.Config.codec != cls.name:
+        raise ValueError(f"{cls.__name__}.Config.codec is {cls.Config.codec!r}, expected {cls.name!r}")
+    _CODECS[cls.name] = cls
+    return cls
+
+
+def codec_names() -> list[str]:
+    """Names of all registered codecs, sorted."""
+    _load()
+    return sorted(_CODECS)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered under ``name``."""
+    _load()
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; available codecs: {', '.join(sorted(_CODECS))}") from None
+
+
+def build_codec(spec: str | CodecConfig) -> Codec | ErrorFeedback:
+    """Build a codec from a spec string (``"topk:density=0.01"``, ``"dgc+ef:momentum=0.9"``) or a config.
+
+    Wrappers follow ``+``: ``ef`` adds error feedback (:class:`~gradsync.codecs.feedback.ErrorFeedback`).
+    """
+    if isinstance(spec, CodecConfig):
+        return codec_class(spec.codec)(spec)
+    parts = split_spec(spec)
+    (name, options), wrappers = parts[0], parts[1:]
+    cls = codec_class(name)
+    codec: Codec | ErrorFeedback = cls(cls.Config.from_options(options))
+    for wname, woptions in wrappers:
+        if wname != "ef":
+            raise ValueError(f"unknown wrapper {wname!r} in spec {spec!r}; available wrappers: ef")
+        from gradsync.codecs.feedback import ErrorFeedback, FeedbackConfig
+
+        if isinstance(codec, ErrorFeedback):
+            raise ValueError(f"spec {spec!r} applies error feedback twice")
+        codec = ErrorFeedback(codec, FeedbackConfig.from_options(woptions))
+    return codec
+
+
+def _load() -> None:
+    # importing the codec modules registers them
+    from gradsync.codecs import dense, lowrank, quantize, sparse  # noqa: F401

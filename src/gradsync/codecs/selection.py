@@ -1,0 +1,261 @@
+"""Selection methods of the papers, written with the common operators.
+
+Each function takes a flat floating tensor and returns a :class:`Selected`: indices in the flat
+tensor, their values, and the tensor's statistics (for the non-finite check). They are pure apart
+from the generator or reuse state passed in, and none of them communicates.
+
+- :func:`exact_topk`: the k largest magnitudes (the reference).
+- :func:`mstopk`: paper 01, Algorithm 1 (MSTopK): N bisection steps between mean(|x|) and
+  max(|x|) give two thresholds around the k-th magnitude; everything above the upper one is kept
+  and the rest is filled with a random contiguous run of the elements between the two.
+- :func:`trimmed_topk`: paper 04, Algorithm 2: lower a mean/max threshold in steps until at least
+  k elements survive it, then take the exact top-k of the survivors.
+- :func:`bsearch`: paper 04, Algorithm 3: bisect a threshold until between k and 2k elements
+  exceed it, and reuse it for the following calls.
+- :func:`dgc`: Deep Gradient Compression's sampled threshold, refined to exactly k.
+- :func:`graddrop`: keep what exceeds a threshold (given, or sampled for a target density).
+- :func:`randomk`: k uniformly random elements.
+
+All threshold tests run on the :class:`~gradsync.codecs.ops.CandidateSet` produced by one fused
+pass over the tensor, so the number of search iterations hardly costs anything; answers are exact
+(a threshold below the candidates' floor falls back to a full pass).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.codecs.ops import (
+    CandidateSet,
+    Key,
+    TensorStats,
+    Workspace,
+    draw_index,
+    f32,
+    f32_above,
+    gather,
+    kth_largest,
+    random_subset,
+    tensor_stats,
+)
+
+
+@dataclass
+class Selected:
+    """The result of a selection: flat indices (ascending unless noted), values, input stats."""
+
+    idx: torch.Tensor
+    val: torch.Tensor
+    stats: TensorStats
+
+    @property
+    def count(self) -> int:
+        return self.idx.numel()
+
+
+def exact_topk(x: torch.Tensor, k: int, ws: Workspace | None = None) -> Selected:
+    """The ``k`` elements of largest magnitude; ties broken by lower index."""
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=False)
+    idx, val = cand.top(k)
+    return Selected(idx, val, cand.stats)
+
+
+def mstopk(
+    x: torch.Tensor, k: int, iters: int, gen: torch.Generator, ws: Workspace | None = None
+) -> Selected:
+    """Paper 01, Algorithm 1, returning exactly ``min(k, numel)`` elements.
+
+    Two departures from the printed pseudo-code, both for inputs it does not cover: if no step
+    ever finds a threshold with at most ``k`` elements above it, the upper threshold is +inf
+    (the pseudo-code's initial 0 would select every element); and thresholds are compared in
+    float32, the precision of the data. Indices: the ones above the upper threshold ascending,
+    then the random run from the band (ascending within it).
+    """
+    n = x.numel()
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=0, ws=ws, want_sum=True)
+    mean, top = cand.stats.mean_abs, cand.stats.max_abs
+    lo_r, hi_r = 0.0, 1.0
+    thres1, k1 = math.inf, 0  # largest count <= k seen, and its threshold
+    thres2 = 0.0  # threshold of the smallest count > k seen
+    for _ in range(iters):
+        ratio = lo_r + (hi_r - lo_r) / 2
+        t = f32(mean + ratio * (top - mean))
+        # below the floor with more than k candidates the count is certainly > k, and its exact
+        # value is never needed (see below)
+        nnz = None if t < cand.floor and cand.count > k else cand.count_ge(t)
+        if nnz is not None and nnz <= k:
+            hi_r = ratio
+            # the pseudo-code updates only on a strictly larger count; an equal count means
+            # no element lies between the two thresholds, so the selected sets are identical
+            thres1, k1 = t, nnz
+        else:
+            lo_r = ratio
+            thres2 = t
+    upper = cand.select(thres1) if k1 > 0 else (cand.idx[:0], cand.val[:0])
+    need = min(k, n) - upper[0].numel()
+    if need <= 0:
+        return Selected(upper[0], upper[1], cand.stats)
+    band_idx, band_val = cand.select(thres2, thres1)
+    if band_idx.numel() < need:  # only when the data has fewer than k finite elements
+        band_idx, band_val = cand.select(-math.inf, thres1)
+    start = draw_index(gen, band_idx.numel() - need + 1)
+    idx = torch.cat([upper[0], band_idx[start : start + need]])
+    val = torch.cat([upper[1], band_val[start : start + need]])
+    return Selected(idx, val, cand.stats)
+
+
+def trimmed_topk(x: torch.Tensor, k: int, step: float, ws: Workspace | None = None) -> Selected:
+    """Paper 04, Algorithm 2: exact top-``k`` computed on the survivors of a trimmed threshold.
+
+    The threshold starts at ``mean + (1 - step) * (max - mean)`` of ``|x|`` and drops by
+    ``step * (max - mean)`` until at least ``k`` elements exceed it (the printed loop condition
+    is inverted; the text describes this). Returns exactly ``min(k, numel)`` elements.
+    """
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=True)
+    mean, top = cand.stats.mean_abs, cand.stats.max_abs
+    ratio = 1.0 - step
+    while True:
+        raw = mean + ratio * (top - mean)
+        if raw <= 0.0:
+            survivors = cand.restrict(-math.inf) if cand.floor > -math.inf else cand
+            break
+        t = f32_above(raw)  # strictly greater than the threshold
+        if t < cand.floor and cand.count >= k:
+            survivors = cand  # the candidates alone already exceed it k times over
+            break
+        if cand.count_ge(t) >= k:
+            survivors = cand.restrict(t)
+            break
+        ratio -= step
+    idx, val = survivors.top(k)
+    return Selected(idx, val, cand.stats)
+
+
+@dataclass
+class BsearchResult:
+    selected: Selected
+    threshold: float
+    searched: bool
+
+
+def bsearch(
+    x: torch.Tensor, k: int, eps: float, reuse: float | None, ws: Workspace | None = None
+) -> BsearchResult:
+    """Paper 04, Algorithm 3: a threshold with between ``k`` and ``2k`` elements above it.
+
+    ``reuse`` is a threshold from an earlier call: if it still yields a count in ``[k, 2k]`` it is
+    used as is (one pass, no search). The search bisects ``ratio`` in ``[0, 1]`` for the
+    threshold ``mean + ratio * (max - mean)`` of ``|x|`` (moving the bound to the ratio; the
+    printed pseudo-code assigns the threshold to it) until the count lands in ``[k, 2k]`` or the
+    interval is narrower than ``eps``; it then keeps the lower bound, whose count exceeds ``2k``.
+    If fewer than ``k`` elements exceed the mean, the search runs from 0 instead; if fewer than
+    ``k`` are non-zero, all non-zero elements are returned.
+    """
+    if reuse is not None:
+        cand = CandidateSet.at(x, Key.ABS, reuse, ws, cap=2 * k + 1024, want_sum=False)
+        if k <= cand.count <= 2 * k:
+            return BsearchResult(Selected(cand.idx, cand.val, cand.stats), reuse, False)
+    cand = CandidateSet.scan(x, Key.ABS, target=2 * k, minimum=k, ws=ws, want_sum=True)
+    mean, top = cand.stats.mean_abs, cand.stats.max_abs
+
+    def count_above(t: float) -> int | None:
+        """Elements strictly above ``t``; None when it is certainly more than 2k."""
+        t32 = f32_above(t)
+        if t32 < cand.floor and cand.count > 2 * k:
+            return None
+        return cand.count_ge(t32)
+
+    c = count_above(mean)
+    base = mean if c is None or c >= k else 0.0
+    if base == 0.0 and (count_above(0.0) or 0) < k:
+        t = f32_above(0.0)
+        idx, val = cand.select(t)
+        return BsearchResult(Selected(idx, val, cand.stats), t, True)
+    lo_r, hi_r = 0.0, 1.0
+    threshold = f32_above(base)
+    while hi_r - lo_r > eps:
+        ratio = lo_r + (hi_r - lo_r) / 2
+        t = base + ratio * (top - base)
+        nnz = count_above(t)
+        if nnz is not None and k <= nnz <= 2 * k:
+            threshold = f32_above(t)
+            break
+        if nnz is not None and nnz < k:
+            hi_r = ratio
+        else:
+            lo_r = ratio
+    else:
+        threshold = f32_above(base + lo_r * (top - base))
+    idx, val = cand.select(threshold)
+    return BsearchResult(Selected(idx, val, cand.stats), threshold, True)
+
+
+def sampled_threshold(
+    x: torch.Tensor, k: int, sample: float, gen: torch.Generator, ws: Workspace | None
+) -> float:
+    """DGC's estimate of the k-th magnitude: the matching order statistic of a random sample."""
+    n = x.numel()
+    s = min(n, max(math.ceil(sample * n), 1024))
+    sidx = torch.randint(0, n, (s,), generator=gen).to(x.device)
+    keys = x[sidx].float().abs().nan_to_num(nan=-math.inf)
+    rank = min(s, max(1, round(k * s / n)))
+    return kth_largest(keys, rank, ws)
+
+
+def dgc(
+    x: torch.Tensor,
+    k: int,
+    sample: float,
+    tolerance: float,
+    gen: torch.Generator,
+    ws: Workspace | None = None,
+) -> Selected:
+    """DGC selection: a sampled threshold, then exactly ``k`` by a top-k of what passed it.
+
+    When the sampled threshold lets fewer than ``k`` elements through, up to two lower
+    thresholds are tried; a result with at least ``ceil((1 - tolerance) * k)`` elements is
+    accepted, otherwise the exact top-k is taken. So the count is always in
+    ``[ceil((1 - tolerance) * k), k]``.
+    """
+    minimum = math.ceil((1.0 - tolerance) * k)
+    t = sampled_threshold(x, k, sample, gen, ws)
+    for _ in range(3):
+        cand = CandidateSet.at(x, Key.ABS, t, ws, cap=2 * k + 1024, want_sum=False)
+        if cand.count >= k:
+            idx, val = cand.top(k)
+            return Selected(idx, val, cand.stats)
+        if cand.count >= minimum:
+            return Selected(cand.idx, cand.val, cand.stats)
+        t = t * 0.8 if t > 0 else -math.inf
+    return exact_topk(x, k, ws)
+
+
+def graddrop(
+    x: torch.Tensor,
+    k: int | None,
+    threshold: float | None,
+    sample: float,
+    gen: torch.Generator,
+    ws: Workspace | None = None,
+) -> Selected:
+    """GradDrop: keep the elements whose magnitude reaches a threshold, drop the rest.
+
+    The threshold is given, or sampled (as in :func:`sampled_threshold`) so that about ``k``
+    elements pass; the count varies from call to call.
+    """
+    t = threshold if threshold is not None else sampled_threshold(x, k or 1, sample, gen, ws)
+    cap = 2 * (k or 0) + 1024
+    cand = CandidateSet.at(x, Key.ABS, t, ws, cap=cap, want_sum=False)
+    return Selected(cand.idx, cand.val, cand.stats)
+
+
+def randomk(x: torch.Tensor, k: int, gen: torch.Generator) -> Selected:
+    """``k`` distinct indices drawn uniformly at random (ascending), and their values."""
+    stats = tensor_stats(x)
+    idx = random_subset(x.numel(), k, gen, x.device)
+    if idx.dtype == torch.int64 and x.numel() <= 2**31 - 1:
+        idx = idx.to(torch.int32)
+    return Selected(idx, gather(x, idx), stats)

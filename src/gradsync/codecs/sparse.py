@@ -1,0 +1,285 @@
+"""Sparsifying codecs: the payload is (indices, values) and decoding is a sparse add.
+
+Payload: header (count = number of elements sent) + int32 indices (int64 for tensors of 2^31
+elements or more) + values in the input dtype. ``qrgc`` in :mod:`gradsync.codecs.quantize`
+sends indices with one shared value instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from gradsync.codecs import selection
+from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.config import SparsityConfig, check_range
+from gradsync.codecs.ops import sparse_add_
+from gradsync.codecs.payload import Header, Layout, Payload
+from gradsync.codecs.registry import register
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 indices while they fit, int64 beyond."""
+    return torch.int32 if numel <= 2**31 - 1 else torch.int64
+
+
+def sparse_layout(numel: int, count: int, dtype: torch.dtype) -> Layout:
+    return Layout([("idx", count, index_dtype(numel)), ("val", count, dtype)])
+
+
+class SparseCodec(Codec):
+    """Base of the (indices, values) codecs; subclasses implement :meth:`select`."""
+
+    sparse = True
+    config: SparsityConfig
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        raise NotImplementedError
+
+    def check_numel(self, numel: int) -> None:
+        self.target_count(numel)
+
+    def target_count(self, numel: int) -> int:
+        """The ``k`` handed to :meth:`select` (and the expected payload count)."""
+        return self.config.k_for(numel)
+
+    def max_count(self, numel: int) -> int:
+        """Most elements a payload can hold (its capacity)."""
+        return self.target_count(numel)
+
+    def _encode(
+        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+    ) -> Payload:
+        n = x.numel()
+        if n == 0:
+            sel = selection.Selected(x.new_zeros(0, dtype=torch.int32), x[:0], selection.tensor_stats(x))
+        else:
+            sel = self.select(x, self.target_count(n), stream)
+        lay = sparse_layout(n, sel.count, x.dtype)
+        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        lay.view(data, "idx").copy_(sel.idx)
+        lay.view(data, "val").copy_(sel.val)
+        return self._finish(data, payload, Header(count=sel.count, flags=nonfinite_flag(sel.stats.nonfinite)))
+
+    def sparse_view(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (indices, values) sections of a payload."""
+        lay = sparse_layout(payload.numel, payload.count, payload.dtype)
+        return lay.view(payload.data, "idx"), lay.view(payload.data, "val")
+
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+        if not accumulate:
+            out.zero_()
+        idx, val = self.sparse_view(payload)
+        sparse_add_(out, idx, val)
+
+    def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sparse_view(payload)
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return sparse_layout(numel, self.target_count(numel), dtype).nbytes
+
+    def _max_nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        return sparse_layout(numel, self.max_count(numel), dtype).nbytes
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        if not 0 <= payload.count <= max(payload.numel, 0):
+            raise ValueError(f"{self.name}: header count {payload.count} is outside [0, {payload.numel}]")
+        return sparse_layout(payload.numel, payload.count, payload.dtype).nbytes
+
+
+@dataclass(frozen=True)
+class TopkConfig(SparsityConfig):
+    codec: ClassVar[str] = "topk"
+
+
+@register
+class TopK(SparseCodec):
+    """Exact top-k by magnitude (the reference selection)."""
+
+    name = "topk"
+    Config = TopkConfig
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        return selection.exact_topk(x, k, self.ws)
+
+
+@dataclass(frozen=True)
+class MstopkConfig(SparsityConfig):
+    codec: ClassVar[str] = "mstopk"
+    iters: int = 20
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "iters", self.iters, 1, 64)
+
+
+@register
+class MSTopK(SparseCodec):
+    """Paper 01's approximate top-k: exactly k elements, at most a few from a narrow band."""
+
+    name = "mstopk"
+    Config = MstopkConfig
+    randomized = True
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        assert stream.generator is not None
+        return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws)
+
+
+@dataclass(frozen=True)
+class TrimmedTopkConfig(SparsityConfig):
+    codec: ClassVar[str] = "trimmed_topk"
+    step: float = 0.2
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "step", self.step, 0.0, 1.0, lo_open=True)
+
+
+@register
+class TrimmedTopK(SparseCodec):
+    """Paper 04's trimmed top-k: an exact top-k restricted to a trimmed candidate set."""
+
+    name = "trimmed_topk"
+    Config = TrimmedTopkConfig
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        return selection.trimmed_topk(x, k, self.config.step, self.ws)
+
+
+@dataclass(frozen=True)
+class BsearchConfig(SparsityConfig):
+    codec: ClassVar[str] = "bsearch"
+    eps: float = 1e-3
+    reuse: int = 5
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "eps", self.eps, 0.0, 1.0, lo_open=True, hi_open=True)
+        check_range(self.codec, "reuse", self.reuse, 1)
+
+
+@dataclass
+class BsearchStream(Stream):
+    threshold: float | None = None
+    age: int = 0
+
+
+@register
+class Bsearch(SparseCodec):
+    """Paper 04's threshold binary search: between k and 2k elements, threshold reused ``reuse`` calls."""
+
+    name = "bsearch"
+    Config = BsearchConfig
+    StreamType = BsearchStream
+
+    def max_count(self, numel: int) -> int:
+        # the count is in [k, 2k] except on data where no threshold achieves it (heavy ties)
+        return numel
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        k = self.config.k_for(numel)
+        return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
+
+    def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:  # type: ignore[override]
+        reuse = stream.threshold if stream.threshold is not None and stream.age < self.config.reuse else None
+        res = selection.bsearch(x, k, self.config.eps, reuse, self.ws)
+        stream.threshold = res.threshold
+        stream.age = 1 if res.searched else stream.age + 1
+        return res.selected
+
+
+@dataclass(frozen=True)
+class DgcConfig(SparsityConfig):
+    codec: ClassVar[str] = "dgc"
+    sample: float = 0.01
+    tolerance: float = 0.2
+    seed: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        check_range(self.codec, "sample", self.sample, 0.0, 1.0, lo_open=True)
+        check_range(self.codec, "tolerance", self.tolerance, 0.0, 1.0, hi_open=True)
+
+
+@register
+class DGC(SparseCodec):
+    """Deep Gradient Compression's sampled-threshold selection, refined to exactly k when it can."""
+
+    name = "dgc"
+    Config = DgcConfig
+    randomized = True
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        assert stream.generator is not None
+        return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
+
+
+@dataclass(frozen=True)
+class GraddropConfig(SparsityConfig):
+    codec: ClassVar[str] = "graddrop"
+    threshold: float | None = None
+    sample: float = 0.01
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.threshold is None:
+            super().validate()
+        else:
+            check_range(self.codec, "threshold", self.threshold, 0.0)
+            if self.density is not None or self.k is not None:
+                raise ValueError(f"{self.codec}: give threshold or density/k, not both")
+        check_range(self.codec, "sample", self.sample, 0.0, 1.0, lo_open=True)
+
+
+@register
+class GradDrop(SparseCodec):
+    """GradDrop: drop every element below a magnitude threshold (given or sampled for a density)."""
+
+    name = "graddrop"
+    Config = GraddropConfig
+    randomized = True
+
+    def target_count(self, numel: int) -> int:
+        return 0 if self.config.threshold is not None else self.config.k_for(numel)
+
+    def max_count(self, numel: int) -> int:
+        return numel
+
+    def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        if self.config.threshold is not None:  # unknown in advance: the worst case
+            return self._max_nbytes(numel, shape, dtype)
+        return super()._nbytes(numel, shape, dtype)
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        assert stream.generator is not None
+        return selection.graddrop(
+            x, k or None, self.config.threshold, self.config.sample, stream.generator, self.ws
+        )
+
+
+@dataclass(frozen=True)
+class RandomkConfig(SparsityConfig):
+    codec: ClassVar[str] = "randomk"
+    unbiased: bool = False
+    seed: int = 0
+
+
+@register
+class RandomK(SparseCodec):
+    """k uniformly random elements; ``unbiased`` scales them by numel/k so E[decode] = x."""
+
+    name = "randomk"
+    Config = RandomkConfig
+    randomized = True
+
+    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+        assert stream.generator is not None
+        sel = selection.randomk(x, k, stream.generator)
+        if self.config.unbiased and k:
+            sel.val = sel.val * (x.numel() / k)
+        return sel
