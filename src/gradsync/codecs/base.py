@@ -30,7 +30,7 @@ import torch
 from gradsync.codecs.config import CodecConfig
 from gradsync.codecs.ops.random import make_generator
 from gradsync.codecs.ops.workspace import Workspace
-from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Payload, allocate, write_header
+from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Layout, Payload, allocate, write_header
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -246,9 +246,11 @@ class Codec(abc.ABC):
         return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
 
     def _new_payload(
-        self, nbytes: int, x: torch.Tensor, shape: torch.Size, out: torch.Tensor | None
+        self, layout: Layout, x: torch.Tensor, shape: torch.Size, out: torch.Tensor | None
     ) -> tuple[torch.Tensor, Payload]:
-        data = allocate(nbytes, x.device, out)
+        """Bytes for a payload with this layout (in ``out`` when given), padding zeroed."""
+        data = allocate(layout.nbytes, x.device, out)
+        layout.zero_padding(data)
         return data, Payload(data, self.name, shape, x.dtype)
 
     @staticmethod

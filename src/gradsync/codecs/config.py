@@ -96,9 +96,9 @@ def _coerce(codec: str, key: str, raw: Any, hint: Any) -> Any:
     args = typing.get_args(hint)
     optional = (typing.get_origin(hint) in (typing.Union, types.UnionType)) and type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if optional else hint
-    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "")):
-        if optional:
-            return None
+    if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", ""))):
+        return None
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
         raise ValueError(f"{codec}: {key} needs a value of type {base.__name__}")
     if not isinstance(raw, str):
         if base is float and isinstance(raw, int) and not isinstance(raw, bool):

@@ -59,7 +59,7 @@ class NoCompression(Codec):
         self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
     ) -> Payload:
         lay = self._layout(x.numel(), x.dtype)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         lay.view(data, "val").copy_(x)
         flags = Flag.NONE
         if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
@@ -132,7 +132,7 @@ class _HalfCodec(Codec):
         out: torch.Tensor | None,  # type: ignore[override]
     ) -> Payload:
         lay = self._layout(x.numel())
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         vals = lay.view(data, "val")
         if self.config.scaling == "none":
             e = 0

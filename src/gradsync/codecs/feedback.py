@@ -159,6 +159,12 @@ class ErrorFeedback:
     ) -> torch.Tensor:
         return self.codec.decode(payload, out=out, accumulate=accumulate)
 
+    def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.codec.transmitted(payload)
+
+    def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
+        return self.codec.transmitted_indices(payload)
+
     def estimate_nbytes(self, numel: int, shape: Any = None, dtype: torch.dtype = torch.float32) -> int:
         return self.codec.estimate_nbytes(numel, shape, dtype)
 

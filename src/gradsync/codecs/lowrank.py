@@ -114,7 +114,7 @@ class PowerSGD(Codec):
         out: torch.Tensor | None,  # type: ignore[override]
     ) -> Payload:
         lay = self._layout(shape)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         st = tensor_stats(x)
         if not self.compresses(shape):
             lay.view(data, "dense").copy_(x)

@@ -71,12 +71,21 @@ class Layout:
 
     def __init__(self, sections: list[tuple[str, int, torch.dtype]]) -> None:
         self.sections: dict[str, tuple[int, int, torch.dtype]] = {}
+        self.padding: list[tuple[int, int]] = []  # (start, end) byte ranges between sections
         offset = HEADER_BYTES
         for name, numel, dtype in sections:
             itemsize = torch.empty(0, dtype=dtype).element_size()
             self.sections[name] = (offset, numel, dtype)
-            offset = align(offset + numel * itemsize)
+            end = offset + numel * itemsize
+            offset = align(end)
+            if offset > end:
+                self.padding.append((end, offset))
         self.nbytes = offset
+
+    def zero_padding(self, data: torch.Tensor) -> None:
+        """Zero the alignment gaps so that a payload's bytes are fully determined by its content."""
+        for start, end in self.padding:
+            data[start:end].zero_()
 
     def view(self, data: torch.Tensor, name: str) -> torch.Tensor:
         """A typed view of one section of ``data``."""

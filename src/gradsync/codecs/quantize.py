@@ -70,7 +70,7 @@ class OneBit(Codec):
     ) -> Payload:
         n = x.numel()
         lay = _codes_layout(n, 1)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         st = sign_pack(x, lay.view(data, "codes"))
         if self.config.scales == 2:
             hi = st.pos_sum / st.pos_count if st.pos_count else 0.0
@@ -111,7 +111,7 @@ class TBQ(Codec):
         self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
     ) -> Payload:
         lay = _codes_layout(x.numel(), 2)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         tau = self.config.threshold
         nonzero, nonfinite = threshold_pack(x, tau, lay.view(data, "codes"))
         return self._finish(data, payload, Header(count=nonzero, flags=nonfinite_flag(nonfinite), s0=tau))
@@ -162,7 +162,7 @@ class TernGrad(Codec):
         assert stream.generator is not None
         n, bits = x.numel(), self.config.bits
         lay = _codes_layout(n, bits)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         st = tensor_stats(x)
         scale = st.max_abs
         if self.config.clip is not None and n:
@@ -237,7 +237,7 @@ class QRGC(Codec):
             idx, val, st = x.new_zeros(0, dtype=torch.int32), x[:0], tensor_stats(x)
         mean = float(val.float().mean()) if val.numel() else 0.0
         lay = self._layout(n, idx.numel())
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         lay.view(data, "idx").copy_(idx)
         header = Header(
             count=idx.numel(), flags=nonfinite_flag(st.nonfinite), aux=1 if positive else -1, s0=mean

@@ -76,6 +76,8 @@ def mstopk(
     """
     n = x.numel()
     cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=0, ws=ws, want_sum=True)
+    if cand.stats.nonfinite:  # no meaningful thresholds; the payload is flagged anyway
+        return _top_of_finite(cand, k)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs
     lo_r, hi_r = 0.0, 1.0
     thres1, k1 = math.inf, 0  # largest count <= k seen, and its threshold
@@ -107,29 +109,39 @@ def mstopk(
     return Selected(idx, val, cand.stats)
 
 
+def _top_of_finite(cand: CandidateSet, k: int) -> Selected:
+    """For a tensor with inf/NaN: any k elements will do (the payload is flagged non-finite)."""
+    idx, val = cand.top(k)
+    return Selected(idx, val, cand.stats)
+
+
 def trimmed_topk(x: torch.Tensor, k: int, step: float, ws: Workspace | None = None) -> Selected:
     """Paper 04, Algorithm 2: exact top-``k`` computed on the survivors of a trimmed threshold.
 
     The threshold starts at ``mean + (1 - step) * (max - mean)`` of ``|x|`` and drops by
     ``step * (max - mean)`` until at least ``k`` elements exceed it (the printed loop condition
-    is inverted; the text describes this). Returns exactly ``min(k, numel)`` elements.
+    is inverted; the text describes this). If even the mean lets fewer than ``k`` through, every
+    element survives. Returns exactly ``min(k, numel)`` elements.
     """
     cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=True)
+    if cand.stats.nonfinite:
+        return _top_of_finite(cand, k)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs
-    ratio = 1.0 - step
+    survivors = None
+    ratio = 1.0
     while True:
-        raw = mean + ratio * (top - mean)
-        if raw <= 0.0:
-            survivors = cand.restrict(-math.inf) if cand.floor > -math.inf else cand
-            break
-        t = f32_above(raw)  # strictly greater than the threshold
+        ratio = max(ratio - step, 0.0)
+        t = f32_above(mean + ratio * (top - mean))  # strictly greater than the threshold
         if t < cand.floor and cand.count >= k:
             survivors = cand  # the candidates alone already exceed it k times over
             break
         if cand.count_ge(t) >= k:
             survivors = cand.restrict(t)
             break
-        ratio -= step
+        if ratio == 0.0:
+            break
+    if survivors is None:
+        survivors = cand if cand.floor == -math.inf else cand.restrict(-math.inf)
     idx, val = survivors.top(k)
     return Selected(idx, val, cand.stats)
 
@@ -159,6 +171,8 @@ def bsearch(
         if k <= cand.count <= 2 * k:
             return BsearchResult(Selected(cand.idx, cand.val, cand.stats), reuse, False)
     cand = CandidateSet.scan(x, Key.ABS, target=2 * k, minimum=k, ws=ws, want_sum=True)
+    if cand.stats.nonfinite:
+        return BsearchResult(_top_of_finite(cand, k), math.nan, False)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs
 
     def count_above(t: float) -> int | None:

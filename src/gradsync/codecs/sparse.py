@@ -59,7 +59,7 @@ class SparseCodec(Codec):
         else:
             sel = self.select(x, self.target_count(n), stream)
         lay = sparse_layout(n, sel.count, x.dtype)
-        data, payload = self._new_payload(lay.nbytes, x, shape, out)
+        data, payload = self._new_payload(lay, x, shape, out)
         lay.view(data, "idx").copy_(sel.idx)
         lay.view(data, "val").copy_(sel.val)
         return self._finish(data, payload, Header(count=sel.count, flags=nonfinite_flag(sel.stats.nonfinite)))
@@ -188,8 +188,9 @@ class Bsearch(SparseCodec):
     def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:  # type: ignore[override]
         reuse = stream.threshold if stream.threshold is not None and stream.age < self.config.reuse else None
         res = selection.bsearch(x, k, self.config.eps, reuse, self.ws)
-        stream.threshold = res.threshold
-        stream.age = 1 if res.searched else stream.age + 1
+        if not res.selected.stats.nonfinite:  # a non-finite input leaves the state alone
+            stream.threshold = res.threshold
+            stream.age = 1 if res.searched else stream.age + 1
         return res.selected
 
 
