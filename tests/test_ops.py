@@ -171,10 +171,15 @@ def test_hashed_uniform_matches_the_formula():
     k1, k2 = 0xDEADBEEF, 12345
     u = ops.hashed_uniform(1000, k1, k2)
     for i in (0, 1, 2, 500, 999):
-        want = (_lowbias32((_lowbias32(i ^ k1) + k2) & 0xFFFFFFFF) >> 8) / 2**24
+        want = ((_lowbias32((i + k1) & 0xFFFFFFFF) ^ k2) >> 9) / 2**23
         assert float(u[i]) == want
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.05
+    u16 = ops.hashed_uniform16(1000, k1, k2)
+    for i in (0, 7, 8, 15, 16, 999):
+        h = _lowbias32(((i // 16) * 8 + i % 8 + k1) & 0xFFFFFFFF) ^ k2
+        assert float(u16[i]) == ((h >> 16) if i % 16 >= 8 else (h & 0xFFFF)) / 2**16
+    assert abs(float(u16.mean()) - 0.5) < 0.05
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -186,8 +191,9 @@ def test_stochastic_pack_is_the_formula(backend, bits, n):
     words = (123456789, 987654321)
     out = torch.empty(ops.packed_nbytes(n, bits), dtype=torch.uint8)
     ops.stochastic_pack(x, mult, levels, bits, words, out)
-    u = ops.hashed_uniform(n, *words)
-    lvl = torch.floor(x.abs() * torch.tensor(mult) + u).clamp(0, levels).long()
+    u = ops.hashed_uniform16(n, *words)
+    # the documented formula: floor(|x| * mult + u), with the sum formed as (|x| * mult) + (1 + u)
+    lvl = (torch.floor(x.abs() * torch.tensor(mult) + (1 + u)) - 1).clamp(0, levels).long()
     want = lvl | ((x < 0).long() << (bits - 1))
     assert torch.equal(ops.unpack_codes(out, bits, n), want)
 
@@ -206,13 +212,23 @@ def test_cast_checked_matches_torch_cast(backend, dtype, n):
     assert torch.equal(back, (x * 0.25).to(dtype).float() * 4.0)
 
 
-def test_cast_checked_counts_overflow_and_nonfinite(backend):
-    x = torch.tensor([1.0, 70000.0, -65519.0, -65520.0, math.nan, math.inf] + [0.5] * 20)
+@pytest.mark.parametrize(("values", "overflow"), [([-65519.0], False), ([-65520.0], True), ([70000.0], True)])
+def test_cast_checked_flags_overflow(backend, values, overflow):
+    # -65519 rounds to -65504; from 65520 (65504 + half an ulp) on, values round to inf
+    x = torch.tensor(values + [0.5] * 20)
     out = torch.empty(x.numel(), dtype=torch.int16)
     st = ops.cast_checked(x, torch.float16, 1.0, out)
-    assert st.overflow == 2  # 70000 and -65520 round to inf; -65519 rounds to -65504
-    assert st.nonfinite == 2
-    assert torch.equal(out.view(torch.float16)[:4], x[:4].half())
+    assert bool(st.overflow) == overflow and not st.nonfinite
+    assert torch.equal(out.view(torch.float16), x.half())
+    big = torch.tensor([3.4e38, 1.0] * 9)
+    assert ops.cast_checked(big, torch.bfloat16, 1.0, torch.empty(18, dtype=torch.int16)).overflow
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_cast_checked_flags_nonfinite(backend, bad):
+    x = torch.tensor([1.0, bad] + [0.5] * 20)
+    st = ops.cast_checked(x, torch.float16, 1.0, torch.empty(x.numel(), dtype=torch.int16))
+    assert st.nonfinite
 
 
 def test_sparse_add(backend):
@@ -272,3 +288,28 @@ def test_gather(backend):
 def test_backend_switch_rejects_unknown_name():
     with pytest.raises(ValueError, match="backend must be"), ops.backend("cuda"):
         pass
+
+
+@pytest.mark.parametrize("order", ["sorted", "unsorted", "duplicates"])
+def test_sparse_to_dense(backend, order):
+    n = 100_003
+    idx = torch.randperm(n)[:5000].sort().values
+    if order == "unsorted":
+        idx = idx[torch.randperm(5000)]
+    if order == "duplicates":
+        idx[10] = idx[11]
+    idx = idx.to(torch.int32)
+    val = torch.randn(5000)
+    out = torch.full((n,), 9.0)
+    ops.sparse_to_dense_(out, idx, val)
+    want = torch.zeros(n).index_add_(0, idx.long(), val)
+    assert torch.equal(out, want)
+    with pytest.raises(IndexError, match=f"sparse index {n} is outside"):
+        ops.sparse_to_dense_(out, torch.tensor([0, n], dtype=torch.int32), torch.ones(2))
+
+
+def test_candidate_set_counts_many_thresholds(backend):
+    x = torch.randn(200_000)
+    cand = ops.CandidateSet.scan(x, Key.ABS, target=2000, minimum=2000)
+    ts = [0.1, cand.floor, 2.9, 3.5, cand.floor - 0.2, 4.0]
+    assert cand.count_ge_many(ts) == [int((x.abs() >= ops.f32(t)).sum()) for t in ts]

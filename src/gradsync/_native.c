@@ -79,6 +79,22 @@ static inline KERNEL __m256i nonfinite8(__m256 a_abs) {
 /* Blocks of this many elements accumulate in float, then into a double. */
 #define BLOCK 4096
 
+/* Finish a max over |x| bit patterns: reduce the lanes and fold in the scalar tail from i. */
+static inline KERNEL void absmax_finish(__m256i mb, const float *x, int64_t i, int64_t n, int32_t *top) {
+    int32_t t8[8];
+    _mm256_storeu_si256((__m256i *)t8, mb);
+    int32_t t = 0;
+    for (int q = 0; q < 8; q++) t = t8[q] > t ? t8[q] : t;
+    for (; i < n; i++) {
+        float a = fabsf(x[i]);
+        int32_t b;
+        memcpy(&b, &a, 4);
+        t = b > t ? b : t;
+    }
+    *top = t;
+}
+
+
 /*
  * stats: out[0] = sum |x|, out[1] = max |x| (NaN ignored, inf counted), out[2] = number of
  * non-finite elements, out[3] = sum x^2.
@@ -255,21 +271,20 @@ static float kth_largest_inplace(float *a, int64_t n, int64_t k) {
  */
 #define KTH_BINS 2048
 static KERNEL float k_kth_largest(const float *vals, int64_t n, int64_t k, int mode, float *scratch) {
-    if (n <= 8192) {
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(scratch + i, keyed8(_mm256_loadu_ps(vals + i), mode));
-        for (; i < n; i++) scratch[i] = keyed1(vals[i], mode);
-        return kth_largest_inplace(scratch, n, k);
-    }
+    /* NaN keys count as -inf (the partition loops need a total order) */
+    int has_nan = 0;
     float lo = INFINITY, hi = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
         float v = keyed1(vals[i], mode);
+        has_nan |= v != v;
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
     }
-    if (!(hi > lo) || !isfinite(hi - lo)) {
-        int64_t i = 0;
-        for (; i < n; i++) scratch[i] = keyed1(vals[i], mode);
+    if (n <= 8192 || has_nan || !(hi > lo) || !isfinite(hi - lo)) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = keyed1(vals[i], mode);
+            scratch[i] = v != v ? -INFINITY : v;
+        }
         return kth_largest_inplace(scratch, n, k);
     }
     float scale = (float)KTH_BINS / (hi - lo);
@@ -407,39 +422,57 @@ static inline void store_code1(uint8_t *out, int64_t i, unsigned code, int bits)
     out[byte] |= (uint8_t)(code << shift);
 }
 
-/*
- * ternary_pack (TBQ): 2-bit codes, 1 when x > tau, 2 when x < -tau, 0 otherwise.
- * st[0] = number of non-zero codes, st[1] = non-finite count.
- */
-static KERNEL void k_ternary_pack(const float *x, int64_t n, float tau, uint8_t *out, double *st) {
-    const __m256 tp = _mm256_set1_ps(tau), tn = _mm256_set1_ps(-tau);
+/* OR of the eight 32-bit lanes */
+static inline KERNEL uint32_t or_lanes(__m256i v) {
+    __m128i s = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_or_si128(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_or_si128(s, _mm_shuffle_epi32(s, 0xb1));
+    return (uint32_t)_mm_cvtsi128_si32(s);
+}
+
+/* TBQ codes of elements i..i+7 in int32 lanes; *nz counts the non-zero ones */
+static inline KERNEL __m256i tbq_codes8(const float *x, int64_t i, __m256 tp, __m256 tn, int64_t *nz) {
     const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2);
-    __m256i nf = _mm256_setzero_si256();
-    int64_t nz = 0, i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 gp = _mm256_cmp_ps(v, tp, _CMP_GT_OQ), gn = _mm256_cmp_ps(v, tn, _CMP_LT_OQ);
-        __m256i c = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(gp), one),
-                                    _mm256_and_si256(_mm256_castps_si256(gn), two));
-        nz += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_or_ps(gp, gn)));
-        nf = _mm256_sub_epi32(nf, nonfinite8(abs8(v)));
-        store_codes8(out, i, c, 2);
-    }
-    int64_t nfc = hsum8i(nf);
-    for (; i < n; i++) {
-        float v = x[i];
-        unsigned c = v > tau ? 1u : (v < -tau ? 2u : 0u);
-        nz += c != 0;
-        nfc += !(fabsf(v) <= FLT_BIG);
-        store_code1(out, i, c, 2);
-    }
-    st[0] = (double)nz;
-    st[1] = (double)nfc;
+    __m256 v = _mm256_loadu_ps(x + i);
+    __m256 gp = _mm256_cmp_ps(v, tp, _CMP_GT_OQ), gn = _mm256_cmp_ps(v, tn, _CMP_LT_OQ);
+    *nz += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_or_ps(gp, gn)));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(gp), one), _mm256_and_si256(_mm256_castps_si256(gn), two));
 }
 
 /*
- * Counter-based uniform numbers: u(i) = top 24 bits of mix(mix(i ^ k1) + k2) / 2^24, where mix
- * is the "lowbias32" integer hash. The same function is written in torch ops in
+ * ternary_pack (TBQ): 2-bit codes, 1 when x > tau, 2 when x < -tau, 0 otherwise.
+ * st[0] = number of non-zero codes, st[1] = 1 if any element is inf or NaN.
+ */
+static KERNEL void k_ternary_pack(const float *x, int64_t n, float tau, uint8_t *out, double *st) {
+    const __m256 tp = _mm256_set1_ps(tau), tn = _mm256_set1_ps(-tau);
+    const __m256i sh0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+    const __m256i am = _mm256_set1_epi32(0x7fffffff);
+    __m256i mb = _mm256_setzero_si256();
+    int64_t nz = 0, i = 0;
+    for (; i + 16 <= n; i += 16) {
+        mb = _mm256_max_epi32(mb, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), am));
+        mb = _mm256_max_epi32(mb, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8)), am));
+        __m256i c0 = tbq_codes8(x, i, tp, tn, &nz), c1 = tbq_codes8(x, i + 8, tp, tn, &nz);
+        uint32_t w = or_lanes(_mm256_or_si256(_mm256_sllv_epi32(c0, sh0), _mm256_sllv_epi32(c1, sh1)));
+        memcpy(out + (i >> 2), &w, 4);
+    }
+    int32_t top;
+    int64_t tail = i;
+    absmax_finish(mb, x, i, n, &top);
+    for (i = tail; i < n; i++) {
+        float v = x[i];
+        unsigned c = v > tau ? 1u : (v < -tau ? 2u : 0u);
+        nz += c != 0;
+        store_code1(out, i, c, 2);
+    }
+    st[0] = (double)nz;
+    st[1] = top >= 0x7f800000 ? 1.0 : 0.0;
+}
+
+/*
+ * Counter-based uniform numbers from the "lowbias32" integer hash, keyed by two fresh random
+ * words per call (see stoch_pack). The same function is written in torch ops in
  * gradsync/codecs/ops/random.py, so the native and torch paths draw identical numbers.
  */
 static inline uint32_t mix32(uint32_t h) {
@@ -460,49 +493,109 @@ static inline KERNEL __m256i mix32x8(__m256i h) {
     return h;
 }
 
-static inline float uniform1(uint32_t i, uint32_t k1, uint32_t k2) {
-    return (float)(mix32(mix32(i ^ k1) + k2) >> 8) * (1.0f / 16777216.0f);
-}
+
 
 /*
  * stoch_pack: stochastic symmetric quantization (TernGrad for bits = 2). For each element,
  * level = floor(|x| * mult + u) clamped to [0, L], code = (x < 0) << (bits - 1) | level.
  * Unbiased: E[level] = |x| * mult while |x| * mult <= L. st[0] = non-finite count.
  */
+/* 1 + u for eight lanes from 16-bit uniforms held in the low bits of u16 (float in [1, 2)) */
+static inline KERNEL __m256 one_plus_u8(__m256i u16) {
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(u16, 7), _mm256_set1_epi32(0x3f800000)));
+}
+
+/* codes of elements i..i+7 (see k_stoch_pack) given 1 + u for them */
+static inline KERNEL __m256i stoch_codes8(const float *x, int64_t i, __m256 f, __m256 mv, __m256i lv, int bits) {
+    const __m256i am = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+    __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+    __m256 a = _mm256_castsi256_ps(_mm256_and_si256(b, am));
+    /* floor(|x| * mult + u) = trunc(|x| * mult + (1 + u)) - 1; mul and add round separately,
+       exactly like the torch formula */
+    __m256i lvl = _mm256_sub_epi32(_mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(a, mv), f)), one);
+    lvl = _mm256_min_epi32(_mm256_max_epi32(lvl, zero), lv); /* NaN converts to INT_MIN -> 0 */
+    __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(b, 31), bits - 1);
+    return _mm256_or_si256(lvl, sign);
+}
+
+/* 16-bit uniform for element i: see hashed_uniform16 in gradsync/codecs/ops/random.py */
+static inline uint32_t uniform16(int64_t i, uint32_t k1, uint32_t k2) {
+    uint32_t h = mix32((uint32_t)((i >> 4) * 8 + (i & 7)) + k1) ^ k2;
+    return (i & 8) ? h >> 16 : h & 0xffffu;
+}
+
+/*
+ * stoch_pack: stochastic symmetric quantization (TernGrad for bits = 2). For each element,
+ * level = floor(|x| * mult + u) clamped to [0, L], code = sign(x) << (bits - 1) | level, where
+ * sign(x) is the sign bit (so -0.0 carries it). Unbiased up to the 2^-16 resolution of u:
+ * E[level] = |x| * mult while |x| * mult <= L. One 32-bit hash gives the uniforms of two
+ * elements, i and i + 8 within each block of 16. Inf/NaN are not reported here: callers check
+ * them with absmax first.
+ */
 static KERNEL void k_stoch_pack(const float *x, int64_t n, float mult, int L, int bits,
-                                uint32_t k1, uint32_t k2, uint8_t *out, double *st) {
-    const __m256 mv = _mm256_set1_ps(mult), scale24 = _mm256_set1_ps(1.0f / 16777216.0f);
-    const __m256 lv = _mm256_set1_ps((float)L), zero = _mm256_setzero_ps();
+                                uint32_t k1, uint32_t k2, uint8_t *out) {
+    const __m256 mv = _mm256_set1_ps(mult);
+    const __m256i lv = _mm256_set1_epi32(L), lo16 = _mm256_set1_epi32(0xffff);
     const __m256i kv1 = _mm256_set1_epi32((int)k1), kv2 = _mm256_set1_epi32((int)k2);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i signbit = _mm256_set1_epi32(1 << (bits - 1));
-    __m256i nf = _mm256_setzero_si256();
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m256i sh0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+    __m256i ctr = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 a = abs8(v);
-        nf = _mm256_sub_epi32(nf, nonfinite8(a));
-        __m256i ctr = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)i), lane);
-        __m256i h = mix32x8(_mm256_add_epi32(mix32x8(_mm256_xor_si256(ctr, kv1)), kv2));
-        __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale24);
-        __m256 lvl = _mm256_floor_ps(_mm256_fmadd_ps(a, mv, u));
-        lvl = _mm256_min_ps(_mm256_max_ps(lvl, zero), lv); /* NaN -> 0 via max(NaN, 0) = 0 */
-        __m256i c = _mm256_cvttps_epi32(lvl);
-        __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ));
-        c = _mm256_or_si256(c, _mm256_and_si256(neg, signbit));
-        store_codes8(out, i, c, bits);
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm256_xor_si256(mix32x8(_mm256_add_epi32(ctr, kv1)), kv2);
+        ctr = _mm256_add_epi32(ctr, eight);
+        __m256i c0 = stoch_codes8(x, i, one_plus_u8(_mm256_and_si256(h, lo16)), mv, lv, bits);
+        __m256i c1 = stoch_codes8(x, i + 8, one_plus_u8(_mm256_srli_epi32(h, 16)), mv, lv, bits);
+        if (bits == 2) {
+            uint32_t w = or_lanes(_mm256_or_si256(_mm256_sllv_epi32(c0, sh0), _mm256_sllv_epi32(c1, sh1)));
+            memcpy(out + (i >> 2), &w, 4);
+        } else {
+            store_codes8(out, i, c0, bits);
+            store_codes8(out, i + 8, c1, bits);
+        }
     }
-    int64_t nfc = hsum8i(nf);
     for (; i < n; i++) {
         float v = x[i], a = fabsf(v);
-        nfc += !(a <= FLT_BIG);
-        float lvl = floorf(a * mult + uniform1((uint32_t)i, k1, k2));
-        if (!(lvl >= 0.0f)) lvl = 0.0f;
-        if (lvl > (float)L) lvl = (float)L;
-        unsigned c = (unsigned)lvl | (v < 0.0f ? (1u << (bits - 1)) : 0u);
-        store_code1(out, i, c, bits);
+        uint32_t fb = (uniform16(i, k1, k2) << 7) | 0x3f800000u, sb;
+        float f;
+        memcpy(&f, &fb, 4);
+        float y = a * mult;
+        y = y + f;
+        int lvl = (int)y - 1; /* y >= 1 for finite input */
+        if (!(y >= 1.0f)) lvl = 0;
+        if (lvl > L) lvl = L;
+        memcpy(&sb, &v, 4);
+        store_code1(out, i, (unsigned)lvl | ((sb >> 31) << (bits - 1)), bits);
     }
-    st[0] = (double)nfc;
+}
+
+/* absmax: max |x| over the bit patterns (any pattern >= 0x7f800000 means inf or NaN). */
+static KERNEL void k_absmax(const float *x, int64_t n, double *st) {
+    const __m256i am = _mm256_set1_epi32(0x7fffffff);
+    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+    __m256i m2 = _mm256_setzero_si256(), m3 = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        m0 = _mm256_max_epi32(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), am));
+        m1 = _mm256_max_epi32(m1, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8)), am));
+        m2 = _mm256_max_epi32(m2, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 16)), am));
+        m3 = _mm256_max_epi32(m3, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 24)), am));
+    }
+    int32_t mb[8];
+    _mm256_storeu_si256((__m256i *)mb, _mm256_max_epi32(_mm256_max_epi32(m0, m1), _mm256_max_epi32(m2, m3)));
+    int32_t top = 0;
+    for (int q = 0; q < 8; q++) top = mb[q] > top ? mb[q] : top;
+    for (; i < n; i++) {
+        float a = fabsf(x[i]);
+        int32_t b;
+        memcpy(&b, &a, 4);
+        top = b > top ? b : top;
+    }
+    float m;
+    memcpy(&m, &top, 4);
+    st[0] = m;
+    st[1] = top >= 0x7f800000 ? 1.0 : 0.0;
 }
 
 /*
@@ -522,17 +615,28 @@ static KERNEL void k_lut_unpack(const uint8_t *codes, int64_t n, int bits, const
             if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(out + i));
             _mm256_storeu_ps(out + i, v);
         }
-    } else if (bits == 2 || bits == 4) {
-        /* lut of up to 16 entries: two permutes and a blend pick the value for each lane */
-        float tab[16] = {0};
-        memcpy(tab, lut, sizeof(float) * (size_t)(1 << bits));
-        const __m256 t0 = _mm256_loadu_ps(tab), t1 = _mm256_loadu_ps(tab + 8);
-        const __m256i sh = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
-                                     : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    } else if (bits == 2) {
+        /* four entries: one permute picks every lane's value */
+        float tab[8] = {lut[0], lut[1], lut[2], lut[3], 0, 0, 0, 0};
+        const __m256 t0 = _mm256_loadu_ps(tab);
+        const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const __m256i mask = _mm256_set1_epi32(3);
         for (; i + 8 <= n; i += 8) {
-            uint32_t w = 0;
-            memcpy(&w, codes + (bits == 2 ? (i >> 2) : (i >> 1)), bits == 2 ? 2 : 4);
+            uint16_t w;
+            memcpy(&w, codes + (i >> 2), 2);
+            __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), mask);
+            __m256 v = _mm256_permutevar8x32_ps(t0, c);
+            if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(out + i));
+            _mm256_storeu_ps(out + i, v);
+        }
+    } else if (bits == 4) {
+        /* sixteen entries: two permutes and a blend */
+        const __m256 t0 = _mm256_loadu_ps(lut), t1 = _mm256_loadu_ps(lut + 8);
+        const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i mask = _mm256_set1_epi32(15);
+        for (; i + 8 <= n; i += 8) {
+            uint32_t w;
+            memcpy(&w, codes + (i >> 1), 4);
             __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), mask);
             __m256 v0 = _mm256_permutevar8x32_ps(t0, c), v1 = _mm256_permutevar8x32_ps(t1, c);
             __m256i hi = _mm256_cmpgt_epi32(c, _mm256_set1_epi32(7));
@@ -557,41 +661,48 @@ static KERNEL void k_lut_unpack(const uint8_t *codes, int64_t n, int bits, const
 }
 
 /*
- * to_half: out = fp16(x * scale) (round to nearest even). st[0] = max |x| (NaN ignored),
- * st[1] = non-finite count of x, st[2] = count of finite x whose scaled value overflows fp16.
+ * to_half / to_bf16: out = fp16/bf16(x * scale), round to nearest even. st[0] = max |x| (taken
+ * over the bit patterns of |x|, so inf/NaN show up as a pattern >= 0x7f800000), st[1] = 1 if any
+ * element is inf or NaN, st[2] = 1 if a finite element overflows the format after scaling
+ * (decided from the maximum: the largest finite |x| * scale reaches the rounding limit).
+ * NaN inputs are not preserved bit-exactly: the caller flags the payload as non-finite instead.
  */
-static KERNEL void k_to_half(const float *x, int64_t n, float scale, uint16_t *out, double *st) {
-    const __m256 sv = _mm256_set1_ps(scale), lim = _mm256_set1_ps(65504.0f);
-    __m256 mx = _mm256_setzero_ps();
-    __m256i nf = _mm256_setzero_si256(), of = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 a = abs8(v);
-        mx = _mm256_max_ps(a, mx);
-        __m256i bad = nonfinite8(a);
-        nf = _mm256_sub_epi32(nf, bad);
-        __m256 y = _mm256_mul_ps(v, sv);
-        /* overflow: finite input that rounds beyond the largest half (65504 + half an ulp) */
-        __m256 big = _mm256_cmp_ps(abs8(y), _mm256_set1_ps(65520.0f), _CMP_GE_OQ);
-        of = _mm256_sub_epi32(of, _mm256_andnot_si256(bad, _mm256_castps_si256(big)));
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
-    }
-    (void)lim;
-    float m = hmax8(mx);
-    int64_t nfc = hsum8i(nf), ofc = hsum8i(of);
-    for (; i < n; i++) {
-        float v = x[i], a = fabsf(v);
-        if (a > m) m = a;
-        int bad = !(a <= FLT_BIG);
-        nfc += bad;
-        float y = v * scale;
-        ofc += !bad && fabsf(y) >= 65520.0f;
-        out[i] = (uint16_t)_cvtss_sh(y, _MM_FROUND_TO_NEAREST_INT);
-    }
+static void cast_stats(int32_t top, float scale, float limit, double *st) {
+    float m;
+    memcpy(&m, &top, 4);
+    int nonfinite = top >= 0x7f800000;
     st[0] = m;
-    st[1] = (double)nfc;
-    st[2] = (double)ofc;
+    st[1] = nonfinite ? 1.0 : 0.0;
+    /* with inf/NaN present the max says nothing about the finite values: report no overflow,
+       the payload is flagged non-finite anyway */
+    st[2] = (!nonfinite && fabsf(m * scale) >= limit) ? 1.0 : 0.0;
+}
+
+static KERNEL void k_to_half(const float *x, int64_t n, float scale, uint16_t *out, double *st) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    const __m256i am = _mm256_set1_epi32(0x7fffffff);
+    __m256i mb = _mm256_setzero_si256();
+    int64_t i = 0;
+    if (scale == 1.0f) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
+            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_castsi256_ps(b), _MM_FROUND_TO_NEAREST_INT));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
+            __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(b), sv);
+            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+        }
+    }
+    int32_t top;
+    int64_t tail = i;
+    absmax_finish(mb, x, i, n, &top);
+    for (i = tail; i < n; i++) out[i] = (uint16_t)_cvtss_sh(x[i] * scale, _MM_FROUND_TO_NEAREST_INT);
+    /* 65520 = 65504 + half an ulp: the smallest magnitude that rounds to inf */
+    cast_stats(top, scale, 65520.0f, st);
 }
 
 /* from_half: out (=|+=) float(h) * scale */
@@ -609,55 +720,45 @@ static KERNEL void k_from_half(const uint16_t *h, int64_t n, float scale, float 
     }
 }
 
-/* to_bf16: round to nearest even; NaN stays a quiet NaN. Same st layout as to_half. */
 static inline uint16_t bf16_round1(float y) {
     uint32_t u;
     memcpy(&u, &y, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
 
+static inline KERNEL __m128i bf16_round8(__m256i u) {
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    __m256i hi = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+
 static KERNEL void k_to_bf16(const float *x, int64_t n, float scale, uint16_t *out, double *st) {
     const __m256 sv = _mm256_set1_ps(scale);
-    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
-    const __m256i qnan = _mm256_set1_epi32(0x7fc00000);
-    __m256 mx = _mm256_setzero_ps();
-    __m256i nf = _mm256_setzero_si256(), of = _mm256_setzero_si256();
+    const __m256i am = _mm256_set1_epi32(0x7fffffff);
+    __m256i mb = _mm256_setzero_si256();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 a = abs8(v);
-        mx = _mm256_max_ps(a, mx);
-        __m256i bad = nonfinite8(a);
-        nf = _mm256_sub_epi32(nf, bad);
-        __m256 y = _mm256_mul_ps(v, sv);
-        __m256i u = _mm256_castps_si256(y);
-        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-        __m256 isnan = _mm256_cmp_ps(y, y, _CMP_UNORD_Q);
-        r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), isnan));
-        /* rounding a finite value up into the exponent of inf is an overflow */
-        __m256i rinf = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7fff)),
-                                          _mm256_set1_epi32(0x7f80));
-        of = _mm256_sub_epi32(of, _mm256_andnot_si256(bad, rinf));
-        __m256i hi = _mm256_srli_epi32(r, 16);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-        _mm_storeu_si128((__m128i *)(out + i), packed);
+    if (scale == 1.0f) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
+            _mm_storeu_si128((__m128i *)(out + i), bf16_round8(b));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
+            __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(b), sv);
+            _mm_storeu_si128((__m128i *)(out + i), bf16_round8(_mm256_castps_si256(y)));
+        }
     }
-    float m = hmax8(mx);
-    int64_t nfc = hsum8i(nf), ofc = hsum8i(of);
-    for (; i < n; i++) {
-        float v = x[i], a = fabsf(v);
-        if (a > m) m = a;
-        int bad = !(a <= FLT_BIG);
-        nfc += bad;
-        uint16_t b = bf16_round1(v * scale);
-        ofc += !bad && (b & 0x7fffu) == 0x7f80u;
-        out[i] = b;
-    }
-    st[0] = m;
-    st[1] = (double)nfc;
-    st[2] = (double)ofc;
+    int32_t top;
+    int64_t tail = i;
+    absmax_finish(mb, x, i, n, &top);
+    for (i = tail; i < n; i++) out[i] = bf16_round1(x[i] * scale);
+    /* the largest bf16 plus half an ulp: the smallest magnitude that rounds to inf */
+    cast_stats(top, scale, 3.3961775292304142e38f, st);
 }
 
 static KERNEL void k_from_bf16(const uint16_t *h, int64_t n, float scale, float *out, int accumulate) {
@@ -691,6 +792,65 @@ static int64_t k_sparse_add(float *out, int64_t n, const int32_t *idx, const flo
         out[t] += alpha * val[j];
     }
     return bad;
+}
+
+/*
+ * sparse_to_dense: out = 0 everywhere except out[idx[j]] = val[j], in one streaming pass when the
+ * indices are strictly increasing (zeros are written only between them). Returns 0 on success,
+ * 1 if an index is out of [0, n) (out untouched), 2 if the indices are not strictly increasing
+ * (out partly written: the caller falls back to zero + scatter-add).
+ */
+static int k_sparse_to_dense(float *out, int64_t n, const int32_t *idx, const float *val, int64_t m) {
+    for (int64_t j = 0; j < m; j++)
+        if (idx[j] < 0 || (int64_t)idx[j] >= n) return 1;
+    int64_t prev = 0;
+    for (int64_t j = 0; j < m; j++) {
+        int64_t t = idx[j];
+        if (t < prev) return 2;
+        memset(out + prev, 0, (size_t)(t - prev) * sizeof(float));
+        out[t] = val[j];
+        prev = t + 1;
+    }
+    memset(out + prev, 0, (size_t)(n - prev) * sizeof(float));
+    return 0;
+}
+
+/* copy_check: out = x, returning 1 if any element is inf or NaN. */
+static KERNEL int k_copy_check(const float *x, int64_t n, float *out) {
+    const __m256i am = _mm256_set1_epi32(0x7fffffff);
+    __m256i mb = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)(x + i));
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)(x + i + 8));
+        mb = _mm256_max_epi32(mb, _mm256_max_epi32(_mm256_and_si256(b0, am), _mm256_and_si256(b1, am)));
+        _mm256_storeu_si256((__m256i *)(out + i), b0);
+        _mm256_storeu_si256((__m256i *)(out + i + 8), b1);
+    }
+    int32_t top;
+    int64_t tail = i;
+    absmax_finish(mb, x, i, n, &top);
+    for (i = tail; i < n; i++) out[i] = x[i];
+    return top >= 0x7f800000;
+}
+
+/* range_positions: positions j (ascending) with lo <= keys[j] < hi; returns their count. */
+static KERNEL int64_t k_range_positions(const float *keys, int64_t n, float lo, float hi, int32_t *pos) {
+    const __m256 lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
+    int64_t cnt = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 k = _mm256_loadu_ps(keys + i);
+        unsigned m = (unsigned)_mm256_movemask_ps(
+            _mm256_and_ps(_mm256_cmp_ps(k, lv, _CMP_GE_OQ), _mm256_cmp_ps(k, hv, _CMP_LT_OQ)));
+        while (m) {
+            int b = __builtin_ctz(m);
+            m &= m - 1;
+            pos[cnt++] = (int32_t)(i + b);
+        }
+    }
+    for (; i < n; i++)
+        if (keys[i] >= lo && keys[i] < hi) pos[cnt++] = (int32_t)i;
+    return cnt;
 }
 
 /* splitmix64 stream for Floyd's sampling */
@@ -741,35 +901,54 @@ static void k_gather(const float *x, const int32_t *idx, int64_t m, float *val) 
 
 #if GS_X86
 static PyObject *py_stats(PyObject *self, PyObject *args) {
-    unsigned long long x, out;
+    unsigned long long x;
     long long n;
-    if (!PyArg_ParseTuple(args, "KLK", &x, &n, &out)) return NULL;
-    Py_BEGIN_ALLOW_THREADS k_stats(PTR(const float, x), n, PTR(double, out));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    double st[4];
+    if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_stats(PTR(const float, x), n, st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(ddLd)", st[0], st[1], (long long)st[2], st[3]);
 }
 
+/* returns (count, sum |x| or NaN, max |x|, non-finite flag) */
 static PyObject *py_scan_select(PyObject *self, PyObject *args) {
-    unsigned long long x, idx, val, st;
+    unsigned long long x, idx, val;
     long long n, cap, cnt;
     float t;
     int mode, want_sum;
-    if (!PyArg_ParseTuple(args, "KLfipKKLK", &x, &n, &t, &mode, &want_sum, &idx, &val, &cap, &st)) return NULL;
+    double st[3];
+    if (!PyArg_ParseTuple(args, "KLfipKKL", &x, &n, &t, &mode, &want_sum, &idx, &val, &cap)) return NULL;
     Py_BEGIN_ALLOW_THREADS cnt = k_scan_select(PTR(const float, x), n, t, mode, want_sum, PTR(int32_t, idx),
-                                               PTR(float, val), cap, PTR(double, st));
-    Py_END_ALLOW_THREADS return PyLong_FromLongLong(cnt);
+                                               PTR(float, val), cap, st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(LddL)", cnt, st[0], st[1], (long long)st[2]);
 }
 
+/* count_ge(x, n, thresholds (sequence of up to 16 floats), mode) -> list of counts */
 static PyObject *py_count_ge(PyObject *self, PyObject *args) {
-    unsigned long long x, ts, out;
+    unsigned long long x;
     long long n;
-    int m, mode;
-    if (!PyArg_ParseTuple(args, "KLKiiK", &x, &n, &ts, &m, &mode, &out)) return NULL;
+    PyObject *seq;
+    int mode;
+    float ts[16];
+    int64_t out[16];
+    if (!PyArg_ParseTuple(args, "KLOi", &x, &n, &seq, &mode)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "thresholds must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(fast);
     if (m < 1 || m > 16) {
+        Py_DECREF(fast);
         PyErr_SetString(PyExc_ValueError, "count_ge takes 1 to 16 thresholds");
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS k_count_ge(PTR(const float, x), n, PTR(const float, ts), m, mode, PTR(int64_t, out));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        ts[j] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, j));
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_count_ge(PTR(const float, x), n, ts, (int)m, mode, out);
+    Py_END_ALLOW_THREADS PyObject *res = PyList_New(m);
+    if (res == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < m; j++) PyList_SET_ITEM(res, j, PyLong_FromLongLong(out[j]));
+    return res;
 }
 
 static PyObject *py_kth_largest(PyObject *self, PyObject *args) {
@@ -796,61 +975,89 @@ static PyObject *py_keep_top(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(r);
 }
 
+/* returns (sum of non-negatives, their count, sum of negatives, non-finite count) */
 static PyObject *py_sign_pack(PyObject *self, PyObject *args) {
-    unsigned long long x, bits, st;
+    unsigned long long x, bits;
     long long n;
-    if (!PyArg_ParseTuple(args, "KLKK", &x, &n, &bits, &st)) return NULL;
-    Py_BEGIN_ALLOW_THREADS k_sign_pack(PTR(const float, x), n, PTR(uint8_t, bits), PTR(double, st));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    double st[4];
+    if (!PyArg_ParseTuple(args, "KLK", &x, &n, &bits)) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_sign_pack(PTR(const float, x), n, PTR(uint8_t, bits), st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(dLdL)", st[0], (long long)st[1], st[2], (long long)st[3]);
 }
 
+/* returns (non-zero codes, non-finite count) */
 static PyObject *py_ternary_pack(PyObject *self, PyObject *args) {
-    unsigned long long x, out, st;
+    unsigned long long x, out;
     long long n;
     float tau;
-    if (!PyArg_ParseTuple(args, "KLfKK", &x, &n, &tau, &out, &st)) return NULL;
-    Py_BEGIN_ALLOW_THREADS k_ternary_pack(PTR(const float, x), n, tau, PTR(uint8_t, out), PTR(double, st));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    double st[2];
+    if (!PyArg_ParseTuple(args, "KLfK", &x, &n, &tau, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_ternary_pack(PTR(const float, x), n, tau, PTR(uint8_t, out), st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(LL)", (long long)st[0], (long long)st[1]);
+}
+
+/* returns (max |x|, non-finite flag) */
+static PyObject *py_absmax(PyObject *self, PyObject *args) {
+    unsigned long long x;
+    long long n;
+    double st[2];
+    if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_absmax(PTR(const float, x), n, st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(dL)", st[0], (long long)st[1]);
 }
 
 static PyObject *py_stoch_pack(PyObject *self, PyObject *args) {
-    unsigned long long x, out, st;
+    unsigned long long x, out;
     long long n;
     float mult;
     int L, bits;
     unsigned int k1, k2;
-    if (!PyArg_ParseTuple(args, "KLfiiIIKK", &x, &n, &mult, &L, &bits, &k1, &k2, &out, &st)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLfiiIIK", &x, &n, &mult, &L, &bits, &k1, &k2, &out)) return NULL;
     if (bits != 2 && bits != 4 && bits != 8) {
         PyErr_SetString(PyExc_ValueError, "stoch_pack takes bits in {2, 4, 8}");
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS k_stoch_pack(PTR(const float, x), n, mult, L, bits, k1, k2, PTR(uint8_t, out),
-                                        PTR(double, st));
+    Py_BEGIN_ALLOW_THREADS k_stoch_pack(PTR(const float, x), n, mult, L, bits, k1, k2, PTR(uint8_t, out));
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* lut_unpack(codes, n, bits, lut (sequence of 2^bits floats), out, accumulate) */
 static PyObject *py_lut_unpack(PyObject *self, PyObject *args) {
-    unsigned long long codes, lut, out;
+    unsigned long long codes, out;
     long long n;
     int bits, acc;
-    if (!PyArg_ParseTuple(args, "KLiKKp", &codes, &n, &bits, &lut, &out, &acc)) return NULL;
+    PyObject *seq;
+    float lut[256];
+    if (!PyArg_ParseTuple(args, "KLiOKp", &codes, &n, &bits, &seq, &out, &acc)) return NULL;
     if (bits != 1 && bits != 2 && bits != 4 && bits != 8) {
         PyErr_SetString(PyExc_ValueError, "lut_unpack takes bits in {1, 2, 4, 8}");
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS k_lut_unpack(PTR(const uint8_t, codes), n, bits, PTR(const float, lut), PTR(float, out), acc);
+    PyObject *fast = PySequence_Fast(seq, "lut must be a sequence");
+    if (fast == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != (1 << bits)) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "lut must have 2^bits entries");
+        return NULL;
+    }
+    for (int j = 0; j < (1 << bits); j++) lut[j] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, j));
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS k_lut_unpack(PTR(const uint8_t, codes), n, bits, lut, PTR(float, out), acc);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* returns (max |x|, non-finite count, overflow count) */
 static PyObject *py_to_half(PyObject *self, PyObject *args) {
-    unsigned long long x, out, st;
+    unsigned long long x, out;
     long long n;
     float scale;
     int bf16;
-    if (!PyArg_ParseTuple(args, "KLfKKp", &x, &n, &scale, &out, &st, &bf16)) return NULL;
-    Py_BEGIN_ALLOW_THREADS if (bf16) k_to_bf16(PTR(const float, x), n, scale, PTR(uint16_t, out), PTR(double, st));
-    else k_to_half(PTR(const float, x), n, scale, PTR(uint16_t, out), PTR(double, st));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    double st[3];
+    if (!PyArg_ParseTuple(args, "KLfKp", &x, &n, &scale, &out, &bf16)) return NULL;
+    Py_BEGIN_ALLOW_THREADS if (bf16) k_to_bf16(PTR(const float, x), n, scale, PTR(uint16_t, out), st);
+    else k_to_half(PTR(const float, x), n, scale, PTR(uint16_t, out), st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(dLL)", st[0], (long long)st[1], (long long)st[2]);
 }
 
 static PyObject *py_from_half(PyObject *self, PyObject *args) {
@@ -871,6 +1078,33 @@ static PyObject *py_sparse_add(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLKKLf", &out, &n, &idx, &val, &m, &alpha)) return NULL;
     Py_BEGIN_ALLOW_THREADS bad = k_sparse_add(PTR(float, out), n, PTR(const int32_t, idx), PTR(const float, val), m, alpha);
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(bad);
+}
+
+static PyObject *py_sparse_to_dense(PyObject *self, PyObject *args) {
+    unsigned long long out, idx, val;
+    long long n, m;
+    int r;
+    if (!PyArg_ParseTuple(args, "KLKKL", &out, &n, &idx, &val, &m)) return NULL;
+    Py_BEGIN_ALLOW_THREADS r = k_sparse_to_dense(PTR(float, out), n, PTR(const int32_t, idx), PTR(const float, val), m);
+    Py_END_ALLOW_THREADS return PyLong_FromLong(r);
+}
+
+static PyObject *py_range_positions(PyObject *self, PyObject *args) {
+    unsigned long long keys, pos;
+    long long n, cnt;
+    float lo, hi;
+    if (!PyArg_ParseTuple(args, "KLffK", &keys, &n, &lo, &hi, &pos)) return NULL;
+    Py_BEGIN_ALLOW_THREADS cnt = k_range_positions(PTR(const float, keys), n, lo, hi, PTR(int32_t, pos));
+    Py_END_ALLOW_THREADS return PyLong_FromLongLong(cnt);
+}
+
+static PyObject *py_copy_check(PyObject *self, PyObject *args) {
+    unsigned long long x, out;
+    long long n;
+    int r;
+    if (!PyArg_ParseTuple(args, "KLK", &x, &n, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS r = k_copy_check(PTR(const float, x), n, PTR(float, out));
+    Py_END_ALLOW_THREADS return PyBool_FromLong(r);
 }
 
 static PyObject *py_random_subset(PyObject *self, PyObject *args) {
@@ -897,6 +1131,7 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
 #if GS_X86
     {"stats", py_stats, METH_VARARGS, "sum|x|, max|x|, non-finite count, sum x^2"},
+    {"absmax", py_absmax, METH_VARARGS, "max|x| and a non-finite flag"},
     {"scan_select", py_scan_select, METH_VARARGS, "stats + compaction of key(x) >= t"},
     {"count_ge", py_count_ge, METH_VARARGS, "counts of key(x) >= t for up to 16 thresholds"},
     {"kth_largest", py_kth_largest, METH_VARARGS, "k-th largest key by quickselect"},
@@ -908,6 +1143,9 @@ static PyMethodDef methods[] = {
     {"to_half", py_to_half, METH_VARARGS, "float32 to fp16/bf16 with range statistics"},
     {"from_half", py_from_half, METH_VARARGS, "fp16/bf16 to float32"},
     {"sparse_add", py_sparse_add, METH_VARARGS, "bounds-checked scatter-add"},
+    {"sparse_to_dense", py_sparse_to_dense, METH_VARARGS, "dense tensor from sorted sparse entries"},
+    {"copy_check", py_copy_check, METH_VARARGS, "copy with a non-finite check"},
+    {"range_positions", py_range_positions, METH_VARARGS, "positions of keys in [lo, hi)"},
     {"random_subset", py_random_subset, METH_VARARGS, "sorted uniform k-subset of range(n)"},
     {"gather", py_gather, METH_VARARGS, "val = x[idx]"},
 #endif

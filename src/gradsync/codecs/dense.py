@@ -24,7 +24,7 @@ import torch
 
 from gradsync.codecs.base import Codec, EncodeContext, Stream
 from gradsync.codecs.config import CodecConfig, check_choice
-from gradsync.codecs.ops import FORMAT_MAX, cast_checked, uncast
+from gradsync.codecs.ops import FORMAT_MAX, abs_max, cast_checked, native, uncast
 from gradsync.codecs.payload import Flag, Header, Layout, Payload
 from gradsync.codecs.registry import register
 
@@ -60,9 +60,14 @@ class NoCompression(Codec):
     ) -> Payload:
         lay = self._layout(x.numel(), x.dtype)
         data, payload = self._new_payload(lay, x, shape, out)
-        lay.view(data, "val").copy_(x)
+        vals = lay.view(data, "val")
         flags = Flag.NONE
-        if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+        if native.usable(x) and x.numel():
+            bad = native.ext().copy_check(native.ptr(x), x.numel(), vals.data_ptr())
+        else:
+            vals.copy_(x)
+            bad = x.is_floating_point() and abs_max(x)[1]
+        if bad:
             flags = Flag.NONFINITE
         return self._finish(data, payload, Header(count=x.numel(), flags=flags))
 

@@ -91,12 +91,13 @@ class PowerSGD(Codec):
             assert stream.generator is not None
             q = torch.randn(cols, r, generator=stream.generator, dtype=torch.float32)
             stream.q = orthogonalize_(q).to(m.device)
-        return m @ stream.q
+        # (Q^T M^T)^T: the same product, several times faster than M @ Q in CPU BLAS for thin Q
+        return torch.mm(stream.q.T, m.T).T
 
     def reproject(self, m: torch.Tensor, p_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
         """Orthonormalize the summed P (kept in the stream) and return ``Q = M^T P``."""
         stream.p = orthogonalize_(p_sum.clone())
-        return m.T @ stream.p
+        return torch.mm(stream.p.T, m).T  # (P^T M)^T = M^T P
 
     def reconstruct(self, q_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
         """``P (sum Q)^T``; the summed Q becomes the next warm start."""
@@ -134,10 +135,16 @@ class PowerSGD(Codec):
         lay = self._layout(payload.shape)
         if payload.header.flags & Flag.DENSE:
             v = lay.view(payload.data, "dense")
-        else:
-            rows, cols = matrix_shape(payload.shape)
-            r = payload.header.count
-            p = lay.view(payload.data, "p").view(rows, r)
-            q = lay.view(payload.data, "q").view(cols, r)
+            out.add_(v) if accumulate else out.copy_(v)
+            return
+        rows, cols = matrix_shape(payload.shape)
+        r = payload.header.count
+        p = lay.view(payload.data, "p").view(rows, r)
+        q = lay.view(payload.data, "q").view(cols, r)
+        if out.dtype != torch.float32:
             v = (p @ q.T).reshape(-1)
-        out.add_(v) if accumulate else out.copy_(v)
+            out.add_(v) if accumulate else out.copy_(v)
+        elif accumulate:
+            out.view(rows, cols).addmm_(p, q.T)
+        else:
+            torch.mm(p, q.T, out=out.view(rows, cols))

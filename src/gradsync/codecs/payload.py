@@ -17,6 +17,7 @@ agrees on. :class:`Payload` pairs the bytes with those static facts.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import struct
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class Layout:
         self.padding: list[tuple[int, int]] = []  # (start, end) byte ranges between sections
         offset = HEADER_BYTES
         for name, numel, dtype in sections:
-            itemsize = torch.empty(0, dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             self.sections[name] = (offset, numel, dtype)
             end = offset + numel * itemsize
             offset = align(end)
@@ -90,8 +91,7 @@ class Layout:
     def view(self, data: torch.Tensor, name: str) -> torch.Tensor:
         """A typed view of one section of ``data``."""
         offset, numel, dtype = self.sections[name]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return data[offset : offset + numel * itemsize].view(dtype)
+        return data[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 class Payload:
@@ -117,7 +117,11 @@ class Payload:
     @property
     def header(self) -> Header:
         if self._header is None:
-            self._header = Header.unpack(self.data[:HEADER_BYTES].cpu().numpy().tobytes())
+            if self.data.device.type == "cpu":
+                raw = ctypes.string_at(self.data.data_ptr(), HEADER_BYTES)
+            else:
+                raw = self.data[:HEADER_BYTES].cpu().numpy().tobytes()
+            self._header = Header.unpack(raw)
         return self._header
 
     @property
@@ -147,8 +151,11 @@ class Payload:
 
 def write_header(data: torch.Tensor, header: Header) -> None:
     """Write ``header`` into the first bytes of ``data``."""
-    raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-    data[:HEADER_BYTES].copy_(raw)
+    raw = header.pack()
+    if data.device.type == "cpu" and data.is_contiguous():
+        ctypes.memmove(data.data_ptr(), raw, HEADER_BYTES)
+    else:
+        data[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
 def allocate(nbytes: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,11 +24,13 @@ from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
 from gradsync.codecs.config import CodecConfig, SparsityConfig, check_choice, check_range
 from gradsync.codecs.ops import (
     Key,
+    abs_max,
     draw_words,
     lut_decode,
     packed_nbytes,
     sign_pack,
     sparse_add_,
+    sparse_to_dense_,
     stochastic_pack,
     tensor_stats,
     threshold_pack,
@@ -163,17 +165,19 @@ class TernGrad(Codec):
         n, bits = x.numel(), self.config.bits
         lay = _codes_layout(n, bits)
         data, payload = self._new_payload(lay, x, shape, out)
-        st = tensor_stats(x)
-        scale = st.max_abs
-        if self.config.clip is not None and n:
-            scale = min(scale, self.config.clip * math.sqrt(st.sum_sq / n))
+        if self.config.clip is None:
+            scale, nonfinite = abs_max(x)
+        else:
+            st = tensor_stats(x)
+            nonfinite = st.nonfinite > 0
+            scale = min(st.max_abs, self.config.clip * math.sqrt(st.sum_sq / n)) if n else 0.0
         k1, k2 = draw_words(stream.generator)
         # distinct noise per worker: otherwise every rank would round the same way
         k2 = (k2 + 0x9E3779B9 * ctx.rank) & 0xFFFFFFFF
         mult = self.levels / scale if scale > 0 and math.isfinite(scale) else 0.0
         stochastic_pack(x, mult, self.levels, bits, (k1, k2), lay.view(data, "codes"))
         header = Header(
-            count=n, flags=nonfinite_flag(st.nonfinite), aux=bits, s0=scale if math.isfinite(scale) else 0.0
+            count=n, flags=nonfinite_flag(nonfinite), aux=bits, s0=scale if math.isfinite(scale) else 0.0
         )
         return self._finish(data, payload, header)
 
@@ -249,7 +253,8 @@ class QRGC(Codec):
         return idx, torch.full((idx.numel(),), payload.header.s0, dtype=payload.dtype, device=idx.device)
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
-        if not accumulate:
-            out.zero_()
         idx, val = self.transmitted(payload)
-        sparse_add_(out, idx, val.to(out.dtype))
+        if accumulate:
+            sparse_add_(out, idx, val.to(out.dtype))
+        else:
+            sparse_to_dense_(out, idx, val.to(out.dtype))

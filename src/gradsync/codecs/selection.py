@@ -71,31 +71,46 @@ def mstopk(
     Two departures from the printed pseudo-code, both for inputs it does not cover: if no step
     ever finds a threshold with at most ``k`` elements above it, the upper threshold is +inf
     (the pseudo-code's initial 0 would select every element); and thresholds are compared in
-    float32, the precision of the data. Indices: the ones above the upper threshold ascending,
-    then the random run from the band (ascending within it).
+    float32, the precision of the data. Indices come out in increasing order.
     """
     n = x.numel()
     cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=0, ws=ws, want_sum=True)
     if cand.stats.nonfinite:  # no meaningful thresholds; the payload is flagged anyway
         return _top_of_finite(cand, k)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs
+
+    def threshold(ratio: float) -> float:
+        return f32(mean + ratio * (top - mean))
+
+    def counts(ts: list[float]) -> dict[float, int | None]:
+        # below the floor with more than k candidates a count is certainly > k, and its exact
+        # value is never needed (see below): skip it
+        known = [t for t in ts if not (t < cand.floor and cand.count > k)]
+        found: dict[float, int | None] = dict.fromkeys(ts)
+        found.update(zip(known, cand.count_ge_many(known), strict=True))
+        return found
+
     lo_r, hi_r = 0.0, 1.0
     thres1, k1 = math.inf, 0  # largest count <= k seen, and its threshold
     thres2 = 0.0  # threshold of the smallest count > k seen
-    for _ in range(iters):
-        ratio = lo_r + (hi_r - lo_r) / 2
-        t = f32(mean + ratio * (top - mean))
-        # below the floor with more than k candidates the count is certainly > k, and its exact
-        # value is never needed (see below)
-        nnz = None if t < cand.floor and cand.count > k else cand.count_ge(t)
-        if nnz is not None and nnz <= k:
-            hi_r = ratio
-            # the pseudo-code updates only on a strictly larger count; an equal count means
-            # no element lies between the two thresholds, so the selected sets are identical
-            thres1, k1 = t, nnz
-        else:
-            lo_r = ratio
-            thres2 = t
+    done = 0
+    while done < iters:
+        depth = min(4, iters - done)
+        # the counts for the next `depth` steps: one pass over the candidates
+        found = counts([threshold(r) for r in _midpoints(lo_r, hi_r, depth)])
+        for _ in range(depth):
+            ratio = lo_r + (hi_r - lo_r) / 2
+            t = threshold(ratio)
+            nnz = found[t]
+            if nnz is not None and nnz <= k:
+                hi_r = ratio
+                # the pseudo-code updates only on a strictly larger count; an equal count means
+                # no element lies between the two thresholds, so the selected sets are identical
+                thres1, k1 = t, nnz
+            else:
+                lo_r = ratio
+                thres2 = t
+        done += depth
     upper = cand.select(thres1) if k1 > 0 else (cand.idx[:0], cand.val[:0])
     need = min(k, n) - upper[0].numel()
     if need <= 0:
@@ -104,9 +119,38 @@ def mstopk(
     if band_idx.numel() < need:  # only when the data has fewer than k finite elements
         band_idx, band_val = cand.select(-math.inf, thres1)
     start = draw_index(gen, band_idx.numel() - need + 1)
-    idx = torch.cat([upper[0], band_idx[start : start + need]])
-    val = torch.cat([upper[1], band_val[start : start + need]])
+    idx, val = _merge(upper, (band_idx[start : start + need], band_val[start : start + need]))
     return Selected(idx, val, cand.stats)
+
+
+def _merge(
+    a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two (indices, values) runs with ascending, disjoint indices into one ascending run."""
+    (ia, va), (ib, vb) = a, b
+    if ib.numel() == 0:
+        return ia, va
+    if ia.numel() == 0:
+        return ib, vb
+    ib = ib.to(ia.dtype)
+    # where each element of b lands: its rank in a plus its rank in b
+    pos_b = torch.searchsorted(ia, ib) + torch.arange(ib.numel(), device=ib.device)
+    in_a = torch.ones(ia.numel() + ib.numel(), dtype=torch.bool, device=ia.device)
+    in_a[pos_b] = False
+    idx = torch.empty(in_a.numel(), dtype=ia.dtype, device=ia.device)
+    val = torch.empty(in_a.numel(), dtype=va.dtype, device=va.device)
+    idx[pos_b], val[pos_b] = ib, vb
+    idx[in_a], val[in_a] = ia, va
+    return idx, val
+
+
+def _midpoints(lo: float, hi: float, depth: int) -> list[float]:
+    """Every ratio ``depth`` bisection steps from ``[lo, hi]`` can visit, computed the way the
+    steps compute them (so the floats match exactly): 2^depth - 1 values."""
+    if depth == 0:
+        return []
+    mid = lo + (hi - lo) / 2
+    return [mid, *_midpoints(lo, mid, depth - 1), *_midpoints(mid, hi, depth - 1)]
 
 
 def _top_of_finite(cand: CandidateSet, k: int) -> Selected:
@@ -189,20 +233,26 @@ def bsearch(
         idx, val = cand.select(t)
         return BsearchResult(Selected(idx, val, cand.stats), t, True)
     lo_r, hi_r = 0.0, 1.0
-    threshold = f32_above(base)
-    while hi_r - lo_r > eps:
+    found: dict[float, int | None] = {}
+    while True:
+        if hi_r - lo_r <= eps:
+            threshold = f32_above(base + lo_r * (top - base))
+            break
         ratio = lo_r + (hi_r - lo_r) / 2
-        t = base + ratio * (top - base)
-        nnz = count_above(t)
+        if ratio not in found:  # counts for the next four steps in one pass
+            mids = _midpoints(lo_r, hi_r, 4)
+            ts = [f32_above(base + r * (top - base)) for r in mids]
+            known = [t for t in ts if not (t < cand.floor and cand.count > 2 * k)]
+            by_t = dict(zip(known, cand.count_ge_many(known), strict=True))
+            found.update((r, by_t.get(t)) for r, t in zip(mids, ts, strict=True))
+        nnz = found[ratio]
         if nnz is not None and k <= nnz <= 2 * k:
-            threshold = f32_above(t)
+            threshold = f32_above(base + ratio * (top - base))
             break
         if nnz is not None and nnz < k:
             hi_r = ratio
         else:
             lo_r = ratio
-    else:
-        threshold = f32_above(base + lo_r * (top - base))
     idx, val = cand.select(threshold)
     return BsearchResult(Selected(idx, val, cand.stats), threshold, True)
 

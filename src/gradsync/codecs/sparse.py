@@ -16,7 +16,7 @@ import torch
 from gradsync.codecs import selection
 from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
 from gradsync.codecs.config import SparsityConfig, check_range
-from gradsync.codecs.ops import sparse_add_
+from gradsync.codecs.ops import sparse_add_, sparse_to_dense_
 from gradsync.codecs.payload import Header, Layout, Payload
 from gradsync.codecs.registry import register
 
@@ -70,10 +70,11 @@ class SparseCodec(Codec):
         return lay.view(payload.data, "idx"), lay.view(payload.data, "val")
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
-        if not accumulate:
-            out.zero_()
         idx, val = self.sparse_view(payload)
-        sparse_add_(out, idx, val)
+        if accumulate:
+            sparse_add_(out, idx, val)
+        else:
+            sparse_to_dense_(out, idx, val)
 
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sparse_view(payload)

@@ -31,14 +31,15 @@ from gradsync.codecs.ops.random import (
     draw_index,
     draw_words,
     hashed_uniform,
+    hashed_uniform16,
     make_generator,
     random_subset,
     stochastic_round,
     stream_seed,
 )
-from gradsync.codecs.ops.reduce import TensorStats, tensor_stats
+from gradsync.codecs.ops.reduce import TensorStats, abs_max, tensor_stats
 from gradsync.codecs.ops.select import CandidateSet, Key, count_ge, f32, f32_above, keyed, kth_largest, topk
-from gradsync.codecs.ops.sparse import gather, sparse_add_
+from gradsync.codecs.ops.sparse import gather, sparse_add_, sparse_to_dense_
 from gradsync.codecs.ops.workspace import Workspace
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "SignStats",
     "TensorStats",
     "Workspace",
+    "abs_max",
     "backend",
     "cast_checked",
     "count_ge",
@@ -58,6 +60,7 @@ __all__ = [
     "f32_above",
     "gather",
     "hashed_uniform",
+    "hashed_uniform16",
     "keyed",
     "kth_largest",
     "lut_decode",
@@ -68,6 +71,7 @@ __all__ = [
     "random_subset",
     "sign_pack",
     "sparse_add_",
+    "sparse_to_dense_",
     "stochastic_pack",
     "stochastic_round",
     "stream_seed",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
-from gradsync.codecs.ops.random import hashed_uniform
+from gradsync.codecs.ops.random import hashed_uniform16
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -62,8 +62,7 @@ def lut_decode(
         raise ValueError(f"a {bits}-bit lookup table needs {1 << bits} entries, got {len(lut)}")
     n = out.numel()
     if native.usable(out):
-        table = torch.tensor(lut, dtype=torch.float32)
-        native.ext().lut_unpack(native.ptr(packed), n, bits, table.data_ptr(), native.ptr(out), accumulate)
+        native.ext().lut_unpack(native.ptr(packed), n, bits, lut, native.ptr(out), accumulate)
         return out
     table = torch.tensor(lut, dtype=torch.float32, device=out.device)
     vals = table[unpack_codes(packed, bits, n)].to(out.dtype)
@@ -85,10 +84,8 @@ def sign_pack(x: torch.Tensor, out: torch.Tensor) -> SignStats:
     """Write one bit per element (1 where ``x >= 0``) into ``out``; return the sums by sign."""
     n = x.numel()
     if native.usable(x):
-        st = torch.empty(4, dtype=torch.float64)
-        native.ext().sign_pack(native.ptr(x), n, native.ptr(out), st.data_ptr())
-        sp, cp, sn, nf = st.tolist()
-        return SignStats(sp, int(cp), sn, n - int(cp), int(nf))
+        sp, cp, sn, nf = native.ext().sign_pack(native.ptr(x), n, native.ptr(out))
+        return SignStats(sp, cp, sn, n - cp, nf)
     xf = x.float()
     nonneg = xf >= 0
     pack_codes(nonneg, 1, out=out)
@@ -109,10 +106,7 @@ def threshold_pack(x: torch.Tensor, tau: float, out: torch.Tensor) -> tuple[int,
     """
     n = x.numel()
     if native.usable(x):
-        st = torch.empty(2, dtype=torch.float64)
-        native.ext().ternary_pack(native.ptr(x), n, tau, native.ptr(out), st.data_ptr())
-        nz, nf = st.tolist()
-        return int(nz), int(nf)
+        return native.ext().ternary_pack(native.ptr(x), n, tau, native.ptr(out))
     xf = x.float()
     t = torch.tensor(tau, dtype=torch.float32)
     codes = (xf > t).to(torch.int32) + 2 * (xf < -t).to(torch.int32)
@@ -122,26 +116,25 @@ def threshold_pack(x: torch.Tensor, tau: float, out: torch.Tensor) -> tuple[int,
 
 def stochastic_pack(
     x: torch.Tensor, mult: float, levels: int, bits: int, words: tuple[int, int], out: torch.Tensor
-) -> int:
+) -> None:
     """Stochastic symmetric quantization, one pass.
 
     ``level_i = clamp(floor(|x_i| * mult + u_i), 0, levels)`` with ``u_i`` the counter-based
-    uniform of :func:`gradsync.codecs.ops.random.hashed_uniform` keyed by ``words``; the code is
-    the level with the sign in the top bit. ``E[level_i] = |x_i| * mult`` when that is at most
-    ``levels``. Returns the number of non-finite inputs.
+    uniform of :func:`gradsync.codecs.ops.random.hashed_uniform16` keyed by ``words``; the code is
+    the level with x's sign bit on top. ``E[level_i] = |x_i| * mult`` when that is at most
+    ``levels``. The sum is formed as ``(|x| * mult) + (1 + u)`` in float32 with separate roundings,
+    identically on both paths. Inf/NaN inputs give arbitrary codes: check them first.
     """
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
     n = x.numel()
     k1, k2 = words
     if native.usable(x):
-        st = torch.empty(1, dtype=torch.float64)
-        native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), st.data_ptr())
-        return int(st.item())
+        native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out))
+        return
     xf = x.float()
-    u = hashed_uniform(n, k1, k2, x.device)
+    f = hashed_uniform16(n, k1, k2, x.device) + 1.0  # exact: u has 16 bits
     m = torch.tensor(mult, dtype=torch.float32, device=x.device)
-    lvl = torch.floor(torch.addcmul(u, xf.abs(), m)).nan_to_num(0.0).clamp(0, levels).to(torch.int32)
-    codes = lvl | ((xf < 0).to(torch.int32) << (bits - 1))
+    lvl = (torch.floor(xf.abs() * m + f) - 1).nan_to_num(0.0).clamp(0, levels).to(torch.int32)
+    codes = lvl | (torch.signbit(xf).to(torch.int32) << (bits - 1))
     pack_codes(codes, bits, out=out)
-    return int((~torch.isfinite(xf)).sum())

@@ -45,10 +45,8 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     if n == 0:
         return TensorStats(0, 0.0, 0.0, 0, 0.0)
     if native.usable(x):
-        out = torch.empty(4, dtype=torch.float64)
-        native.ext().stats(native.ptr(x), n, out.data_ptr())
-        s, m, nf, q = out.tolist()
-        return TensorStats(n, s, m, int(nf), q)
+        s, m, nf, q = native.ext().stats(native.ptr(x), n)
+        return TensorStats(n, s, m, nf, q)
     xf = x.float()
     a = xf.abs()
     finite = torch.isfinite(xf)
@@ -57,6 +55,12 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     return TensorStats(n, float(a.sum()), max_abs, nonfinite, float(xf.square().sum()))
 
 
-def stats_from_parts(numel: int, parts: list[float]) -> TensorStats:
-    """Build :class:`TensorStats` from the ``[sum_abs, max_abs, nonfinite]`` a fused kernel wrote."""
-    return TensorStats(numel, parts[0], parts[1], int(parts[2]))
+def abs_max(x: torch.Tensor) -> tuple[float, bool]:
+    """``(max |x|, whether any element is inf or NaN)`` in one pass; max is 0 for an empty tensor."""
+    if x.numel() == 0:
+        return 0.0, False
+    if native.usable(x):
+        m, nf = native.ext().absmax(native.ptr(x), x.numel())
+        return m, bool(nf)
+    st = tensor_stats(x)
+    return st.max_abs, st.nonfinite > 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
-from gradsync.codecs.ops.reduce import TensorStats, stats_from_parts, tensor_stats
+from gradsync.codecs.ops.reduce import TensorStats, tensor_stats
 from gradsync.codecs.ops.workspace import Workspace
 
 
@@ -47,8 +47,15 @@ def f32(v: float) -> float:
 
 def f32_above(v: float) -> float:
     """The smallest float32 strictly greater than ``v``: ``key >= f32_above(v)`` is ``key > v``."""
-    t = torch.tensor([f32(v)], dtype=torch.float32)
-    return float(torch.nextafter(t, torch.tensor([math.inf], dtype=torch.float32)))
+    v = f32(v)
+    if math.isnan(v) or v == math.inf:
+        return v
+    if v == 0.0:
+        return 1.401298464324817e-45  # the smallest positive subnormal
+    bits = struct.unpack("<i", struct.pack("<f", v))[0]
+    # float32 bit patterns are ordered like sign-magnitude integers
+    bits = bits + 1 if v > 0 else bits - 1
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
 def keyed(x: torch.Tensor, key: Key) -> torch.Tensor:
@@ -67,12 +74,7 @@ def count_ge(x: torch.Tensor, thresholds: list[float], key: Key = Key.ABS) -> li
     if native.usable(x):
         counts: list[int] = []
         for start in range(0, len(ts), 16):
-            chunk = torch.tensor(ts[start : start + 16], dtype=torch.float32)
-            out = torch.empty(chunk.numel(), dtype=torch.int64)
-            native.ext().count_ge(
-                native.ptr(x), x.numel(), chunk.data_ptr(), chunk.numel(), int(key), out.data_ptr()
-            )
-            counts.extend(out.tolist())
+            counts.extend(native.ext().count_ge(native.ptr(x), x.numel(), ts[start : start + 16], int(key)))
         return counts
     k = keyed(x, key)
     return [int((k >= t).sum()) for t in ts]
@@ -145,21 +147,8 @@ class CandidateSet:
         floor = max(floor, at_least)
         expected = rank * n / sample.numel() if sample.numel() else n
         cap = min(n, max(int(1.5 * expected), 4096))
-        st = ws.get("scan_stats", 3, torch.float64)
         while True:
-            idx = ws.get("cand_idx", cap, torch.int32)
-            val = ws.get("cand_val", cap, torch.float32)
-            cnt = native.ext().scan_select(
-                native.ptr(x),
-                n,
-                f32(floor),
-                int(key),
-                want_sum,
-                idx.data_ptr(),
-                val.data_ptr(),
-                cap,
-                st.data_ptr(),
-            )
+            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws)
             if cnt > cap:  # more candidates than room: grow and scan again (ties or a bad sample)
                 cap = cnt
                 continue
@@ -167,12 +156,14 @@ class CandidateSet:
                 floor, rank = _lower_floor(sample, rank, at_least, ws)
                 continue
             break
-        idx, val = idx[:cnt], val[:cnt]
         keys = ws.get("cand_keys", cnt, torch.float32)
-        torch.abs(val, out=keys) if key == Key.ABS else (
-            keys.copy_(val) if key == Key.POS else torch.neg(val, out=keys)
-        )
-        return cls(x, key, floor, idx, val, keys, stats_from_parts(n, st.tolist()), ws)
+        if key == Key.ABS:
+            torch.abs(val, out=keys)
+        elif key == Key.POS:
+            keys.copy_(val)
+        else:
+            torch.neg(val, out=keys)
+        return cls(x, key, floor, idx, val, keys, stats, ws)
 
     @classmethod
     def _everything(cls, x: torch.Tensor, key: Key, at_least: float, ws: Workspace) -> CandidateSet:
@@ -198,28 +189,13 @@ class CandidateSet:
         ws = ws or Workspace()
         if not native.usable(x):
             return cls._everything(x, key, floor, ws)
-        n = x.numel()
-        cap = max(1, min(n, cap))
-        st = ws.get("scan_stats", 3, torch.float64)
+        cap = max(1, min(x.numel(), cap))
         while True:
-            idx = ws.get("cand_idx", cap, torch.int32)
-            val = ws.get("cand_val", cap, torch.float32)
-            cnt = native.ext().scan_select(
-                native.ptr(x),
-                n,
-                f32(floor),
-                int(key),
-                want_sum,
-                idx.data_ptr(),
-                val.data_ptr(),
-                cap,
-                st.data_ptr(),
-            )
+            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws)
             if cnt <= cap:
                 break
             cap = cnt
-        idx, val = idx[:cnt], val[:cnt]
-        return cls(x, key, floor, idx, val, keyed(val, key), stats_from_parts(n, st.tolist()), ws)
+        return cls(x, key, floor, idx, val, keyed(val, key), stats, ws)
 
     def count_ge(self, t: float) -> int:
         """Exact ``#{i : key(x_i) >= t}`` over the whole tensor."""
@@ -230,25 +206,46 @@ class CandidateSet:
             return int((self.keys >= t).sum())
         return count_ge(self.x, [t], self.key)[0]
 
-    def restrict(self, lo: float) -> CandidateSet:
-        """The elements with ``key >= lo`` as a new set (from the candidates when ``lo >= floor``)."""
-        lo = f32(lo)
+    def count_ge_many(self, thresholds: list[float]) -> list[int]:
+        """:meth:`count_ge` for many thresholds: one pass over the candidates (and at most one over
+        the full tensor, for the thresholds below the floor)."""
+        ts = [f32(t) for t in thresholds]
+        above = [t for t in ts if t >= self.floor]
+        below = [t for t in ts if t < self.floor]
+        counts: dict[float, int] = {}
+        if above:
+            if native.usable(self.keys):
+                counts.update(zip(above, count_ge(self.keys, above, Key.POS), strict=True))
+            else:
+                counts.update((t, int((self.keys >= t).sum())) for t in above)
+        if below:
+            counts.update(zip(below, count_ge(self.x, below, self.key), strict=True))
+        return [counts[t] for t in ts]
+
+    def restrict(self, lo: float, hi: float = math.inf) -> CandidateSet:
+        """The elements with ``lo <= key < hi`` as a new set (read from the candidates when
+        ``lo >= floor``, else from a new pass over the tensor)."""
+        lo, hi = f32(lo), f32(hi)
         if lo < self.floor:
             # a private workspace: this set's candidates are views into self.ws
             sub = CandidateSet.at(self.x, self.key, lo, Workspace(), cap=2 * self.count + 4096)
-            return dataclasses.replace(sub, stats=self.stats)
-        keep = self.keys >= lo
+            sub = dataclasses.replace(sub, stats=self.stats)
+            return sub if hi == math.inf else sub.restrict(lo, hi)
+        keep: torch.Tensor
+        if native.usable(self.keys):
+            pos = torch.empty(self.count, dtype=torch.int32)
+            m = native.ext().range_positions(native.ptr(self.keys), self.count, lo, hi, native.ptr(pos))
+            keep = pos[:m]
+        else:
+            keep = (self.keys >= lo) & (self.keys < hi)
         return dataclasses.replace(
             self, floor=lo, idx=self.idx[keep], val=self.val[keep], keys=self.keys[keep]
         )
 
     def select(self, lo: float, hi: float = math.inf) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices and values of the elements with ``lo <= key < hi``, in index order."""
-        sub = self.restrict(lo)
-        if hi == math.inf:
-            return sub.idx, sub.val
-        keep = sub.keys < f32(hi)
-        return sub.idx[keep], sub.val[keep]
+        sub = self.restrict(lo, hi)
+        return sub.idx, sub.val
 
     def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` candidates with the largest keys (all if fewer), in index order.
@@ -267,6 +264,20 @@ class CandidateSet:
             )
             return idx[:kept], val[:kept]
         return keep_largest(self.idx, self.val, self.keys, k, kth)
+
+
+def _native_scan(
+    x: torch.Tensor, key: Key, floor: float, want_sum: bool, cap: int, ws: Workspace
+) -> tuple[int, torch.Tensor, torch.Tensor, TensorStats]:
+    """One fused pass: count, compact (up to ``cap``) and measure. Returns views into ``ws``."""
+    idx = ws.get("cand_idx", cap, torch.int32)
+    val = ws.get("cand_val", cap, torch.float32)
+    n = x.numel()
+    cnt, s, m, nf = native.ext().scan_select(
+        native.ptr(x), n, f32(floor), int(key), want_sum, idx.data_ptr(), val.data_ptr(), cap
+    )
+    kept = min(cnt, cap)
+    return cnt, idx[:kept], val[:kept], TensorStats(n, s, m, nf)
 
 
 # Sample sizes for the floor estimate: about n / 256 elements, at least 4096, at most 65536.

@@ -34,6 +34,32 @@ def sparse_add_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, alpha: 
     return out.index_add_(0, idx.long(), v if alpha == 1.0 else v * alpha)
 
 
+def sparse_to_dense_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """``out = 0`` except ``out[idx[j]] = val[j]`` (duplicates add up), with bounds checks.
+
+    With strictly increasing int32 indices on the native path this is one streaming pass that
+    writes zeros only between the indices.
+    """
+    if idx.numel() != val.numel():
+        raise ValueError(f"idx and val must have the same length, got {idx.numel()} and {val.numel()}")
+    if (
+        native.usable(out, val)
+        and idx.dtype == torch.int32
+        and idx.is_contiguous()
+        and idx.device.type == "cpu"
+    ):
+        r = native.ext().sparse_to_dense(
+            native.ptr(out), out.numel(), native.ptr(idx), native.ptr(val), idx.numel()
+        )
+        if r == 0:
+            return out
+        if r == 1:
+            lo, hi = torch.aminmax(idx)
+            _check_range(int(lo), int(hi), out.numel())
+    out.zero_()
+    return sparse_add_(out, idx, val)
+
+
 def _check_range(lo: int, hi: int, n: int) -> None:
     if lo < 0 or hi >= n:
         bad = lo if lo < 0 else hi

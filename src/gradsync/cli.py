@@ -1,0 +1,53 @@
+"""The ``gradsync`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from gradsync import __version__
+
+
+def _cmd_codecs(args: argparse.Namespace) -> int:
+    from gradsync.codecs import codec_class, codec_names
+
+    for name in codec_names():
+        cls = codec_class(name)
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        options = ", ".join(
+            f"{f.name}={f.default}" for f in dataclasses.fields(cls.Config) if f.name != "compile"
+        )
+        traits = [t for t in ("aggregatable", "sparse", "lossless", "randomized") if getattr(cls, t)]
+        print(f"{name:13s} {doc}")
+        print(f"{'':13s} options: {options or '-'}{'; ' + ', '.join(traits) if traits else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description="Compression-aware data-parallel training.")
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("codecs", help="list the codecs and their options")
+    p.set_defaults(func=_cmd_codecs)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from gradsync.bench import codecs as bench_codecs
+
+    p = bsub.add_parser(
+        "codecs", help="encode/decode speed of every codec against the memory floor and torch.topk"
+    )
+    bench_codecs.add_arguments(p)
+    p.set_defaults(func=bench_codecs.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
