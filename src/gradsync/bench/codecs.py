@@ -26,7 +26,7 @@ import torch
 from gradsync.bench.timing import paired
 from gradsync.codecs import build_codec, codec_class, codec_names
 from gradsync.codecs.config import SparsityConfig
-from gradsync.codecs.ops import native
+from gradsync.codecs.ops import backend, native
 
 VARIANTS = ("eager", "torch", "compiled")
 
@@ -82,8 +82,7 @@ def bench_one(name: str, x: torch.Tensor, density: float | None, variant: str, b
     buf = torch.empty(codec.max_nbytes(x.numel(), shape), dtype=torch.uint8)
     out = torch.empty(shape)
     floor = x.sum
-    ctx = native.backend("torch") if variant == "torch" else native.backend(native.active())
-    with ctx:
+    with backend("torch" if variant == "torch" else "native"):
         enc = paired(lambda: codec.encode(xs, out=buf), floor, budget_s=budget)
         payload = codec.encode(xs, out=buf)  # the buffer now holds exactly this payload
         dec = paired(lambda: codec.decode(payload, out=out), floor, budget_s=budget)

@@ -20,6 +20,7 @@ Rules every codec follows:
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsync.codecs.config import CodecConfig
+from gradsync.codecs.ops.backend import backend
 from gradsync.codecs.ops.random import make_generator
 from gradsync.codecs.ops.workspace import Workspace
 from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Layout, Payload, allocate, write_header
@@ -58,7 +60,7 @@ class Stream:
 
 
 class Codec(abc.ABC):
-    """Base class: input checks, streams, state, payload plumbing, optional torch.compile."""
+    """Base class: input checks, streams, state, payload plumbing, the operator backend."""
 
     name: ClassVar[str]
     Config: ClassVar[type[CodecConfig]]
@@ -77,11 +79,8 @@ class Codec(abc.ABC):
         self.config = config
         self.ws = Workspace()
         self._streams: dict[str, Stream] = {}
-        self._encode_impl = self._encode
-        self._decode_impl = self._decode
-        if config.compile:
-            self._encode_impl = torch.compile(self._encode, dynamic=None)
-            self._decode_impl = torch.compile(self._decode, dynamic=None)
+        # compile=true: the common operators run their torch definitions through torch.compile
+        self._backend = "compiled" if config.compile else None
 
     # ------------------------------------------------------------------ public API
     def encode(
@@ -92,7 +91,8 @@ class Codec(abc.ABC):
         flat = self._flatten(x)
         self.check_numel(flat.numel())
         stream = self.stream(ctx.key)
-        payload = self._encode_impl(flat, x.shape, ctx, stream, out)
+        with self._ops_backend():
+            payload = self._encode(flat, x.shape, ctx, stream, out)
         stream.calls += 1
         return payload
 
@@ -114,8 +114,12 @@ class Codec(abc.ABC):
         if payload.nonfinite:
             flat.fill_(math.nan)
             return out
-        self._decode_impl(payload, flat, accumulate)
+        with self._ops_backend():
+            self._decode(payload, flat, accumulate)
         return out
+
+    def _ops_backend(self) -> contextlib.AbstractContextManager[None]:
+        return backend(self._backend) if self._backend else contextlib.nullcontext()
 
     def estimate_nbytes(
         self,

@@ -14,6 +14,7 @@ float32 CPU tensors, runs a fused native kernel when ``gradsync._native`` is ava
 - low rank: :func:`orthogonalize_`
 """
 
+from gradsync.codecs.ops.backend import BACKENDS, backend
 from gradsync.codecs.ops.bits import (
     SignStats,
     lut_decode,
@@ -26,7 +27,6 @@ from gradsync.codecs.ops.bits import (
 )
 from gradsync.codecs.ops.floats import FORMAT_MAX, CastStats, cast_checked, uncast
 from gradsync.codecs.ops.lowrank import orthogonalize_
-from gradsync.codecs.ops.native import backend
 from gradsync.codecs.ops.random import (
     draw_index,
     draw_words,
@@ -43,6 +43,7 @@ from gradsync.codecs.ops.sparse import gather, sparse_add_, sparse_to_dense_
 from gradsync.codecs.ops.workspace import Workspace
 
 __all__ = [
+    "BACKENDS",
     "FORMAT_MAX",
     "CandidateSet",
     "CastStats",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import compilable
 from gradsync.codecs.ops.random import hashed_uniform16
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -28,29 +29,36 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
 
 
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    c = codes.reshape(-1).to(torch.int32)
+    pad = (-c.numel()) % per
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad)])
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=c.device)
+    return (c.view(-1, per) << shifts).sum(1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=packed.device)
+    codes = (packed[: packed_nbytes(numel, bits)].long().unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:numel]
+
+
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack integer codes (each < 2**bits) into a uint8 tensor."""
     _check_bits(bits)
-    n = codes.numel()
-    nbytes = packed_nbytes(n, bits)
-    per = 8 // bits
-    c = codes.reshape(-1).to(torch.int32)
-    if n % per:
-        c = torch.cat([c, c.new_zeros(per - n % per)])
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=c.device)
-    packed = (c.view(-1, per) << shifts).sum(1).to(torch.uint8)
+    packed = _pack(codes, bits)
     if out is None:
         return packed
-    out[:nbytes].copy_(packed)
-    return out[:nbytes]
+    out[: packed.numel()].copy_(packed)
+    return out[: packed.numel()]
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int64 codes of length ``numel``."""
     _check_bits(bits)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=packed.device)
-    codes = (packed[: packed_nbytes(numel, bits)].long().unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:numel]
+    return _unpack(packed, bits, numel)
 
 
 def lut_decode(
@@ -65,8 +73,13 @@ def lut_decode(
         native.ext().lut_unpack(native.ptr(packed), n, bits, lut, native.ptr(out), accumulate)
         return out
     table = torch.tensor(lut, dtype=torch.float32, device=out.device)
-    vals = table[unpack_codes(packed, bits, n)].to(out.dtype)
+    vals = _lut(packed, table, bits, n).to(out.dtype)
     return out.add_(vals) if accumulate else out.copy_(vals)
+
+
+@compilable
+def _lut(packed: torch.Tensor, table: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    return table[_unpack(packed, bits, numel)]
 
 
 @dataclass(frozen=True)
@@ -86,32 +99,45 @@ def sign_pack(x: torch.Tensor, out: torch.Tensor) -> SignStats:
     if native.usable(x):
         sp, cp, sn, nf = native.ext().sign_pack(native.ptr(x), n, native.ptr(out))
         return SignStats(sp, cp, sn, n - cp, nf)
+    packed, st = _sign(x)
+    out[: packed.numel()].copy_(packed)
+    sp, cp, sn, nf = st.tolist()
+    return SignStats(sp, int(cp), sn, n - int(cp), int(nf))
+
+
+@compilable
+def _sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     nonneg = xf >= 0
-    pack_codes(nonneg, 1, out=out)
-    cp = int(nonneg.sum())
-    return SignStats(
-        float(xf[nonneg].sum()),
-        cp,
-        float(xf[~nonneg & ~xf.isnan()].sum()),
-        n - cp,
-        int((~torch.isfinite(xf)).sum()),
-    )
+    neg = xf < 0
+    parts = [
+        torch.where(nonneg, xf, 0.0).sum(),
+        nonneg.sum(),
+        torch.where(neg, xf, 0.0).sum(),
+        (~torch.isfinite(xf)).sum(),
+    ]
+    return _pack(nonneg, 1), torch.stack([p.to(torch.float64) for p in parts])
 
 
 def threshold_pack(x: torch.Tensor, tau: float, out: torch.Tensor) -> tuple[int, int]:
     """2-bit codes: 1 where ``x > tau``, 2 where ``x < -tau``, else 0.
 
-    Returns ``(number of non-zero codes, number of non-finite inputs)``.
+    Returns ``(number of non-zero codes, non-zero when any input is inf or NaN)``.
     """
     n = x.numel()
     if native.usable(x):
         return native.ext().ternary_pack(native.ptr(x), n, tau, native.ptr(out))
+    packed, st = _threshold(x, torch.tensor(tau, dtype=torch.float32, device=x.device))
+    out[: packed.numel()].copy_(packed)
+    nz, nf = st.tolist()
+    return nz, nf
+
+
+@compilable
+def _threshold(x: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    t = torch.tensor(tau, dtype=torch.float32)
-    codes = (xf > t).to(torch.int32) + 2 * (xf < -t).to(torch.int32)
-    pack_codes(codes, 2, out=out)
-    return int((codes != 0).sum()), int((~torch.isfinite(xf)).sum())
+    codes = (xf > tau).to(torch.int32) + 2 * (xf < -tau).to(torch.int32)
+    return _pack(codes, 2), torch.stack([(codes != 0).sum(), (~torch.isfinite(xf)).sum()])
 
 
 def stochastic_pack(
@@ -132,9 +158,18 @@ def stochastic_pack(
     if native.usable(x):
         native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out))
         return
+    dev = x.device
+    keys = torch.tensor([k1, k2], dtype=torch.int64, device=dev)
+    packed = _stochastic(x, torch.tensor(mult, dtype=torch.float32, device=dev), keys, levels, bits)
+    out[: packed.numel()].copy_(packed)
+
+
+@compilable
+def _stochastic(
+    x: torch.Tensor, mult: torch.Tensor, keys: torch.Tensor, levels: int, bits: int
+) -> torch.Tensor:
     xf = x.float()
-    f = hashed_uniform16(n, k1, k2, x.device) + 1.0  # exact: u has 16 bits
-    m = torch.tensor(mult, dtype=torch.float32, device=x.device)
-    lvl = (torch.floor(xf.abs() * m + f) - 1).nan_to_num(0.0).clamp(0, levels).to(torch.int32)
+    f = hashed_uniform16(xf.numel(), keys[0], keys[1], xf.device) + 1.0  # exact: u has 16 bits
+    lvl = (torch.floor(xf.abs() * mult + f) - 1).nan_to_num(0.0).clamp(0, levels).to(torch.int32)
     codes = lvl | (torch.signbit(xf).to(torch.int32) << (bits - 1))
-    pack_codes(codes, bits, out=out)
+    return _pack(codes, bits)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import compilable
 
 FORMAT_MAX = {torch.float16: 65504.0, torch.bfloat16: 3.3895313892515355e38}
 
@@ -31,19 +32,25 @@ def cast_checked(x: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.T
     if dtype not in FORMAT_MAX:
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     n = x.numel()
+    if n == 0:
+        return CastStats(0.0, 0, 0)
     if native.usable(x):
-        return CastStats(
-            *native.ext().to_half(native.ptr(x), n, scale, native.ptr(out), dtype == torch.bfloat16)
-        )
+        bf16 = dtype == torch.bfloat16
+        return CastStats(*native.ext().to_half(native.ptr(x), n, scale, native.ptr(out), bf16))
+    y, st = _cast(x, torch.tensor(scale, dtype=torch.float32, device=x.device), dtype)
+    out.view(dtype).copy_(y)
+    max_abs, nonfinite, inf = st.tolist()
+    return CastStats(max_abs, int(nonfinite), int(not nonfinite and inf))
+
+
+@compilable
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast and ``[max |x| (NaN ignored), any inf/NaN in x, any inf in the result]``."""
     xf = x.float()
     y = (xf * scale).to(dtype)
-    out.view(dtype).copy_(y)
-    finite = torch.isfinite(xf)
     a = xf.abs()
-    max_abs = float(torch.where(torch.isnan(a), 0.0, a).max()) if n else 0.0
-    nonfinite = int(not bool(finite.all()))
-    overflow = int(not nonfinite and bool(torch.isinf(y).any()))
-    return CastStats(max_abs, nonfinite, overflow)
+    flags = [torch.where(torch.isnan(a), 0.0, a).amax(), (~torch.isfinite(xf)).any(), torch.isinf(y).any()]
+    return y, torch.stack([f.float() for f in flags])
 
 
 def uncast(
@@ -51,9 +58,13 @@ def uncast(
 ) -> torch.Tensor:
     """``out (+)= float(h) * scale`` where ``h`` holds ``dtype`` bits."""
     if native.usable(out) and out.numel() == h.numel():
-        native.ext().from_half(
-            native.ptr(h), out.numel(), scale, native.ptr(out), dtype == torch.bfloat16, accumulate
-        )
+        bf16 = dtype == torch.bfloat16
+        native.ext().from_half(native.ptr(h), out.numel(), scale, native.ptr(out), bf16, accumulate)
         return out
-    v = h.view(dtype).to(out.dtype) * scale
+    v = _uncast(h.view(dtype), torch.tensor(scale, dtype=torch.float32, device=h.device), out.dtype)
     return out.add_(v) if accumulate else out.copy_(v)
+
+
+@compilable
+def _uncast(h: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (h.float() * scale).to(dtype)

@@ -3,17 +3,17 @@
 The kernels are an accelerator for the common operators, never a requirement: every operator
 has a torch implementation that is the definition (and the path on GPUs, under torch.compile,
 for dtypes other than float32, and where the extension is not built). :func:`usable` decides per
-call. :func:`backend` switches the native path off for a block of code, which the tests and the
-benchmark use to compare both paths in one process.
+call, following the backend chosen with :func:`gradsync.codecs.ops.backend`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import torch
+
+from gradsync.codecs.ops.backend import backend
+from gradsync.codecs.ops.backend import mode as backend_mode
+
+__all__ = ["AVAILABLE", "MAX_NUMEL", "backend", "enabled", "ext", "ptr", "usable"]
 
 try:  # the extension is optional (see setup.py)
     from gradsync import _native as _ext
@@ -26,29 +26,10 @@ except ImportError:  # pragma: no cover - depends on the build
 # Largest element count the kernels take (their indices are int32).
 MAX_NUMEL = 2**31 - 1
 
-_use_native: contextvars.ContextVar[bool] = contextvars.ContextVar("gradsync_use_native", default=True)
-
-
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    """Run a block with the ``"native"`` (default where available) or ``"torch"`` operators."""
-    if name not in ("native", "torch"):
-        raise ValueError(f"backend must be 'native' or 'torch', got {name!r}")
-    token = _use_native.set(name == "native")
-    try:
-        yield
-    finally:
-        _use_native.reset(token)
-
-
-def active() -> str:
-    """The backend operators use right now for eligible tensors: ``"native"`` or ``"torch"``."""
-    return "native" if AVAILABLE and _use_native.get() else "torch"
-
 
 def enabled() -> bool:
-    """True when native kernels may run at all in the current context (not while tracing)."""
-    return AVAILABLE and _use_native.get() and not torch.compiler.is_compiling()
+    """True when native kernels may run at all in the current context."""
+    return AVAILABLE and backend_mode() == "native" and not torch.compiler.is_compiling()
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import compilable
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,22 @@ def tensor_stats(x: torch.Tensor) -> TensorStats:
     if native.usable(x):
         s, m, nf, q = native.ext().stats(native.ptr(x), n)
         return TensorStats(n, s, m, nf, q)
+    s, m, nf, q = _stats(x).tolist()
+    return TensorStats(n, s, m, int(nf), q)
+
+
+@compilable
+def _stats(x: torch.Tensor) -> torch.Tensor:
+    """``[sum |x|, max |x| (NaN ignored), non-finite count, sum x^2]`` as float64."""
     xf = x.float()
     a = xf.abs()
-    finite = torch.isfinite(xf)
-    nonfinite = int(n - int(finite.sum()))
-    max_abs = float(torch.where(torch.isnan(a), 0.0, a).max())
-    return TensorStats(n, float(a.sum()), max_abs, nonfinite, float(xf.square().sum()))
+    parts = [
+        a.sum(),
+        torch.where(torch.isnan(a), 0.0, a).amax(),
+        (~torch.isfinite(xf)).sum(),
+        xf.square().sum(),
+    ]
+    return torch.stack([p.to(torch.float64) for p in parts])
 
 
 def abs_max(x: torch.Tensor) -> tuple[float, bool]:
@@ -62,5 +73,13 @@ def abs_max(x: torch.Tensor) -> tuple[float, bool]:
     if native.usable(x):
         m, nf = native.ext().absmax(native.ptr(x), x.numel())
         return m, bool(nf)
-    st = tensor_stats(x)
-    return st.max_abs, st.nonfinite > 0
+    m, nf = _absmax(x).tolist()
+    return m, nf > 0
+
+
+@compilable
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    a = x.float().abs()
+    return torch.stack(
+        [torch.where(torch.isnan(a), 0.0, a).amax(), (~torch.isfinite(a)).any().to(torch.float32)]
+    )

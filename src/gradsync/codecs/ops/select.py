@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import compilable
 from gradsync.codecs.ops.reduce import TensorStats, tensor_stats
 from gradsync.codecs.ops.workspace import Workspace
 
@@ -76,8 +77,14 @@ def count_ge(x: torch.Tensor, thresholds: list[float], key: Key = Key.ABS) -> li
         for start in range(0, len(ts), 16):
             counts.extend(native.ext().count_ge(native.ptr(x), x.numel(), ts[start : start + 16], int(key)))
         return counts
-    k = keyed(x, key)
-    return [int((k >= t).sum()) for t in ts]
+    thresholds_t = torch.tensor(ts, dtype=torch.float32, device=x.device)
+    return [int(c) for c in _count_ge(x, thresholds_t, int(key)).tolist()]
+
+
+@compilable
+def _count_ge(x: torch.Tensor, ts: torch.Tensor, key: int) -> torch.Tensor:
+    k = keyed(x, Key(key))
+    return torch.stack([(k >= ts[j]).sum() for j in range(ts.numel())])
 
 
 def kth_largest(keys: torch.Tensor, k: int, ws: Workspace | None = None) -> float:

@@ -1,0 +1,63 @@
+"""Which implementation the common operators run: native kernels, eager torch, or torch.compile.
+
+- ``"native"`` (default): the fused kernels of ``gradsync._native`` for contiguous float32 CPU
+  tensors where the extension is built, eager torch for everything else;
+- ``"torch"``: every operator in eager torch (the definitions; also what runs on GPUs);
+- ``"compiled"``: the torch definitions through ``torch.compile`` (Inductor generates fused C++
+  on CPU and Triton on GPU). A codec built with ``compile=true`` encodes and decodes in this mode.
+
+The mode is a context variable, so it is per thread and per task and never leaks out of a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+BACKENDS = ("native", "torch", "compiled")
+
+_mode: contextvars.ContextVar[str] = contextvars.ContextVar("gradsync_ops_backend", default="native")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Run a block with the given operator backend (one of ``BACKENDS``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    token = _mode.set(name)
+    try:
+        yield
+    finally:
+        _mode.reset(token)
+
+
+def mode() -> str:
+    """The backend selected in this context."""
+    return _mode.get()
+
+
+def compilable(fn: F) -> F:
+    """Mark a pure tensor function (tensors in, tensors out) as one to compile in compiled mode.
+
+    Scalars that change from call to call must be passed as 0-dim tensors, or every new value
+    would trigger a recompilation. The compiled version is built on first use, with dynamic shapes.
+    """
+    compiled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        nonlocal compiled
+        if _mode.get() != "compiled" or torch.compiler.is_compiling():
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args)
+
+    return run  # type: ignore[return-value]
