@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # bad option values: a message, not a traceback
+        print(f"gradsync: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = [v.strip() for v in args.variants.split(",")]
     for v in variants:
         if v not in VARIANTS:
-            raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+            raise ValueError(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(args.seed)
     jobs = []
@@ -264,9 +264,9 @@ def _float_list(text: str) -> list[float]:
 
 def main(args: argparse.Namespace) -> int:
     if args.threads < 1:
-        raise SystemExit("--threads must be at least 1")
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.budget <= 0:
-        raise SystemExit("--budget must be positive")
+        raise ValueError(f"--budget must be positive, got {args.budget}")
     result = run(args)
     print_table(result)
     if args.json:

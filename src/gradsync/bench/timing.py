@@ -10,15 +10,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Paired:
-    """Median seconds of a function and of a reference timed alternately in the same loop."""
+    """A function and a reference timed alternately in the same loop.
+
+    ``seconds`` and ``reference`` are medians; ``ratio`` is the median of the per-pair ratios,
+    each taken between two adjacent calls, which cancels slow drifts of the machine.
+    """
 
     seconds: float
     reference: float
+    ratio: float
     reps: int
-
-    @property
-    def ratio(self) -> float:
-        return self.seconds / self.reference if self.reference > 0 else float("inf")
 
 
 def _once(fn: Callable[[], object]) -> float:
@@ -54,4 +55,6 @@ def paired(
         spent += ta + tb
         if ta > 1.0 and len(a) >= 3:  # very slow calls: three samples are enough
             break
-    return Paired(statistics.median(a), statistics.median(b), len(a))
+    ratios = [ta / tb for ta, tb in zip(a, b, strict=True) if tb > 0]
+    ratio = statistics.median(ratios) if ratios else float("inf")
+    return Paired(statistics.median(a), statistics.median(b), ratio, len(a))
