@@ -35,11 +35,15 @@ def test_bench_codecs_writes_consistent_json(tmp_path, capsys):
         "0.01",
         "--json",
         str(path),
+        "--markdown",
+        str(tmp_path / "b.md"),
     ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "torch.topk" in table and "enc/floor" in table
     result = json.loads(path.read_text())
+    lines = (tmp_path / "b.md").read_text().splitlines()
+    assert lines[0].startswith("| codec | variant |") and len(lines) == 2 + len(result["rows"])
     assert result["threads"] == 1
     rows = result["rows"]
     assert {(r["codec"], r["log2"]) for r in rows} == {

@@ -181,45 +181,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+COLUMNS = (
+    "codec", "variant", "n", "density", "encode ms", "enc/floor", "decode ms", "dec/floor", "payload B",
+    "ratio", "vs torch.topk",
+)  # fmt: skip
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    def f(v: float | None, fmt: str) -> str:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    return [
+        r["codec"], r["variant"], f"2^{r['log2']}", f(r["density"], "g"), f(r["encode_ms"], ".3f"),
+        f(r["encode_x_floor"], ".2f"), f(r["decode_ms"], ".3f"), f(r["decode_x_floor"], ".2f"),
+        f(r["payload_bytes"] or None, "d"), f(r["compression"], ".1f"), f(r["vs_torch_topk"], ".1f"),
+    ]  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The result table as GitHub markdown."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"codec speed, {result['threads']} thread(s), ratios to the read floor x.sum() in the same run"
-    )
-    for col in (
-        "codec",
-        "variant",
-        "n",
-        "density",
-        "encode ms",
-        "enc/floor",
-        "decode ms",
-        "dec/floor",
-        "payload B",
-        "ratio",
-        "vs torch.topk",
-    ):
+    title = f"codec speed, {result['threads']} thread(s), ratios to the read floor x.sum() in the same run"
+    table = Table(title=title)
+    for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("codec", "variant") else "right")
-
-    def f(v: float | None, fmt: str) -> str:
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
-
     for r in result["rows"]:
-        table.add_row(
-            r["codec"],
-            r["variant"],
-            f"2^{r['log2']}",
-            f(r["density"], "g"),
-            f(r["encode_ms"], ".3f"),
-            f(r["encode_x_floor"], ".2f"),
-            f(r["decode_ms"], ".3f"),
-            f(r["decode_x_floor"], ".2f"),
-            f(r["payload_bytes"] or None, "d"),
-            f(r["compression"], ".1f"),
-            f(r["vs_torch_topk"], ".1f"),
-        )
+        table.add_row(*_cells(r))
     console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(table)
 
@@ -240,6 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as markdown")
 
 
 def _int_list(text: str) -> list[int]:
@@ -272,4 +268,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(markdown(result))
     return 0

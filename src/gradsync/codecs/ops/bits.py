@@ -40,8 +40,8 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=packed.device)
-    codes = (packed[: packed_nbytes(numel, bits)].long().unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    codes = (packed[: packed_nbytes(numel, bits)].to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:numel]
 
 
@@ -58,7 +58,7 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int64 codes of length ``numel``."""
     _check_bits(bits)
-    return _unpack(packed, bits, numel)
+    return _unpack(packed, bits, numel).long()
 
 
 def lut_decode(

@@ -208,9 +208,7 @@ class CandidateSet:
         """Exact ``#{i : key(x_i) >= t}`` over the whole tensor."""
         t = f32(t)
         if t >= self.floor:
-            if native.usable(self.keys):
-                return count_ge(self.keys, [t], Key.POS)[0]
-            return int((self.keys >= t).sum())
+            return count_ge(self.keys, [t], Key.POS)[0]
         return count_ge(self.x, [t], self.key)[0]
 
     def count_ge_many(self, thresholds: list[float]) -> list[int]:
@@ -221,10 +219,7 @@ class CandidateSet:
         below = [t for t in ts if t < self.floor]
         counts: dict[float, int] = {}
         if above:
-            if native.usable(self.keys):
-                counts.update(zip(above, count_ge(self.keys, above, Key.POS), strict=True))
-            else:
-                counts.update((t, int((self.keys >= t).sum())) for t in above)
+            counts.update(zip(above, count_ge(self.keys, above, Key.POS), strict=True))
         if below:
             counts.update(zip(below, count_ge(self.x, below, self.key), strict=True))
         return [counts[t] for t in ts]
