@@ -40,9 +40,12 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    codes = (packed[: packed_nbytes(numel, bits)].to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:numel]
+    # element i: byte i // per, shifted by (i % per) * bits; written per element so that
+    # torch.compile turns it into one loop
+    per = 8 // bits
+    i = torch.arange(numel, dtype=torch.int32, device=packed.device)
+    byte = packed[i // per].to(torch.int32)
+    return (byte >> ((i % per) * bits)) & ((1 << bits) - 1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -95,7 +95,7 @@ def kth_largest(keys: torch.Tensor, k: int, ws: Workspace | None = None) -> floa
     if native.usable(keys):
         scratch = (ws or Workspace()).get("kth", n, torch.float32)
         return native.ext().kth_largest(native.ptr(keys), n, k, int(Key.POS), scratch.data_ptr())
-    return float(torch.kthvalue(keys.float().cpu(), n - k + 1).values)
+    return float(torch.topk(keys.float(), k, sorted=False).values.min())
 
 
 def keep_largest(
@@ -174,13 +174,12 @@ class CandidateSet:
 
     @classmethod
     def _everything(cls, x: torch.Tensor, key: Key, at_least: float, ws: Workspace) -> CandidateSet:
-        keys = keyed(x, key)
-        keys = torch.where(torch.isnan(keys), -math.inf, keys)
+        keys = torch.nan_to_num(keyed(x, key), nan=-math.inf)
         idx = torch.arange(x.numel(), device=x.device)
-        if at_least > -math.inf:
-            keep = keys >= f32(at_least)
-            idx, keys = idx[keep], keys[keep]
-        return cls(x, key, at_least, idx, x[idx], keys, tensor_stats(x), ws)
+        if at_least == -math.inf:
+            return cls(x, key, at_least, idx, x, keys, tensor_stats(x), ws)
+        keep = torch.nonzero(keys >= f32(at_least)).flatten()
+        return cls(x, key, at_least, idx[keep], x[keep], keys[keep], tensor_stats(x), ws)
 
     @classmethod
     def at(
