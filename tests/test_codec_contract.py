@@ -213,3 +213,10 @@ def test_state_dict_is_weights_only_loadable(backend, spec, tmp_path):
     b.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     x = torch.randn(20, 30)
     assert torch.equal(a.encode(x, EncodeContext(key="k")).data, b.encode(x, EncodeContext(key="k")).data)
+
+
+def test_powersgd_rejects_a_payload_of_another_rank(backend):
+    a, b = gradsync.build_codec("powersgd:rank=2"), gradsync.build_codec("powersgd:rank=3")
+    p = a.encode(torch.randn(40, 50))
+    with pytest.raises(ValueError, match="does not fit rank 3"):
+        b.payload_from_bytes(p.data.clone(), p.shape, p.dtype)

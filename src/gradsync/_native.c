@@ -678,7 +678,26 @@ static void cast_stats(int32_t top, float scale, float limit, double *st) {
     st[2] = (!nonfinite && fabsf(m * scale) >= limit) ? 1.0 : 0.0;
 }
 
-static KERNEL void k_to_half(const float *x, int64_t n, float scale, uint16_t *out, double *st) {
+static inline uint16_t bf16_round1(float y) {
+    uint32_t u;
+    memcpy(&u, &y, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline KERNEL __m128i bf16_round8(__m256i u) {
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    __m256i hi = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+}
+
+/* eight floats (as bits) to eight fp16 or bf16 values */
+static inline KERNEL __m128i to16x8(__m256i b, int bf16) {
+    return bf16 ? bf16_round8(b) : _mm256_cvtps_ph(_mm256_castsi256_ps(b), _MM_FROUND_TO_NEAREST_INT);
+}
+
+static KERNEL void k_to_16bit(const float *x, int64_t n, float scale, uint16_t *out, double *st, int bf16) {
     const __m256 sv = _mm256_set1_ps(scale);
     const __m256i am = _mm256_set1_epi32(0x7fffffff);
     __m256i mb = _mm256_setzero_si256();
@@ -687,22 +706,23 @@ static KERNEL void k_to_half(const float *x, int64_t n, float scale, uint16_t *o
         for (; i + 8 <= n; i += 8) {
             __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
             mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
-            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_castsi256_ps(b), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(out + i), to16x8(b, bf16));
         }
     } else {
         for (; i + 8 <= n; i += 8) {
             __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
             mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
             __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(b), sv);
-            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(out + i), to16x8(_mm256_castps_si256(y), bf16));
         }
     }
     int32_t top;
     int64_t tail = i;
     absmax_finish(mb, x, i, n, &top);
-    for (i = tail; i < n; i++) out[i] = (uint16_t)_cvtss_sh(x[i] * scale, _MM_FROUND_TO_NEAREST_INT);
-    /* 65520 = 65504 + half an ulp: the smallest magnitude that rounds to inf */
-    cast_stats(top, scale, 65520.0f, st);
+    for (i = tail; i < n; i++)
+        out[i] = bf16 ? bf16_round1(x[i] * scale) : (uint16_t)_cvtss_sh(x[i] * scale, _MM_FROUND_TO_NEAREST_INT);
+    /* the largest finite value plus half an ulp: the smallest magnitude that rounds to inf */
+    cast_stats(top, scale, bf16 ? 3.3961775292304142e38f : 65520.0f, st);
 }
 
 /* from_half: out (=|+=) float(h) * scale */
@@ -718,47 +738,6 @@ static KERNEL void k_from_half(const uint16_t *h, int64_t n, float scale, float 
         float v = _cvtsh_ss(h[i]) * scale;
         out[i] = accumulate ? out[i] + v : v;
     }
-}
-
-static inline uint16_t bf16_round1(float y) {
-    uint32_t u;
-    memcpy(&u, &y, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline KERNEL __m128i bf16_round8(__m256i u) {
-    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
-    __m256i hi = _mm256_srli_epi32(r, 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-}
-
-static KERNEL void k_to_bf16(const float *x, int64_t n, float scale, uint16_t *out, double *st) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    const __m256i am = _mm256_set1_epi32(0x7fffffff);
-    __m256i mb = _mm256_setzero_si256();
-    int64_t i = 0;
-    if (scale == 1.0f) {
-        for (; i + 8 <= n; i += 8) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
-            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
-            _mm_storeu_si128((__m128i *)(out + i), bf16_round8(b));
-        }
-    } else {
-        for (; i + 8 <= n; i += 8) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
-            mb = _mm256_max_epi32(mb, _mm256_and_si256(b, am));
-            __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(b), sv);
-            _mm_storeu_si128((__m128i *)(out + i), bf16_round8(_mm256_castps_si256(y)));
-        }
-    }
-    int32_t top;
-    int64_t tail = i;
-    absmax_finish(mb, x, i, n, &top);
-    for (i = tail; i < n; i++) out[i] = bf16_round1(x[i] * scale);
-    /* the largest bf16 plus half an ulp: the smallest magnitude that rounds to inf */
-    cast_stats(top, scale, 3.3961775292304142e38f, st);
 }
 
 static KERNEL void k_from_bf16(const uint16_t *h, int64_t n, float scale, float *out, int accumulate) {
@@ -1055,8 +1034,7 @@ static PyObject *py_to_half(PyObject *self, PyObject *args) {
     int bf16;
     double st[3];
     if (!PyArg_ParseTuple(args, "KLfKp", &x, &n, &scale, &out, &bf16)) return NULL;
-    Py_BEGIN_ALLOW_THREADS if (bf16) k_to_bf16(PTR(const float, x), n, scale, PTR(uint16_t, out), st);
-    else k_to_half(PTR(const float, x), n, scale, PTR(uint16_t, out), st);
+    Py_BEGIN_ALLOW_THREADS k_to_16bit(PTR(const float, x), n, scale, PTR(uint16_t, out), st, bf16);
     Py_END_ALLOW_THREADS return Py_BuildValue("(dLL)", st[0], (long long)st[1], (long long)st[2]);
 }
 

@@ -131,6 +131,16 @@ class PowerSGD(Codec):
         lay.view(data, "q").copy_(q.reshape(-1))
         return self._finish(data, payload, Header(count=self.config.rank, flags=nonfinite_flag(st.nonfinite)))
 
+    def payload_nbytes(self, payload: Payload) -> int:
+        h = payload.header
+        dense = bool(h.flags & Flag.DENSE)
+        if dense == self.compresses(payload.shape) or (not dense and h.count != self.config.rank):
+            raise ValueError(
+                f"{self.name}: header (count={h.count}, flags={h.flags!r}) does not fit "
+                f"rank {self.config.rank} for shape {tuple(payload.shape)}"
+            )
+        return super().payload_nbytes(payload)
+
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
         lay = self._layout(payload.shape)
         if payload.header.flags & Flag.DENSE:
@@ -138,7 +148,7 @@ class PowerSGD(Codec):
             out.add_(v) if accumulate else out.copy_(v)
             return
         rows, cols = matrix_shape(payload.shape)
-        r = payload.header.count
+        r = self.config.rank
         p = lay.view(payload.data, "p").view(rows, r)
         q = lay.view(payload.data, "q").view(cols, r)
         if out.dtype != torch.float32:
