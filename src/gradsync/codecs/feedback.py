@@ -17,6 +17,9 @@ momentum are kept in the current scale's units for speed and rescaled when it ch
 payload and leaves every piece of state untouched, so the step a GradScaler skips never leaks
 into the residual.
 
+Half-precision gradients are accumulated in float32 (the residual, and so the payload and its
+decode, are float32).
+
 Local clipping (``clip``): before accumulation the gradient is scaled so that its L2 norm
 (unscaled) is at most ``clip``. Paper 04 clips with the global threshold divided by sqrt(world
 size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound.
