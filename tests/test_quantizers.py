@@ -169,3 +169,9 @@ def test_none_is_the_identity(dtype):
     p = codec.encode(x)
     y = codec.decode(p)
     assert y.dtype == dtype and torch.equal(y, x)
+
+
+def test_powersgd_exact_on_a_matrix_of_lower_rank_than_requested(backend):
+    m = torch.randn(30, 2) @ torch.randn(2, 40)
+    codec = gradsync.build_codec("powersgd:rank=4")
+    torch.testing.assert_close(codec.decode(codec.encode(m)), m, rtol=1e-4, atol=1e-4)

@@ -72,6 +72,10 @@ class Codec(abc.ABC):
     lossless: ClassVar[bool] = False
     randomized: ClassVar[bool] = False
     """Encoding draws random numbers (from the stream's generator)."""
+    summable: ClassVar[bool] = False
+    """Payloads have a value section (:meth:`values`) that adds up across ranks in one round."""
+    agreed_scale: ClassVar[bool] = False
+    """Payloads only sum when encoded with the same ``EncodeContext.amax`` on every rank."""
 
     def __init__(self, config: CodecConfig) -> None:
         if not isinstance(config, self.Config):
@@ -160,6 +164,11 @@ class Codec(abc.ABC):
     def payload_nbytes(self, payload: Payload) -> int:
         """The size a payload must have given its header (variable-size codecs override)."""
         return self.estimate_nbytes(payload.numel, payload.shape, payload.dtype)
+
+    def values(self, payload: Payload) -> torch.Tensor | None:
+        """The section of a payload that can be summed across ranks in place (single-round
+        summable codecs: none, fp16, bf16); None for every other codec."""
+        return None
 
     def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
         """Indices (into the flattened tensor) a sparse payload carries; ``None`` for dense codecs."""

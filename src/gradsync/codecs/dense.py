@@ -41,6 +41,7 @@ class NoCompression(Codec):
     name = "none"
     Config = NoneConfig
     aggregatable = True
+    summable = True
     lossless = True
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +105,8 @@ class _HalfCodec(Codec):
     """Shared by fp16 and bf16."""
 
     aggregatable = True
+    summable = True
+    agreed_scale = True
     StreamType = CastStream
     fmt: ClassVar[torch.dtype]
     config: HalfConfig

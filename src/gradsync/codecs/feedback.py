@@ -62,6 +62,9 @@ class FeedbackStream:
     # work buffers (not state): the next residual / momentum is computed here, then swapped in
     spare: torch.Tensor | None = None
     spare_u: torch.Tensor | None = None
+    # the step between accumulate() and commit()/discard()
+    pending: torch.Tensor | None = None
+    pending_u: torch.Tensor | None = None
 
 
 def _buffer(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -104,11 +107,28 @@ class ErrorFeedback:
     ) -> Payload:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
+        v = self.accumulate(grad, ctx.key, loss_scale)
+        payload = self.codec.encode(v.view(grad.shape), ctx, out=out)
+        if payload.nonfinite:
+            self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
+            return payload
+        sent = self.codec.transmitted(payload)
+        if sent is not None:
+            self.commit(ctx.key, indices=sent[0], values=sent[1])
+        else:
+            self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
+        return payload
+
+    # The three steps of encode(), for protocols that compress in several rounds (PowerSGD in a
+    # collective): accumulate() returns the buffer to compress, commit() takes what was sent.
+    def accumulate(self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0) -> torch.Tensor:
+        """The flat tensor to compress for this step: residual + gradient (with momentum
+        correction and clipping as configured). Pending until :meth:`commit` or :meth:`discard`."""
         if not (loss_scale > 0 and math.isfinite(loss_scale)):
             raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
         flat = self.codec._flatten(grad)
         work_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-        s = self._streams.setdefault(ctx.key, FeedbackStream())
+        s = self._streams.setdefault(key, FeedbackStream())
         n = flat.numel()
         if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
             s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
@@ -128,7 +148,7 @@ class ErrorFeedback:
                 alpha = self.config.clip / norm
         v = _buffer(s.spare, s.residual)
         m = self.config.momentum
-        new_u = None
+        s.pending_u = None
         if m > 0:
             u = s.momentum if s.momentum is not None else torch.zeros_like(s.residual)
             new_u = _buffer(s.spare_u, s.residual)
@@ -138,24 +158,48 @@ class ErrorFeedback:
             else:  # u' = m u + g; v = r + u'
                 torch.mul(u, m, out=new_u).add_(g, alpha=alpha)
                 torch.add(s.residual, new_u, out=v)
+            s.pending_u = new_u
         else:
             torch.add(s.residual, g, alpha=alpha, out=v)
-        payload = self.codec.encode(v.view(grad.shape), ctx, out=out)
-        if payload.nonfinite:
-            s.spare, s.spare_u = v, new_u
-            return payload  # a skipped step: residual and momentum stay as they were
-        sent = self.codec.transmitted(payload)
-        if sent is not None:
-            idx, values = sent
-            v.index_add_(0, idx.long(), values.to(v.dtype), alpha=-1)
+        s.pending = v
+        return v
+
+    def commit(
+        self,
+        key: str = "",
+        *,
+        dense: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+    ) -> None:
+        """Keep ``pending - sent`` as the new residual. ``sent`` is a dense flat tensor, or
+        distinct ``indices`` with their decoded ``values`` (then momentum masking applies)."""
+        s = self._streams.get(key)
+        if s is None or s.pending is None:
+            raise RuntimeError(f"ef: commit({key!r}) without a pending accumulate()")
+        v = s.pending
+        if indices is not None:
+            assert values is not None
+            v.index_add_(0, indices.long(), values.to(v.dtype), alpha=-1)
+        elif dense is not None:
+            v.sub_(dense.to(v.dtype))
         else:
-            v.sub_(self.codec.decode(payload).view(-1).to(v.dtype))
+            raise ValueError("ef: commit needs dense= or indices= and values=")
         s.spare, s.residual = s.residual, v
-        if new_u is not None:
+        if s.pending_u is not None:
             if self.config.masking:
-                new_u.index_fill_(0, sent[0].long(), 0)
-            s.spare_u, s.momentum = s.momentum, new_u
-        return payload
+                if indices is None:
+                    raise ValueError("ef: momentum masking needs the transmitted indices")
+                s.pending_u.index_fill_(0, indices.long(), 0)
+            s.spare_u, s.momentum = s.momentum, s.pending_u
+        s.pending = s.pending_u = None
+
+    def discard(self, key: str = "") -> None:
+        """Drop a pending step (its gradient was non-finite): residual and momentum unchanged."""
+        s = self._streams.get(key)
+        if s is not None and s.pending is not None:
+            s.spare, s.spare_u = s.pending, s.pending_u
+            s.pending = s.pending_u = None
 
     def decode(
         self, payload: Payload, *, out: torch.Tensor | None = None, accumulate: bool = False

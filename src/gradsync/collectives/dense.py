@@ -1,0 +1,146 @@
+"""Dense all-reduce algorithms that respect the node hierarchy (papers 01 and 03).
+
+- ``flat``: one all-reduce over the world (the reference). On m nodes its ring crosses each
+  node cable with 2(p-1)/p of the data.
+- ``hierarchical`` (paper 03): reduce inside the node onto local rank 0, all-reduce among those
+  leaders across nodes, broadcast inside the node. Fewer steps on the slow level: 2(m-1) instead
+  of 2(p-1); good for small tensors.
+- ``torus2d`` (paper 01's 2D-torus all-reduce): reduce-scatter inside the node, all-reduce of
+  every shard across nodes (the per_node inter-node groups run in parallel on their own shard),
+  all-gather inside the node. Each node cable carries 2(m-1)/m of the data instead of 2(p-1)/p.
+- ``hybrid`` (paper 03): ``small`` below a size threshold (bytes), ``large`` above it.
+
+Any algorithm can communicate in fp16 or bf16 (``comm_dtype``): the tensor goes through the fp16 /
+bf16 codec with a scale agreed from the global max and the world size, so partial sums can never
+overflow; the value section is reduced and decoded back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gradsync.codecs import EncodeContext, build_codec
+from gradsync.codecs.ops import abs_max
+from gradsync.collectives import primitives as P
+from gradsync.collectives.topology import Topology
+
+ALGORITHMS = ("flat", "hierarchical", "torus2d", "hybrid")
+OPS = ("sum", "mean")
+COMM_DTYPES = (None, "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class HybridPolicy:
+    """``hybrid``: use ``small`` below ``threshold`` bytes and ``large`` from there on.
+
+    The default threshold comes from `gradsync bench collectives` on the emulated 2x2 cluster at
+    100 Mbit/s (see docs/benchmarks.md): below it the latency of torus2d's extra steps costs
+    more than the bandwidth it saves.
+    """
+
+    threshold: int = 256 * 1024
+    small: str = "hierarchical"
+    large: str = "torus2d"
+
+    def __post_init__(self) -> None:
+        if self.threshold < 0:
+            raise ValueError(f"hybrid threshold must be >= 0 bytes, got {self.threshold}")
+        for name in (self.small, self.large):
+            if name not in ("flat", "hierarchical", "torus2d"):
+                raise ValueError(f"hybrid algorithms must be flat, hierarchical or torus2d, got {name!r}")
+
+    def pick(self, nbytes: int) -> str:
+        return self.small if nbytes < self.threshold else self.large
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    topology: Topology | None = None,
+    algorithm: str = "flat",
+    op: str = "mean",
+    comm_dtype: str | None = None,
+    hybrid: HybridPolicy | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks in place (``op``: ``sum`` or ``mean``) and return it.
+
+    ``topology`` is needed for every algorithm but ``flat``. With ``check`` (default) the ranks
+    first agree on size, dtype and arguments (one tiny all-gather), so a mismatch raises
+    :class:`~gradsync.collectives.primitives.MismatchError` on every rank instead of hanging.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"comm_dtype must be None, 'fp16' or 'bf16', got {comm_dtype!r}")
+    if not tensor.is_floating_point() and (op == "mean" or comm_dtype is not None):
+        raise TypeError(f"op='mean' and comm_dtype need a floating tensor, got {tensor.dtype}")
+    if algorithm != "flat" and topology is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a topology (gradsync.Topology)")
+    topo = topology or Topology()
+    if check:
+        P.check_same(
+            topo.world_group, tensor.device, numel=tensor.numel(), dtype=str(tensor.dtype),
+            algorithm=algorithm, op=op, comm_dtype=str(comm_dtype),
+        )  # fmt: skip
+    if topo.world == 1:
+        return tensor
+    buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    if algorithm == "hybrid":
+        algorithm = (hybrid or HybridPolicy()).pick(buf.numel() * buf.element_size())
+    if comm_dtype is None:
+        _run(buf, topo, algorithm)
+    else:
+        _run_low_precision(buf, topo, algorithm, comm_dtype)
+    if op == "mean":
+        buf.div_(topo.world)
+    if buf.data_ptr() != tensor.data_ptr():
+        tensor.copy_(buf.view(tensor.shape))
+    return tensor
+
+
+def _run(buf: torch.Tensor, topo: Topology, algorithm: str) -> None:
+    if algorithm == "flat":
+        P.all_reduce(buf, topo.world_group, "world")
+    elif algorithm == "hierarchical":
+        hierarchical(buf, topo)
+    else:
+        torus2d(buf, topo)
+
+
+def hierarchical(buf: torch.Tensor, topo: Topology) -> None:
+    """Paper 03's three phases on a flat buffer (sum)."""
+    P.reduce(buf, topo.leader, topo.intra_group, "intra")
+    if topo.local_rank == 0:  # the leaders' inter-node group is the one of local index 0
+        P.all_reduce(buf, topo.inter_group, "inter")
+    P.broadcast(buf, topo.leader, topo.intra_group, "intra")
+
+
+def torus2d(buf: torch.Tensor, topo: Topology) -> None:
+    """Paper 01's 2D-torus all-reduce on a flat buffer (sum)."""
+    n = topo.per_node
+    shard_len = -(-buf.numel() // n)
+    padded = (
+        buf if shard_len * n == buf.numel() else torch.cat([buf, buf.new_zeros(shard_len * n - buf.numel())])
+    )
+    shard = buf.new_empty(shard_len)
+    P.reduce_scatter(shard, padded, topo.intra_group, "intra")
+    P.all_reduce(shard, topo.inter_group, "inter")
+    P.all_gather(padded, shard, topo.intra_group, "intra")
+    if padded.data_ptr() != buf.data_ptr():
+        buf.copy_(padded[: buf.numel()])
+
+
+def _run_low_precision(buf: torch.Tensor, topo: Topology, algorithm: str, comm_dtype: str) -> None:
+    codec = build_codec(f"{comm_dtype}")
+    # the scale must be the same everywhere: agree on the global max first
+    local = torch.tensor([abs_max(buf)[0]], dtype=torch.float32, device=buf.device)
+    P.all_reduce(local, topo.world_group, "world", op=dist.ReduceOp.MAX)
+    payload = codec.encode(buf, EncodeContext(summands=topo.world, amax=float(local)))
+    values = codec.values(payload)
+    _run(values, topo, algorithm)
+    codec.decode(payload, out=buf)

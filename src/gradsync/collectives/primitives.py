@@ -1,0 +1,255 @@
+"""Thin, typed wrappers over torch.distributed used by every algorithm.
+
+They add three things the algorithms need and torch.distributed does not give:
+
+- byte accounting per level (:class:`Traffic`), with the standard per-rank send volumes of each
+  collective (ring all-reduce ``2(p-1)/p * S``, all-gather and reduce-scatter ``(p-1)/p * S``, ...);
+- exchange of byte buffers whose sizes differ across ranks (payloads), by first exchanging sizes
+  as an int64 tensor, then padding (all-gather) or splitting (all-to-all): tensors only, no pickle;
+- :func:`check_same`: a tiny all-gather of a signature before the real work, so that ranks that
+  disagree (tensor size, codec, algorithm) fail with a message naming them instead of hanging.
+
+Only tensors move. A ``group`` of ``None`` means the default (world) group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# all_gather_single is the new name (torch >= 2.13); all_gather_into_tensor exists since 2.0
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent, per level (``intra``, ``inter``, ``world``), and collective calls."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+
+    def add(self, level: str, nbytes: float) -> None:
+        self.sent[level] = self.sent.get(level, 0) + int(nbytes)
+        self.calls += 1
+
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+
+_traffic: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar("gradsync_traffic", default=None)
+
+
+@contextlib.contextmanager
+def record_traffic() -> Iterator[Traffic]:
+    """Count the bytes the collectives of this block send from this rank."""
+    t = Traffic()
+    token = _traffic.set(t)
+    try:
+        yield t
+    finally:
+        _traffic.reset(token)
+
+
+def _account(level: str, nbytes: float) -> None:
+    t = _traffic.get()
+    if t is not None:
+        t.add(level, nbytes)
+
+
+def size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
+    return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------- collectives
+def all_reduce(
+    t: torch.Tensor, group: dist.ProcessGroup | None, level: str, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> None:
+    p = size(group)
+    if p > 1 and t.numel():
+        dist.all_reduce(t, op=op, group=group)
+        _account(level, 2 * (p - 1) / p * _nbytes(t))
+
+
+def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None, level: str) -> None:
+    """Sum onto global rank ``dst``; other ranks' ``t`` is scratch afterwards."""
+    if size(group) > 1 and t.numel():
+        dist.reduce(t, dst=dst, group=group)
+        _account(level, _nbytes(t))
+
+
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str) -> None:
+    if size(group) > 1 and t.numel():
+        dist.broadcast(t, src=src, group=group)
+        if dist.get_rank() == src:
+            _account(level, _nbytes(t))
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, level: str) -> None:
+    """``out`` (numel ``inp.numel() / p``) gets this rank's shard of the sum of every ``inp``."""
+    p = size(group)
+    if p == 1:
+        out.copy_(inp)
+        return
+    if inp.numel():
+        dist.reduce_scatter_tensor(out, inp, group=group)
+        _account(level, (p - 1) / p * _nbytes(inp))
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, level: str) -> None:
+    """``out`` (numel ``p * inp.numel()``) gets every rank's ``inp`` in group-rank order."""
+    p = size(group)
+    if p == 1:
+        out.copy_(inp)
+        return
+    if inp.numel():
+        _all_gather_single(out, inp, group=group)
+        _account(level, (p - 1) * _nbytes(inp))
+
+
+def all_gather_bytes(
+    data: torch.Tensor, group: dist.ProcessGroup | None, level: str, known_size: bool = False
+) -> list[torch.Tensor]:
+    """Every rank's uint8 buffer, whatever their sizes (padded to the largest on the wire).
+
+    With ``known_size`` every rank promises the same size and the size exchange is skipped.
+    """
+    p = size(group)
+    if p == 1:
+        return [data]
+    if known_size:
+        sizes = [data.numel()] * p
+    else:
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+        all_sizes = torch.empty(p, dtype=torch.int64, device=data.device)
+        all_gather(all_sizes, mine, group, level)
+        sizes = all_sizes.tolist()
+    width = max(sizes)
+    if width == 0:
+        return [data.new_empty(0) for _ in range(p)]
+    if data.numel() == width:
+        padded = data
+    else:
+        padded = data.new_zeros(width)
+        padded[: data.numel()] = data
+    out = data.new_empty(p * width)
+    all_gather(out, padded, group, level)
+    return [out[i * width : i * width + s] for i, s in enumerate(sizes)]
+
+
+def all_to_all_bytes(
+    chunks: list[torch.Tensor], group: dist.ProcessGroup | None, level: str
+) -> list[torch.Tensor]:
+    """Send ``chunks[j]`` to group rank ``j``; return what every rank sent to this one."""
+    p = size(group)
+    if p == 1:
+        return list(chunks)
+    if len(chunks) != p:
+        raise ValueError(f"all_to_all needs one chunk per rank ({p}), got {len(chunks)}")
+    device = chunks[0].device
+    send_sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty(p, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    _account(level, (p - 1) * 8)
+    ins, outs = send_sizes.tolist(), recv_sizes.tolist()
+    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
+    out = torch.empty(sum(outs), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins, group=group)
+    me = group_rank(group)
+    _account(level, sum(s for j, s in enumerate(ins) if j != me))
+    return list(torch.split(out, outs))
+
+
+def send_recv(
+    send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str
+) -> None:
+    """Send to global rank ``dst`` and receive from global rank ``src`` at the same time."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, dst, group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    _account(level, _nbytes(send))
+
+
+def send_recv_bytes(
+    send: torch.Tensor,
+    dst: int,
+    src: int,
+    group: dist.ProcessGroup | None,
+    level: str,
+    recv_size: int | None = None,
+) -> torch.Tensor:
+    """Exchange uint8 buffers of unknown size with two neighbours (the size travels first)."""
+    if recv_size is None:
+        mine = torch.tensor([send.numel()], dtype=torch.int64, device=send.device)
+        theirs = torch.empty(1, dtype=torch.int64, device=send.device)
+        send_recv(mine, dst, theirs, src, group, level)
+        recv_size = int(theirs)
+    recv = torch.empty(recv_size, dtype=torch.uint8, device=send.device)
+    send_recv(send, dst, recv, src, group, level)
+    return recv
+
+
+# ---------------------------------------------------------------------------------- agreement
+def stable_hash(text: str) -> int:
+    """A 63-bit hash of a string that is the same in every process."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+class MismatchError(ValueError):
+    """Ranks called a collective with different arguments."""
+
+
+def check_same(
+    group: dist.ProcessGroup | None, device: torch.device | str = "cpu", **fields: int | str
+) -> None:
+    """Raise :class:`MismatchError` on every rank unless every rank passes the same ``fields``.
+
+    Strings are compared by a stable hash. One all-gather of ``len(fields)`` int64 values.
+    """
+    p = size(group)
+    if p == 1:
+        return
+    names = list(fields)
+    values = [stable_hash(v) if isinstance(v, str) else int(v) for v in fields.values()]
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    table = torch.empty(p * len(values), dtype=torch.int64, device=device)
+    _all_gather_single(table, mine, group=group)
+    rows = table.view(p, len(values)).tolist()
+    bad = []
+    for i, name in enumerate(names):
+        if len({row[i] for row in rows}) == 1:
+            continue
+        if isinstance(fields[name], str):
+            # every rank sees the same table, so all of them take this branch together
+            raw = torch.tensor(list(str(fields[name]).encode()), dtype=torch.uint8, device=device)
+            shown = [
+                repr(bytes(b.tolist()).decode(errors="replace"))
+                for b in all_gather_bytes(raw, group, "world")
+            ]
+        else:
+            shown = [str(row[i]) for row in rows]
+        bad.append(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={v}" for r, v in enumerate(shown)))
+    if bad:
+        raise MismatchError("ranks disagree on " + "; ".join(bad))

@@ -1,0 +1,345 @@
+"""Collectives in real gloo worlds of 1-4 processes. Each world runs many checks; every rank
+rebuilds every rank's input from a seed, so each result is checked against a reference computed
+independently in the same process (plain sums, torch.topk)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync
+from gradsync.codecs import EncodeContext
+from gradsync.codecs.sparse import TopK
+from gradsync.collectives import (
+    MismatchError,
+    Topology,
+    TopologyError,
+    allreduce,
+    compressed_allreduce,
+    hitopk,
+    record_traffic,
+)
+from gradsync.collectives.dense import HybridPolicy
+from worlds import run_world
+
+pytestmark = pytest.mark.timeout(240)
+
+SIZES = [0, 1, 7, 1000, 4099]
+
+
+def inputs(world, n, seed, integer=True):
+    """Every rank's input, identical on every rank."""
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        x = torch.randint(-8, 9, (n,), generator=g).float() if integer else torch.randn(n, generator=g)
+        out.append(x)
+    return out
+
+
+def topologies(world):
+    shapes = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(2, 2), (4, 1), (1, 4)]}[world]
+    return [Topology(nodes=m, per_node=n) for m, n in shapes]
+
+
+# ------------------------------------------------------------------------------------------ dense
+def check_dense(topo):
+    rank, world = topo.rank, topo.world
+    for n in SIZES:
+        xs = inputs(world, n, seed=n)
+        want = torch.stack(xs).sum(0) if n else torch.zeros(0)
+        for algorithm in ("flat", "hierarchical", "torus2d", "hybrid"):
+            for op in ("sum", "mean"):
+                t = xs[rank].clone()
+                allreduce(t, topo, algorithm, op=op)
+                ref = want if op == "sum" else want / world
+                assert torch.equal(t, ref), (topo, algorithm, op, n)
+        # random floats: equal to flat up to rounding, also through a 2-D non-contiguous view
+        fx = inputs(world, n, seed=n + 7, integer=False)
+        for algorithm in ("hierarchical", "torus2d"):
+            t = fx[rank].clone()
+            allreduce(t, topo, algorithm)
+            torch.testing.assert_close(t, torch.stack(fx).mean(0) if n else t)
+        # low-precision communication: within fp16 / bf16 rounding of the largest partial sum
+        for comm, eps in (("fp16", 2**-10), ("bf16", 2**-7)):
+            t = fx[rank].clone() * 1000.0
+            allreduce(t, topo, "torus2d", op="sum", comm_dtype=comm)
+            ref = torch.stack(fx).sum(0) * 1000.0
+            if n:
+                bound = 2 * world * eps * float(torch.stack(fx).abs().max()) * 1000.0 * world
+                assert float((t - ref).abs().max()) <= bound, (comm, topo)
+    # hybrid with explicit thresholds picks each side
+    t = inputs(world, 100, 3)[rank].clone()
+    allreduce(t, topo, "hybrid", hybrid=HybridPolicy(threshold=0, large="hierarchical"))
+    assert torch.equal(t, torch.stack(inputs(world, 100, 3)).mean(0))
+    # non-contiguous input is reduced in place
+    m = torch.stack(inputs(world, 12, 4)[rank].chunk(3)).t()
+    allreduce(m, topo, "torus2d", op="sum")
+    assert torch.equal(m, torch.stack([torch.stack(x.chunk(3)).t() for x in inputs(world, 12, 4)]).sum(0))
+
+
+def check_traffic(topo):
+    if topo.world == 1:
+        return
+    with record_traffic() as tr:
+        allreduce(torch.ones(1024), topo, "flat", check=False)
+    assert tr.sent == {"world": int(2 * (topo.world - 1) / topo.world * 4096)}
+
+
+# ------------------------------------------------------------------------------------ compressed
+def check_sparse_allgather(topo):
+    rank, world = topo.rank, topo.world
+    n = 500
+    threshold = 1.0
+    xs = []
+    for r in range(world):
+        x = torch.full((n,), 0.5)  # below the threshold: rank 0 selects nothing
+        if r % 4 == 1:
+            x[(17 * r) % n] = 3.0  # exactly one
+        elif r % 4 == 2:
+            x[::7] = -2.0  # some, overlapping other ranks' indices
+        elif r % 4 == 3:
+            x[:] = 5.0  # all
+        xs.append(x)
+    want = sum(torch.where(x.abs() >= threshold, x, torch.zeros(())) for x in xs) if world > 1 else xs[0]
+    codec = gradsync.build_codec(f"graddrop:threshold={threshold}")
+    t = xs[rank].clone()
+    compressed_allreduce(t, topo, codec, "allgather", op="sum", key="sag")
+    assert torch.equal(t, want)
+
+
+class CorruptTopK(TopK):
+    """topk that puts an out-of-range index into rank 1's payload."""
+
+    def _encode(self, x, shape, ctx, stream, out):
+        payload = super()._encode(x, shape, ctx, stream, out)
+        if dist.get_rank() == 1:
+            self.sparse_view(payload)[0][0] = x.numel() + 5
+        return payload
+
+
+def check_bad_peer_index(topo):
+    if topo.world < 2:
+        return
+    codec = CorruptTopK(TopK.Config(k=3))
+    with pytest.raises(IndexError, match="sparse index 105 is outside a tensor of 100 elements"):
+        compressed_allreduce(torch.randn(100), topo, codec, "allgather", key="bad")
+
+
+def exact_topk_dense(v, k):
+    out = torch.zeros_like(v)
+    if k:
+        i = torch.topk(v.abs(), k).indices
+        out[i] = v[i]
+    return out
+
+
+def check_naive_and_hitopk(topo):
+    rank, world = topo.rank, topo.world
+    n = 4099
+    xs = inputs(world, n, seed=11, integer=False)
+    # density 1: hitopk equals a plain all-reduce (integer inputs: exactly)
+    ix = inputs(world, n, seed=12)
+    t = ix[rank].clone()
+    hitopk(t, topo, gradsync.build_codec("topk:density=1.0"), op="sum", key="h1")
+    assert torch.equal(t, torch.stack(ix).sum(0))
+    # naive: the sum of every rank's own top-k
+    t = xs[rank].clone()
+    compressed_allreduce(t, topo, gradsync.build_codec("topk:k=40"), "allgather", op="sum", key="naive")
+    torch.testing.assert_close(t, sum(exact_topk_dense(x, 40) for x in xs))
+    # hitopk: node sums per shard, top-k of each node's shard, summed over nodes
+    t = xs[rank].clone()
+    hitopk(t, topo, gradsync.build_codec("topk:density=0.02"), op="sum", key="hi")
+    if topo.per_node == 1:
+        ref = sum(exact_topk_dense(x, math.ceil(0.02 * n)) for x in xs)
+    else:
+        per = topo.per_node
+        shard = -(-n // per)
+        ref = torch.zeros(shard * per)
+        for node in range(topo.nodes):
+            node_sum = torch.stack(xs[node * per : (node + 1) * per]).sum(0)
+            padded = torch.cat([node_sum, torch.zeros(shard * per - n)])
+            for j in range(per):
+                part = padded[j * shard : (j + 1) * shard]
+                if topo.nodes == 1:
+                    ref[j * shard : (j + 1) * shard] += part  # one node: nothing is compressed
+                else:
+                    ref[j * shard : (j + 1) * shard] += exact_topk_dense(part, math.ceil(0.02 * shard))
+        ref = ref[:n]
+    torch.testing.assert_close(t, ref)
+
+
+def ring_reference(xs, k):
+    """The CaSync ring on p simulated ranks with an exact top-k "codec"."""
+    p = len(xs)
+    chunks = [list(torch.tensor_split(x, p)) for x in xs]
+    send = [exact_topk_dense(chunks[r][r], k) for r in range(p)]
+    for s in range(p - 1):
+        new = []
+        for r in range(p):
+            idx = (r - s - 1) % p
+            new.append(exact_topk_dense(chunks[r][idx] + send[(r - 1) % p], k))
+        send = new
+    final = [None] * p
+    for r in range(p):
+        final[(r + 1) % p] = send[r]
+    return torch.cat(final)
+
+
+def ps_reference(xs, k):
+    p = len(xs)
+    parts = [list(torch.tensor_split(x, p)) for x in xs]
+    return torch.cat(
+        [exact_topk_dense(sum(exact_topk_dense(parts[r][j], k) for r in range(p)), k) for j in range(p)]
+    )
+
+
+def check_ring_and_ps(topo):
+    rank, world = topo.rank, topo.world
+    n = 1001
+    ix = inputs(world, n, seed=21)
+    fx = inputs(world, n, seed=22, integer=False)
+    for strategy in ("ring", "ps"):
+        for local in (False, True):
+            t = ix[rank].clone()
+            compressed_allreduce(
+                t, topo, gradsync.build_codec("none"), strategy, local, op="sum", key=f"n{strategy}"
+            )
+            assert torch.equal(t, torch.stack(ix).sum(0)), (strategy, local)
+            t = fx[rank].clone()
+            compressed_allreduce(
+                t, topo, gradsync.build_codec("fp16"), strategy, local, op="sum", key=f"h{strategy}"
+            )
+            bound = 4 * world * 2**-11 * float(torch.stack(fx).abs().max()) * world
+            assert float((t - torch.stack(fx).sum(0)).abs().max()) <= bound
+        # a sparse codec: equal to a single-process run of the same steps
+        t = fx[rank].clone()
+        compressed_allreduce(
+            t, topo, gradsync.build_codec("topk:k=20"), strategy, op="sum", key=f"s{strategy}"
+        )
+        ref = (ring_reference if strategy == "ring" else ps_reference)(fx, 20) if world > 1 else fx[0]
+        torch.testing.assert_close(t, ref)
+
+
+def check_lowrank(topo):
+    rank, world = topo.rank, topo.world
+    g = torch.Generator().manual_seed(5)
+    ms = [torch.randn(30, 1, generator=g) @ torch.randn(1, 40, generator=g) for _ in range(world)]
+    for strategy in ("ring", "allgather"):
+        for local in (False, True):
+            t = ms[rank].clone()
+            key = f"p-{strategy}-{local}"
+            compressed_allreduce(
+                t, topo, gradsync.build_codec("powersgd:rank=4"), strategy, local, op="sum", key=key
+            )
+            ref = gradsync.build_codec("powersgd:rank=4")
+            total = sum(ms)
+            across_nodes = not (local and topo.per_node > 1 and topo.nodes == 1)  # one node: exact
+            want = (
+                ref.decode(ref.encode(total, EncodeContext(key=f"{key}/lowrank"))) if across_nodes else total
+            )
+            torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-4)
+
+
+def check_error_feedback_is_conserved(topo):
+    """allgather with error feedback: results + everybody's residuals = the sum of the inputs."""
+    rank, world = topo.rank, topo.world
+    xs = inputs(world, 300, seed=31, integer=False)
+    ef = gradsync.build_codec("topk:k=10+ef")
+    t = xs[rank].clone()
+    compressed_allreduce(t, topo, ef, "allgather", op="sum", key="ef")
+    if world == 1:
+        assert torch.equal(t, xs[0])
+        return
+    residual = ef.residual("ef/allgather")
+    total = residual.clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(t + total, torch.stack(xs).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def check_mismatches(topo):
+    rank, world = topo.rank, topo.world
+    if world == 1:
+        return
+    with pytest.raises(MismatchError, match=r"numel: rank 0=10, rank 1=11"):
+        allreduce(torch.ones(10 + (rank == 1)), topo, "torus2d")
+    with pytest.raises(MismatchError, match=r"codec: rank 0='topk:k=3', rank 1='topk:k=4'"):
+        compressed_allreduce(torch.ones(10), topo, gradsync.build_codec(f"topk:k={3 + (rank == 1)}"), "ring")
+    with pytest.raises(MismatchError, match="algorithm"):
+        allreduce(torch.ones(10), topo, "flat" if rank else "hierarchical")
+
+
+def check_argument_errors(topo):
+    with pytest.raises(ValueError, match="algorithm must be one of flat, hierarchical, torus2d, hybrid"):
+        allreduce(torch.ones(3), topo, "butterfly")
+    with pytest.raises(ValueError, match="op must be 'sum' or 'mean'"):
+        allreduce(torch.ones(3), topo, op="max")
+    with pytest.raises(ValueError, match="comm_dtype must be None, 'fp16' or 'bf16'"):
+        allreduce(torch.ones(3), topo, comm_dtype="fp8")
+    with pytest.raises(ValueError, match="strategy must be one of allgather, ring, ps"):
+        compressed_allreduce(torch.ones(3), topo, gradsync.build_codec("none"), "tree")
+    with pytest.raises(ValueError, match="hitopk needs a sparsifying codec"):
+        hitopk(torch.ones(3), topo, gradsync.build_codec("onebit"))
+    with pytest.raises(ValueError, match="hybrid threshold must be >= 0"):
+        HybridPolicy(threshold=-1)
+    with pytest.raises(TopologyError, match="nodes must be a positive integer"):
+        Topology(nodes=0, per_node=1)
+
+
+def check_one_rank_is_identity(topo):
+    x = torch.randn(300)
+    for codec in ("topk:k=3", "onebit", "powersgd:rank=1", "fp16"):
+        for strategy in ("allgather", "ring", "ps"):
+            t = x.clone()
+            compressed_allreduce(t, topo, gradsync.build_codec(codec), strategy, op="sum")
+            assert torch.equal(t, x)
+
+
+def world_checks():
+    if dist.get_world_size() == 1:
+        topo = Topology()
+        check_dense(topo)
+        check_one_rank_is_identity(topo)
+        check_argument_errors(topo)
+        return
+    for topo in topologies(dist.get_world_size()):
+        check_dense(topo)
+        check_traffic(topo)
+        check_sparse_allgather(topo)
+        check_bad_peer_index(topo)
+        check_naive_and_hitopk(topo)
+        check_ring_and_ps(topo)
+        check_lowrank(topo)
+        check_error_feedback_is_conserved(topo)
+        check_mismatches(topo)
+    check_argument_errors(topologies(dist.get_world_size())[0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_in_a_world(world):
+    run_world(world, world_checks)
+
+
+def bad_layouts():
+    world = dist.get_world_size()
+    with pytest.raises(TopologyError, match="3 nodes x 2 per node is 6 ranks, but the world has 4"):
+        Topology(nodes=3, per_node=2)
+    with pytest.raises(TopologyError, match="ranks must be contiguous per node"):
+        Topology()  # the environment says rank 1 is on node 1 and rank 2 on node 0
+    assert world == 4
+
+
+def test_bad_topologies_fail_on_every_rank():
+    # rank r claims node (r % 2): not contiguous
+    run_world(4, bad_layouts, env={"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "{rank}", "LOCAL_RANK": "{rank}"})
+
+
+def test_trivial_topology_without_a_process_group():
+    topo = Topology()
+    assert (topo.nodes, topo.per_node, topo.world, topo.rank) == (1, 1, 1, 0)
+    x = torch.randn(5)
+    y = x.clone()
+    assert allreduce(y) is y and torch.equal(y, x)
+    compressed_allreduce(y, None, gradsync.build_codec("topk:k=1"))
+    assert torch.equal(y, x)
