@@ -170,6 +170,35 @@ def check_naive_and_hitopk(topo):
     torch.testing.assert_close(t, ref)
 
 
+def check_pipelined_hitopk(topo):
+    """hitopk in chunks: top-k applies per chunk of every node's shard."""
+    import gradsync.collectives.compressed as compressed
+
+    if topo.nodes < 2 or topo.per_node < 2:  # (with one rank per node there is no local aggregation)
+        return
+    rank, world, per = topo.rank, topo.world, topo.per_node
+    n = 1001
+    xs = inputs(world, n, seed=13, integer=False)
+    old, compressed._MIN_CHUNK_BYTES = compressed._MIN_CHUNK_BYTES, 16
+    try:
+        t = xs[rank].clone()
+        hitopk(t, topo, gradsync.build_codec("topk:density=0.05"), op="sum", key="pipe", pipeline=3)
+    finally:
+        compressed._MIN_CHUNK_BYTES = old
+    total = -(-n // per) * per
+    per_chunk = -(-(-(-total // 3)) // per) * per
+    ref = torch.zeros(total)
+    for node in range(topo.nodes):
+        node_sum = torch.cat([torch.stack(xs[node * per : (node + 1) * per]).sum(0), torch.zeros(total - n)])
+        for start in range(0, total, per_chunk):
+            chunk = node_sum[start : start + per_chunk]
+            sub = chunk.numel() // per
+            for j in range(per):
+                part = chunk[j * sub : (j + 1) * sub]
+                ref[start + j * sub : start + (j + 1) * sub] += exact_topk_dense(part, math.ceil(0.05 * sub))
+    torch.testing.assert_close(t, ref[:n])
+
+
 def ring_reference(xs, k):
     """The CaSync ring on p simulated ranks with an exact top-k "codec"."""
     p = len(xs)
@@ -279,6 +308,8 @@ def check_argument_errors(topo):
         allreduce(torch.ones(3), topo, comm_dtype="fp8")
     with pytest.raises(ValueError, match="strategy must be one of allgather, ring, ps"):
         compressed_allreduce(torch.ones(3), topo, gradsync.build_codec("none"), "tree")
+    with pytest.raises(ValueError, match="pipeline must be a positive number of chunks"):
+        hitopk(torch.ones(3), topo, gradsync.build_codec("topk"), pipeline=0)
     with pytest.raises(ValueError, match="hitopk needs a sparsifying codec"):
         hitopk(torch.ones(3), topo, gradsync.build_codec("onebit"))
     with pytest.raises(ValueError, match="hybrid threshold must be >= 0"):
@@ -296,6 +327,22 @@ def check_one_rank_is_identity(topo):
             assert torch.equal(t, x)
 
 
+def check_calibration(topo):
+    from gradsync.collectives.cost import calibrate
+
+    if (topo.nodes, topo.per_node) != (2, 2):
+        return
+    params = calibrate(topo, sizes=[1024, 65536, 262144], reps=2)
+    for link in (params.intra, params.inter):
+        assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
+    mine = torch.tensor(
+        [params.intra.alpha, params.intra.beta, params.inter.beta, params.gamma], dtype=torch.float64
+    )
+    same = mine.clone()
+    dist.broadcast(same, 0)
+    assert torch.equal(mine, same)  # every rank got the same numbers
+
+
 def world_checks():
     if dist.get_world_size() == 1:
         topo = Topology()
@@ -309,10 +356,12 @@ def world_checks():
         check_sparse_allgather(topo)
         check_bad_peer_index(topo)
         check_naive_and_hitopk(topo)
+        check_pipelined_hitopk(topo)
         check_ring_and_ps(topo)
         check_lowrank(topo)
         check_error_feedback_is_conserved(topo)
         check_mismatches(topo)
+        check_calibration(topo)
     check_argument_errors(topologies(dist.get_world_size())[0])
 
 
@@ -343,3 +392,22 @@ def test_trivial_topology_without_a_process_group():
     assert allreduce(y) is y and torch.equal(y, x)
     compressed_allreduce(y, None, gradsync.build_codec("topk:k=1"))
     assert torch.equal(y, x)
+
+
+def test_result_pieces_round_trip_and_reject_corruption():
+    from gradsync.collectives.compressed import _pack, _Piece, _unpack
+
+    codec = gradsync.build_codec("topk:k=3")
+    a, b = codec.encode(torch.randn(10)), codec.encode(torch.randn(6))
+    blob = _pack([_Piece(0, a), _Piece(10, b)])
+    pieces = _unpack(blob, 16, torch.float32, codec)
+    assert [(q.offset, q.payload.numel) for q in pieces] == [(0, 10), (10, 6)]
+    assert torch.equal(pieces[1].payload.data, b.data)
+    with pytest.raises(ValueError, match="corrupt result pieces from a peer: piece at 10 of 6 elements"):
+        _unpack(blob, 15, torch.float32, codec)  # the second piece would overrun a 15-element shard
+    with pytest.raises(ValueError, match="trailing bytes"):
+        _unpack(torch.cat([blob, torch.zeros(3, dtype=torch.uint8)]), 16, torch.float32, codec)
+    bad = blob.clone()
+    bad[:8] = torch.tensor([1000], dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(ValueError, match="count 1000"):
+        _unpack(bad, 16, torch.float32, codec)

@@ -211,3 +211,23 @@ def test_two_ranks_with_the_same_spec_choose_identically(backend, spec):
     for x in xs:
         pa, pb = a.encode(x, EncodeContext(key="layer")), b.encode(x.clone(), EncodeContext(key="layer"))
         assert torch.equal(pa.data, pb.data)
+
+
+@pytest.mark.parametrize("spec", ["topk", "mstopk", "trimmed_topk", "bsearch", "dgc"])
+def test_mostly_zero_tensors_are_fast_and_exact(backend, spec):
+    # 99.5% exact zeros: the candidates are the non-zero elements, not the whole tensor
+    x = torch.zeros(1_000_000)
+    nz = torch.randperm(x.numel())[:5000]
+    x[nz] = torch.randn(5000)
+    codec = gradsync.build_codec(f"{spec}:k=1000")
+    idx, val = selected(codec, codec.encode(x))
+    assert torch.equal(val, x[idx.long()])
+    if spec in ("topk", "trimmed_topk"):
+        assert set(idx.tolist()) == exact_set(x, 1000)
+    # fewer non-zeros than k: topk takes them all plus zeros
+    y = torch.zeros(1_000_000)
+    y[nz[:10]] = 1.0 + torch.rand(10)
+    got = set(
+        selected(gradsync.build_codec("topk:k=50"), gradsync.build_codec("topk:k=50").encode(y))[0].tolist()
+    )
+    assert set(nz[:10].tolist()) <= got and len(got) == 50

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_codecs.add_arguments(p)
     p.set_defaults(func=bench_codecs.main)
+
+    from gradsync.bench import collectives as bench_collectives
+
+    p = bsub.add_parser("collectives", help="every aggregation scheme on the world it is launched in")
+    bench_collectives.add_arguments(p)
+    p.set_defaults(func=bench_collectives.main)
     return parser
 
 

@@ -99,11 +99,16 @@ class PowerSGD(Codec):
         stream.p = orthogonalize_(p_sum.clone())
         return torch.mm(stream.p.T, m).T  # (P^T M)^T = M^T P
 
-    def reconstruct(self, q_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
-        """``P (sum Q)^T``; the summed Q becomes the next warm start."""
+    def reconstruct(
+        self, q_sum: torch.Tensor, stream: PowersgdStream, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``P (sum Q)^T`` (into ``out``, rows x cols float32, when given); the summed Q becomes
+        the next warm start."""
         assert stream.p is not None, "reconstruct() needs reproject() first"
         stream.q = q_sum.clone()
-        return stream.p @ q_sum.T
+        if out is None:
+            return stream.p @ q_sum.T
+        return torch.mm(stream.p, q_sum.T, out=out)
 
     # --- local codec ----------------------------------------------------------------------------
     def _encode(

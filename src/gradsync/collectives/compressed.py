@@ -44,6 +44,7 @@ from gradsync.codecs import Codec, EncodeContext, ErrorFeedback, Payload
 from gradsync.codecs.lowrank import matrix_shape
 from gradsync.codecs.ops import abs_max
 from gradsync.collectives import primitives as P
+from gradsync.collectives.dense import shard_buffers
 from gradsync.collectives.topology import Topology
 
 STRATEGIES = ("allgather", "ring", "ps")
@@ -82,15 +83,20 @@ def compressed_allreduce(
     key: str = "",
     loss_scale: float = 1.0,
     check: bool = True,
+    pipeline: int = 1,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place through ``codec`` with a compressed ``strategy``.
 
     ``key`` names the tensor for the codec's per-tensor state (use the same key every step);
-    ``loss_scale`` is passed to error feedback. With ``check`` the ranks first agree on size,
+    ``loss_scale`` is passed to error feedback. With local aggregation the ``allgather`` strategy
+    works in chunks of ``pipeline_bytes`` whose inter-node transfers overlap the next chunk's
+    reduce-scatter and compression. With ``check`` the ranks first agree on size,
     dtype, codec and strategy (one tiny all-gather) and raise on every rank if they differ.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"pipeline must be a positive number of chunks, got {pipeline!r}")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     if not isinstance(codec, (Codec, ErrorFeedback)):
@@ -110,9 +116,9 @@ def compressed_allreduce(
     coder = _Coder(codec, key, loss_scale)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     if local_aggregation and topo.per_node > 1:
-        _locally_aggregated(work, topo, coder, strategy)
+        _locally_aggregated(work, topo, coder, strategy, pipeline)
     else:
-        _strategy(work, topo.world_group, _level(topo, topo.world_group), coder, strategy, topo.rank)
+        _whole(work, topo, coder, strategy)
     if op == "mean":
         work.div_(topo.world)
     if work.data_ptr() != tensor.data_ptr():
@@ -137,7 +143,36 @@ def _level(topo: Topology, group: dist.ProcessGroup | None) -> str:
     return "world"
 
 
-def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str) -> None:
+@dataclass
+class _Piece:
+    """Part of a result: decode ``payload`` and add it at ``offset`` (elements) of the flat tensor."""
+
+    offset: int
+    payload: Payload
+
+
+def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec) -> None:
+    """Write the result the pieces describe into the flat ``x``.
+
+    Pieces over the same range are summed, ranges no piece covers become zero. The first piece of
+    a range is decoded without accumulating (no separate zeroing pass). The same bytes in the same
+    order give every rank a bit-identical result. Pieces cover identical ranges or do not overlap.
+    """
+    seen: set[tuple[int, int]] = set()
+    for piece in pieces:
+        span = (piece.offset, piece.payload.numel)
+        codec.decode(piece.payload, out=x[span[0] : span[0] + span[1]], accumulate=span in seen)
+        seen.add(span)
+    pos = 0
+    for start, n in sorted(seen):
+        if start > pos:
+            x[pos:start].zero_()
+        pos = max(pos, start + n)
+    if pos < x.numel():
+        x[pos:].zero_()
+
+
+def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, pipeline: int) -> None:
     if _is_lowrank(coder.plain):
         # the factors need the whole matrix: reduce to the node leader, compress across nodes
         # among the leaders, broadcast back
@@ -147,35 +182,135 @@ def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy
         P.broadcast(x, topo.leader, topo.intra_group, "intra")
         return
     flat = x.view(-1)
-    n = topo.per_node
-    shard_len = -(-flat.numel() // n)
-    padded = (
-        flat
-        if shard_len * n == flat.numel()
-        else torch.cat([flat, flat.new_zeros(shard_len * n - flat.numel())])
-    )
-    shard = flat.new_empty(shard_len)
-    P.reduce_scatter(shard, padded, topo.intra_group, "intra")
-    if topo.nodes > 1:
-        _strategy(shard, topo.inter_group, "inter", coder, strategy, topo.rank)
-    P.all_gather(padded, shard, topo.intra_group, "intra")
+    padded, shard = shard_buffers(flat, topo)
+    scratch = topo.workspace.get("rs", padded.numel(), flat.dtype, flat.device)
+    if topo.nodes == 1:  # nothing crosses a node: a plain dense reduce-scatter and all-gather
+        P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
+        P.all_gather(padded, shard, topo.intra_group, "intra")
+    else:
+        if strategy == "allgather":
+            pieces = _pipelined_allgather(padded, topo, coder, pipeline, scratch)
+        else:
+            P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
+            base = topo.local_rank * shard.numel()
+            pieces = [
+                _Piece(base + q.offset, q.payload)
+                for q in _strategy(shard, topo.inter_group, "inter", coder, strategy, topo.rank)
+            ]
+        # forward what crossed the nodes to the other ranks of the node (not the dense shard:
+        # paper 01's sparse intra-node all-gather), then everybody decodes all of it
+        blobs = P.all_gather_bytes(_pack(pieces), topo.intra_group, "intra")
+        everything = [q for blob in blobs for q in _unpack(blob, padded.numel(), x.dtype, coder.plain)]
+        _apply(everything, padded, coder.plain)
     if padded.data_ptr() != flat.data_ptr():
         flat.copy_(padded[: flat.numel()])
 
 
+_MIN_CHUNK_BYTES = 1 << 20
+
+
+def _pipelined_allgather(
+    padded: torch.Tensor, topo: Topology, coder: _Coder, pipeline: int, scratch: torch.Tensor
+) -> list[_Piece]:
+    """hitopk's inner part, cut into ``pipeline`` chunks (at least 1 MiB each) so that the
+    inter-node all-gather of one chunk (network) overlaps the reduce-scatter and compression of
+    the next (CPU and the node's own links). Pieces carry offsets into ``padded``."""
+    n = topo.per_node
+    total = padded.numel()
+    min_elems = _MIN_CHUNK_BYTES // padded.element_size()
+    per_chunk = max(-(-total // pipeline), min_elems)
+    per_chunk = -(-per_chunk // n) * n  # a multiple of per_node
+    codec = coder.plain
+    pending = []
+    for start in range(0, total, per_chunk):
+        chunk = padded[start : start + per_chunk]
+        sub = chunk.numel() // n
+        shard = topo.workspace.get("pipeline_shard", sub, padded.dtype, padded.device)
+        P.reduce_scatter(shard, chunk, topo.intra_group, "intra", scratch)
+        payload = coder.encode(shard, f"allgather@{start}")
+        capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
+        if capacity > 2 * max(codec.estimate_nbytes(sub, (sub,), padded.dtype), 1024):
+            # a variable-size codec with a loose bound: exchange the sizes instead (no overlap)
+            bufs = P.all_gather_bytes(payload.data, topo.inter_group, "inter")
+            pending.append((start + topo.local_rank * sub, sub, None, bufs))
+        else:
+            gather = P.start_all_gather_fixed(payload.data, capacity, topo.inter_group, "inter")
+            pending.append((start + topo.local_rank * sub, sub, gather, None))
+    pieces = []
+    for offset, sub, gather, bufs in pending:
+        for buf in gather.wait() if gather is not None else bufs:
+            pieces.append(_Piece(offset, _trimmed(codec, buf, sub, padded.dtype)))
+    return pieces
+
+
+def _trimmed(codec: Codec, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Payload:
+    """The payload at the start of a (padded) buffer from a peer, its size read from its header."""
+    head = Payload(buf, codec.name, torch.Size([numel]), dtype)
+    size = codec.payload_nbytes(head)
+    if size > buf.numel():
+        raise ValueError(
+            f"{codec.name}: a peer's payload header claims {size} bytes in a {buf.numel()}-byte buffer"
+        )
+    return codec.payload_from_bytes(buf[:size], (numel,), dtype)
+
+
+_PIECE_HEADER = 3  # int64 words per piece: offset, numel, nbytes
+
+
+def _pack(pieces: list[_Piece]) -> torch.Tensor:
+    """Pieces as one uint8 buffer: int64 [count, (offset, numel, nbytes) * count] + payload bytes."""
+    head = [len(pieces)]
+    for q in pieces:
+        head += [q.offset, q.payload.numel, q.payload.nbytes]
+    device = pieces[0].payload.data.device if pieces else "cpu"
+    head_t = torch.tensor(head, dtype=torch.int64, device=device).view(torch.uint8)
+    return torch.cat([head_t, *(q.payload.data for q in pieces)])
+
+
+def _unpack(blob: torch.Tensor, length: int, dtype: torch.dtype, codec: Codec) -> list[_Piece]:
+    """Inverse of :func:`_pack` for bytes from a peer: every field is checked before use."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"corrupt result pieces from a peer: {why}")
+
+    if blob.numel() < 8:
+        raise bad(f"{blob.numel()} bytes")
+    count = int(blob[:8].view(torch.int64))
+    head_bytes = 8 * (1 + _PIECE_HEADER * count)
+    if count < 0 or blob.numel() < head_bytes:
+        raise bad(f"count {count} in {blob.numel()} bytes")
+    head = blob[:head_bytes].view(torch.int64)[1:].view(count, _PIECE_HEADER).tolist()
+    pieces, pos = [], head_bytes
+    for offset, numel, nbytes in head:
+        if offset < 0 or numel < 0 or offset + numel > length or nbytes < 0 or pos + nbytes > blob.numel():
+            raise bad(f"piece at {offset} of {numel} elements and {nbytes} bytes (shard {length})")
+        pieces.append(_Piece(offset, codec.payload_from_bytes(blob[pos : pos + nbytes], (numel,), dtype)))
+        pos += nbytes
+    if pos != blob.numel():
+        raise bad(f"{blob.numel() - pos} trailing bytes")
+    return pieces
+
+
 def _strategy(
     x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, strategy: str, rank: int
-) -> None:
+) -> list[_Piece]:
+    """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result."""
+    if strategy == "allgather":
+        return _allgather(x.view(-1), group, level, coder)
+    if strategy == "ring":
+        return _ring(x.view(-1), group, level, coder, rank)
+    return _ps(x.view(-1), group, level, coder, rank)
+
+
+def _whole(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str) -> None:
+    """A strategy over the whole world (no local aggregation); the result lands in ``x``."""
+    group = topo.world_group
     if P.size(group) == 1:
         return
     if _is_lowrank(coder.plain):
-        _lowrank(x, group, level, coder)
-    elif strategy == "allgather":
-        _allgather(x.view(-1), group, level, coder)
-    elif strategy == "ring":
-        _ring(x.view(-1), group, level, coder, rank)
-    else:
-        _ps(x.view(-1), group, level, coder, rank)
+        _lowrank(x, group, _level(topo, group), coder)
+        return
+    _apply(_strategy(x, group, _level(topo, group), coder, strategy, topo.rank), x.view(-1), coder.plain)
 
 
 def _is_lowrank(codec: Codec) -> bool:
@@ -195,19 +330,21 @@ def _agreed(
     return EncodeContext(rank=rank, summands=p, amax=amax)
 
 
-def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> None:
+def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> list[_Piece]:
     payload = coder.encode(x, "allgather")
     datas = P.all_gather_bytes(payload.data, group, level)
-    received = [coder.received(d, x) for d in datas]  # checks every header against its size
-    x.zero_()
-    for p in received:
-        coder.plain.decode(p, out=x, accumulate=True)
+    return [_Piece(0, coder.received(d, x)) for d in datas]  # checks every header against its size
 
 
-def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int) -> None:
+def _ring(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int
+) -> list[_Piece]:
     p, g = P.size(group), P.group_rank(group)
     right, left = P.global_rank(group, (g + 1) % p), P.global_rank(group, (g - 1) % p)
     chunks = list(torch.tensor_split(x, p))
+    offsets = [0]
+    for c in chunks[:-1]:
+        offsets.append(offsets[-1] + c.numel())
     owned = (g + 1) % p  # the chunk this rank holds fully reduced after the first phase
     codec = coder.plain
     if codec.summable:  # add the payloads' values, no decoding
@@ -217,13 +354,11 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _
         for s in range(p - 1):
             idx = (g - s - 1) % p
             incoming = coder.received(P.send_recv_bytes(send.data, right, left, group, level), chunks[idx])
-            mine = codec.values(payloads[idx])
-            mine.add_(codec.values(incoming))
+            codec.values(payloads[idx]).add_(codec.values(incoming))
             send = payloads[idx]
         final = payloads[owned]
     else:
         send = coder.encode(chunks[g], f"ring{g}")
-        work = chunks[g]
         for s in range(p - 1):
             idx = (g - s - 1) % p
             incoming = coder.received(P.send_recv_bytes(send.data, right, left, group, level), chunks[idx])
@@ -231,17 +366,20 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _
             codec.decode(incoming, out=work, accumulate=True)
             send = coder.encode(work, f"ring{idx}")  # the last one is the owned chunk's final payload
         final = send
-    # all-gather phase: pass the final payloads around; everybody (owner included) decodes them
+    # all-gather phase: pass the final payloads around the ring
+    pieces = [_Piece(offsets[owned], final)]
     current, idx = final, owned
-    codec.decode(current, out=chunks[idx])
     for _ in range(p - 1):
         data = P.send_recv_bytes(current.data, right, left, group, level)
         idx = (idx - 1) % p
         current = coder.received(data, chunks[idx])
-        codec.decode(current, out=chunks[idx])
+        pieces.append(_Piece(offsets[idx], current))
+    return pieces
 
 
-def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int) -> None:
+def _ps(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int
+) -> list[_Piece]:
     p, g = P.size(group), P.group_rank(group)
     parts = list(torch.tensor_split(x, p))
     codec = coder.plain
@@ -262,8 +400,11 @@ def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Co
         for q in received:
             codec.decode(q, out=work, accumulate=True)
         agg = coder.encode(work, "ps-aggregate")
+    pieces, offset = [], 0
     for j, data in enumerate(P.all_gather_bytes(agg.data, group, level)):
-        codec.decode(coder.received(data, parts[j]), out=parts[j])
+        pieces.append(_Piece(offset, coder.received(data, parts[j])))
+        offset += parts[j].numel()
+    return pieces
 
 
 def _lowrank(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> None:
@@ -275,9 +416,6 @@ def _lowrank(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder
     ef = coder.codec if isinstance(coder.codec, ErrorFeedback) else None
     key = f"{coder.key}/lowrank"
     v = ef.accumulate(x, key, coder.loss_scale) if ef is not None else x.reshape(-1)
-    finite = not abs_max(v)[1]
-    if ef is not None and not finite:
-        ef.discard(key)  # no residual update, and the result is poisoned below
     m = v.view(matrix_shape(x.shape)).float()
     stream = codec.stream(key)
     p_sum = codec.project(m, stream).contiguous()  # type: ignore[attr-defined]
@@ -285,9 +423,16 @@ def _lowrank(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder
     q_local = codec.reproject(m, p_sum, stream).contiguous()  # type: ignore[attr-defined]
     q_sum = q_local.clone()
     P.all_reduce(q_sum, group, level)
-    if ef is not None and finite:
-        ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))  # what this rank's data contributed
-    out = codec.reconstruct(q_sum, stream)  # type: ignore[attr-defined]
-    if not torch.isfinite(p_sum).all() or not torch.isfinite(q_sum).all():
-        out = torch.full_like(out, float("nan"))  # never hide a non-finite input
-    x.copy_(out.view(x.shape))
+    # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)
+    finite = bool(torch.isfinite(p_sum).all()) and bool(torch.isfinite(q_sum).all())
+    if ef is not None:
+        if finite:
+            ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))  # what this rank's data contributed
+        else:
+            ef.discard(key)
+    out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
+    result = codec.reconstruct(q_sum, stream, out=out)  # type: ignore[attr-defined]
+    if not finite:
+        result.fill_(float("nan"))
+    if out is None:
+        x.copy_(result.view(x.shape))

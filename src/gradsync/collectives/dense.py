@@ -122,17 +122,28 @@ def hierarchical(buf: torch.Tensor, topo: Topology) -> None:
 
 def torus2d(buf: torch.Tensor, topo: Topology) -> None:
     """Paper 01's 2D-torus all-reduce on a flat buffer (sum)."""
-    n = topo.per_node
-    shard_len = -(-buf.numel() // n)
-    padded = (
-        buf if shard_len * n == buf.numel() else torch.cat([buf, buf.new_zeros(shard_len * n - buf.numel())])
-    )
-    shard = buf.new_empty(shard_len)
-    P.reduce_scatter(shard, padded, topo.intra_group, "intra")
+    padded, shard = shard_buffers(buf, topo)
+    scratch = topo.workspace.get("rs", padded.numel(), buf.dtype, buf.device)
+    P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
     P.all_reduce(shard, topo.inter_group, "inter")
     P.all_gather(padded, shard, topo.intra_group, "intra")
     if padded.data_ptr() != buf.data_ptr():
         buf.copy_(padded[: buf.numel()])
+
+
+def shard_buffers(buf: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buf`` padded to a multiple of per_node (a workspace copy only when padding is needed)
+    and a workspace tensor for this rank's shard."""
+    n = topo.per_node
+    shard_len = -(-buf.numel() // n)
+    ws = topo.workspace
+    if shard_len * n == buf.numel():
+        padded = buf
+    else:
+        padded = ws.get("padded", shard_len * n, buf.dtype, buf.device)
+        padded[: buf.numel()].copy_(buf)
+        padded[buf.numel() :].zero_()
+    return padded, ws.get("shard", shard_len, buf.dtype, buf.device)
 
 
 def _run_low_precision(buf: torch.Tensor, topo: Topology, algorithm: str, comm_dtype: str) -> None:

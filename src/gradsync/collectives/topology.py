@@ -20,6 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from gradsync.codecs.ops import Workspace
+
 
 class TopologyError(ValueError):
     """The ranks do not form ``nodes`` equal, contiguous groups."""
@@ -57,6 +59,8 @@ class Topology:
         self._check_layout(node_rank, local_rank, initialized)
         self.node = self.rank // per_node
         self.local_rank = self.rank % per_node
+        # scratch buffers of the algorithms run on this topology (large CPU allocations page-fault)
+        self.workspace = Workspace()
         self.world_group: dist.ProcessGroup | None = dist.group.WORLD if initialized else None
         self.intra_group: dist.ProcessGroup | None = None
         self.inter_group: dist.ProcessGroup | None = None

@@ -283,6 +283,7 @@ def _native_scan(
 
 # Sample sizes for the floor estimate: about n / 256 elements, at least 4096, at most 65536.
 _SAMPLE_DIV, _SAMPLE_MIN, _SAMPLE_MAX = 256, 4096, 65536
+_SMALLEST_POSITIVE = 1.401298464324817e-45  # float32
 # Tensors up to this size are scanned with no floor at all (everything is a candidate).
 _SMALL = 32768
 
@@ -307,7 +308,12 @@ def _estimate_floor(x: torch.Tensor, key: Key, target: int, ws: Workspace) -> tu
     rank = max(1, math.ceil(r0 + 4 * math.sqrt(r0) + 4))
     if rank > skeys.numel():
         return -math.inf, rank, skeys
-    return kth_largest(skeys, rank, ws), rank, skeys
+    floor = kth_largest(skeys, rank, ws)
+    if key == Key.ABS and floor <= 0.0:
+        # mostly exact zeros (dead units, untouched embedding rows, an already sparse tensor):
+        # the non-zero elements are the natural candidates, not the whole tensor
+        floor = _SMALLEST_POSITIVE
+    return floor, rank, skeys
 
 
 def _lower_floor(sample: torch.Tensor, rank: int, at_least: float, ws: Workspace) -> tuple[float, int]:

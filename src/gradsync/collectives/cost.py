@@ -1,0 +1,308 @@
+"""Alpha-beta cost of every aggregation scheme, as the papers write it, and their calibration.
+
+A link level has a start-up time alpha (s) and a transfer time beta (s per byte); ``intra`` is the
+link between ranks of one node, ``inter`` the node's cable. Sizes are bytes of the dense float
+tensor (S) or of a payload (B). gamma is the time to add one byte of data into another.
+
+Formulas (p ranks, m nodes of n ranks):
+
+- ring all-reduce: ``2(p-1) alpha + 2(p-1)/p S beta + (p-1)/p S gamma`` (paper 04, dense ring);
+- paper 01 Eq. 3, all-gather of B-byte payloads: ``alpha log2 p + (p-1) B beta``;
+- paper 01 Eq. 7-10, HiTopKComm: intra reduce-scatter ``(n-1) alpha_i + (n-1)/n S beta_i``, top-k
+  of S/n, inter all-gather ``alpha_o log2 m + (m-1) B beta_o`` for each of the n local indices
+  (their n streams share the node cable), intra all-gather ``(n-1) alpha_i + (n-1)/n S beta_i``;
+- paper 04: ``T_sparse = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1`` and
+  ``T_dense = 2 lg(p) alpha + 2 (p-1)/p M beta + (p-1)/p M gamma_2``;
+- paper 05 Eq. 1-2 with Table 3: ``T_orig = a T_send(m/K)``,
+  ``T_cpr = a T_send(r m/K) + b T_enc(m/K) + c T_dec(r m/K)`` with (a, b, c) =
+  (2(N-1), N, N) for CaSync-Ring on sparsifiers and quantizers, (2(N-1), 1, 1) for low rank, and
+  (2(N-1), K, N) for CaSync-PS with co-located aggregators (the values of the paper's evaluation).
+
+:func:`calibrate` measures alpha and beta of each level on the running cluster with all-reduce
+sweeps and least squares; :func:`measure_codec` times a codec's encode and decode.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gradsync.codecs import Codec, ErrorFeedback
+from gradsync.collectives import primitives as P
+from gradsync.collectives.topology import Topology
+
+
+@dataclass(frozen=True)
+class Link:
+    """Start-up time ``alpha`` (s) and time per byte ``beta`` (s/B) of one link level."""
+
+    alpha: float
+    beta: float
+
+    def send(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return 1.0 / self.beta if self.beta > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class CostParams:
+    intra: Link
+    inter: Link
+    gamma: float = 0.0  # s per byte summed
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``a + b * x``, fitted by least squares."""
+
+    a: float
+    b: float
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+    @classmethod
+    def fit(cls, xs: list[float], ys: list[float]) -> Linear:
+        if len(xs) < 2:
+            return cls(ys[0] if ys else 0.0, 0.0)
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        return cls(max(my - b * mx, 0.0), max(b, 0.0))
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """A codec's measured encode / decode time and payload size as functions of dense bytes."""
+
+    encode: Linear
+    decode: Linear
+    payload: Linear
+    summable: bool = False
+    lowrank: bool = False
+
+
+def log2(p: int) -> float:
+    return math.log2(p) if p > 1 else 0.0
+
+
+class CostModel:
+    """Predicted seconds of each scheme for ``nodes`` x ``per_node`` ranks with ``params``."""
+
+    def __init__(self, params: CostParams, nodes: int, per_node: int) -> None:
+        self.params, self.m, self.n = params, nodes, per_node
+        self.p = nodes * per_node
+
+    @property
+    def _world_link(self) -> Link:
+        return self.params.inter if self.m > 1 else self.params.intra
+
+    # ------------------------------------------------------------------ dense
+    def ring_allreduce(self, nbytes: float, p: int, link: Link) -> float:
+        if p <= 1:
+            return 0.0
+        return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * (link.beta + self.params.gamma / 2)
+
+    def flat(self, nbytes: float) -> float:
+        """One ring over the world; on several nodes each node cable carries 2(p-1)/p S."""
+        return self.ring_allreduce(nbytes, self.p, self._world_link)
+
+    def hierarchical(self, nbytes: float) -> float:
+        """Paper 03: intra reduce and broadcast (binomial trees), ring all-reduce among leaders."""
+        i = self.params.intra
+        tree = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
+        return 2 * tree + self.ring_allreduce(nbytes, self.m, self.params.inter)
+
+    def torus2d(self, nbytes: float) -> float:
+        """Paper 01's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the cable, intra AG."""
+        i, o = self.params.intra, self.params.inter
+        rs = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
+        inter = 0.0
+        if self.m > 1:
+            inter = 2 * (self.m - 1) * o.alpha + 2 * (self.m - 1) / self.m * nbytes * o.beta
+        return 2 * rs + inter
+
+    # ------------------------------------------------------------------ sparse (papers 01, 04)
+    def allgather(self, payload_bytes: float, p: int, link: Link, streams: int = 1) -> float:
+        """Paper 01 Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share the link."""
+        if p <= 1:
+            return 0.0
+        return link.alpha * log2(p) + (p - 1) * payload_bytes * link.beta * streams
+
+    def naive(self, nbytes: float, c: CodecCost) -> float:
+        """Every rank's payload all-gathered over the world, decoded p times."""
+        return (
+            c.encode(nbytes)
+            + self.allgather(c.payload(nbytes), self.p, self._world_link)
+            + self.p * c.decode(nbytes)
+        )
+
+    def hitopk(self, nbytes: float, c: CodecCost) -> float:
+        """Paper 01 Eq. 7-10 (the intra all-gather moves the dense shards)."""
+        i, o = self.params.intra, self.params.inter
+        shard = nbytes / self.n
+        t1 = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
+        t2 = c.encode(shard)
+        t3 = self.allgather(c.payload(shard), self.m, o, streams=self.n)
+        t4 = t1
+        return t1 + t2 + t3 + self.m * c.decode(shard) + t4
+
+    def paper04_sparse(self, nbytes: float, density: float, t_select: float, gamma1: float) -> float:
+        """RedSync's T_sparse (recursive-doubling all-gather of the compressed residuals)."""
+        link = self._world_link
+        return (
+            t_select
+            + log2(self.p) * link.alpha
+            + (self.p - 1) * nbytes * density * link.beta
+            + self.p * gamma1
+        )
+
+    def paper04_dense(self, nbytes: float, gamma2: float) -> float:
+        """RedSync's T_dense (Rabenseifner all-reduce)."""
+        link, p = self._world_link, self.p
+        return 2 * log2(p) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta + (p - 1) / p * nbytes * gamma2
+
+    # ------------------------------------------------------------------ CaSync (paper 05)
+    def casync_steps(self, strategy: str, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
+        """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path."""
+        if c.lowrank or c.summable:
+            return 2 * (n - 1), 1, 1
+        if strategy == "ring":
+            return 2 * (n - 1), n, n
+        return 2 * (n - 1), k, n
+
+    def casync_orig(self, nbytes: float, n: int, k: int, link: Link) -> float:
+        """Eq. 1: ``a T_send(m / K)`` (no compression)."""
+        return 2 * (n - 1) * link.send(nbytes / k)
+
+    def casync(self, strategy: str, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
+               link: Link | None = None) -> float:  # fmt: skip
+        """Eq. 2 for ``ring`` or ``ps`` over n ranks (default: the world) with K partitions."""
+        n = n or self.p
+        k = k or n
+        link = link or self._world_link
+        a, b, g = self.casync_steps(strategy, c, n, k)
+        part = nbytes / k
+        return a * link.send(c.payload(part)) + b * c.encode(part) + g * c.decode(part)
+
+    def lowrank(self, nbytes: float, c: CodecCost, p: int | None = None, link: Link | None = None) -> float:
+        """PowerSGD's two rounds: ring all-reduces of the P and Q factors (together the payload)
+        plus one encode (both products, orthogonalization) and one decode."""
+        p = p or self.p
+        link = link or self._world_link
+        return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
+
+    def locally_aggregated(self, strategy: str, nbytes: float, c: CodecCost) -> float:
+        """Intra reduce-scatter, the strategy over the m nodes on S/n (n streams share the
+        cable), intra all-gather."""
+        i = self.params.intra
+        if c.lowrank:  # intra reduce and broadcast around the leaders' low-rank rounds
+            tree = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
+            return 2 * tree + self.lowrank(nbytes, c, self.m, self.params.inter)
+        rs = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
+        shard = nbytes / self.n
+        o = self.params.inter
+        shared = Link(o.alpha, o.beta * self.n)
+        if strategy == "allgather":
+            across = c.encode(shard) + self.allgather(c.payload(shard), self.m, o, streams=self.n)
+            across += self.m * c.decode(shard)
+        else:
+            across = self.casync(strategy, shard, c, n=self.m, link=shared)
+        return 2 * rs + across
+
+
+# -------------------------------------------------------------------------------- calibration
+def _time_collective(fn: Callable[[], None], reps: int) -> float:
+    """Median over reps of the slowest rank's time (all ranks take part in the max)."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(float(dt))
+    return statistics.median(times)
+
+
+def _fit_ring(
+    topo: Topology, group: dist.ProcessGroup | None, p: int, active: bool, sizes: list[int], reps: int
+) -> Link:
+    times = []
+    for s in sizes:
+        buf = torch.zeros(max(s // 4, 1))
+        times.append(
+            _time_collective(lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps)
+        )
+    fit = Linear.fit([float(s) for s in sizes], times)
+    return Link(fit.a / (2 * (p - 1)), fit.b * p / (2 * (p - 1)))
+
+
+def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
+    """Measure alpha and beta of the intra and inter levels on the running cluster.
+
+    Ring all-reduce sweeps over ``sizes`` (bytes) on the intra-node groups (all nodes at once) and
+    on one inter-node group (local index 0, so its stream has the node cable to itself), fitted
+    by least squares to ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds. Every
+    rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
+    gets the other level's values.
+    """
+    sizes = sizes or [4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
+    intra = inter = None
+    if topo.world > 1 and topo.per_node > 1:
+        intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, sizes, reps)
+    if topo.world > 1 and topo.nodes > 1:
+        inter = _fit_ring(topo, topo.inter_group, topo.nodes, topo.local_rank == 0, sizes, reps)
+    a, b = torch.zeros(1 << 20), torch.zeros(1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a.add_(b)
+    gamma = (time.perf_counter() - t0) / 10 / (4 << 20)
+    g = torch.tensor([gamma], dtype=torch.float64)
+    if topo.world > 1:
+        dist.all_reduce(g, op=dist.ReduceOp.MAX)
+    fallback = Link(0.0, 0.0)
+    return CostParams(intra or inter or fallback, inter or intra or fallback, float(g))
+
+
+def measure_codec(codec: Codec | ErrorFeedback, sizes: list[int], reps: int = 5) -> CodecCost:
+    """Time encode and decode of a float32 tensor of each size (bytes) on this rank; fit lines."""
+    plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+    enc, dec, pay = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    for s in sizes:
+        n = max(s // 4, 1)
+        side = 2 ** (int(math.log2(n)) // 2)
+        x = (
+            torch.randn(n, generator=gen).view(side, n // side)
+            if n % side == 0
+            else torch.randn(n, generator=gen)
+        )
+        out = torch.empty_like(x)
+        payload = plain.encode(x)
+        te, td = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            payload = plain.encode(x)
+            te.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            plain.decode(payload, out=out)
+            td.append(time.perf_counter() - t0)
+        enc.append(statistics.median(te))
+        dec.append(statistics.median(td))
+        pay.append(float(payload.nbytes))
+    xs = [float(s) for s in sizes]
+    return CodecCost(
+        Linear.fit(xs, enc), Linear.fit(xs, dec), Linear.fit(xs, pay), summable=plain.summable,
+        lowrank=hasattr(plain, "project"),
+    )  # fmt: skip

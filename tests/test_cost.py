@@ -1,0 +1,72 @@
+"""The alpha-beta formulas against hand-computed values."""
+
+import math
+
+import pytest
+
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+
+INTRA = Link(alpha=1e-5, beta=1e-9)
+INTER = Link(alpha=1e-3, beta=8e-8)  # 12.5 MB/s, 100 Mbit/s
+PARAMS = CostParams(INTRA, INTER)
+S = 64 * 2**20
+
+
+def codec(ratio=0.02, enc=1e-9, dec=1e-10, summable=False, lowrank=False):
+    return CodecCost(Linear(0.0, enc), Linear(0.0, dec), Linear(0.0, ratio), summable, lowrank)
+
+
+def test_linear_fit_recovers_a_line():
+    f = Linear.fit([1.0, 2.0, 3.0, 4.0], [3.0, 5.0, 7.0, 9.0])
+    assert f.a == pytest.approx(1.0) and f.b == pytest.approx(2.0)
+    assert Linear.fit([5.0], [2.0]) == Linear(2.0, 0.0)
+
+
+def test_dense_formulas_on_two_by_two():
+    m = CostModel(PARAMS, nodes=2, per_node=2)
+    # flat: ring over 4 ranks on the inter link: 2*3 alpha + 2*3/4 S beta
+    assert m.flat(S) == pytest.approx(6 * INTER.alpha + 1.5 * S * INTER.beta)
+    # torus2d: intra RS + AG (each 1 alpha + S/2 beta) and a 2-rank all-reduce of the cable bytes
+    intra = INTRA.alpha + S / 2 * INTRA.beta
+    assert m.torus2d(S) == pytest.approx(2 * intra + 2 * INTER.alpha + S * INTER.beta)
+    # hierarchical: reduce + broadcast trees (log2 2 = 1 step of S each) + leaders' all-reduce
+    assert m.hierarchical(S) == pytest.approx(
+        2 * (INTRA.alpha + S * INTRA.beta) + 2 * INTER.alpha + S * INTER.beta
+    )
+    # the cable carries 1.5 S for flat and S for the hierarchical schemes: 1.5x is the bound
+    assert 1.4 < m.flat(S) / m.torus2d(S) < 1.5
+
+
+def test_sparse_formulas():
+    m = CostModel(PARAMS, nodes=2, per_node=2)
+    c = codec()
+    # paper 01 Eq. 3 with B-byte payloads
+    assert m.allgather(1000, 4, INTER) == pytest.approx(INTER.alpha * 2 + 3 * 1000 * INTER.beta)
+    naive = c.encode(S) + INTER.alpha * 2 + 3 * c.payload(S) * INTER.beta + 4 * c.decode(S)
+    assert m.naive(S, c) == pytest.approx(naive)
+    # Eq. 7-10: two local indices share the cable, each gathering one shard payload from 1 peer
+    t1 = INTRA.alpha + S / 2 * INTRA.beta
+    t3 = INTER.alpha * 1 + 1 * c.payload(S / 2) * INTER.beta * 2
+    assert m.hitopk(S, c) == pytest.approx(t1 + c.encode(S / 2) + t3 + 2 * c.decode(S / 2) + t1)
+    assert m.hitopk(S, c) < m.naive(S, c) < m.flat(S)
+    # paper 04: T_sparse and T_dense
+    assert m.paper04_sparse(S, 0.01, 0.0, 0.0) == pytest.approx(2 * INTER.alpha + 3 * S * 0.01 * INTER.beta)
+    assert m.paper04_dense(S, 0.0) == pytest.approx(4 * INTER.alpha + 1.5 * S * INTER.beta)
+
+
+def test_casync_table_3():
+    m = CostModel(PARAMS, nodes=4, per_node=1)
+    q = codec(ratio=1 / 32)
+    assert m.casync_steps("ring", q, 4, 4) == (6, 4, 4)
+    assert m.casync_steps("ps", q, 4, 4) == (6, 4, 4)
+    assert m.casync_steps("ring", codec(lowrank=True), 4, 4) == (6, 1, 1)
+    part = S / 4
+    want = 6 * INTER.send(q.payload(part)) + 4 * q.encode(part) + 4 * q.decode(part)
+    assert m.casync("ring", S, q) == pytest.approx(want)
+    assert m.casync_orig(S, 4, 4, INTER) == pytest.approx(6 * INTER.send(part))
+
+
+def test_one_rank_costs_nothing_to_communicate():
+    m = CostModel(PARAMS, nodes=1, per_node=1)
+    assert m.flat(S) == 0.0 and m.torus2d(S) == 0.0
+    assert math.isinf(Link(0.0, 0.0).bandwidth)
