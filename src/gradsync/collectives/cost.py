@@ -245,7 +245,10 @@ def _fit_ring(
             _time_collective(lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps)
         )
     fit = Linear.fit([float(s) for s in sizes], times)
-    return Link(fit.a / (2 * (p - 1)), fit.b * p / (2 * (p - 1)))
+    slope = fit.b
+    if slope <= 0:  # latency-dominated sweep (fast links, small sizes): bound beta by the largest size
+        slope = times[-1] / sizes[-1]
+    return Link(fit.a / (2 * (p - 1)), slope * p / (2 * (p - 1)))
 
 
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
