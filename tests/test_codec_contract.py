@@ -220,3 +220,15 @@ def test_powersgd_rejects_a_payload_of_another_rank(backend):
     p = a.encode(torch.randn(40, 50))
     with pytest.raises(ValueError, match="does not fit rank 3"):
         b.payload_from_bytes(p.data.clone(), p.shape, p.dtype)
+
+
+def test_decode_with_a_scale(backend, spec):
+    codec = gradsync.build_codec(spec)
+    x = torch.randn(40, 30)
+    p = codec.encode(x)
+    plain = codec.decode(p)
+    torch.testing.assert_close(codec.decode(p, scale=0.25), plain * 0.25, rtol=1e-6, atol=1e-7)
+    base = torch.randn(40, 30)
+    acc = base.clone()
+    codec.decode(p, out=acc, accumulate=True, scale=-2.0)
+    torch.testing.assert_close(acc, base - 2.0 * plain, rtol=1e-5, atol=1e-6)

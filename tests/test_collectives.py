@@ -144,6 +144,11 @@ def check_naive_and_hitopk(topo):
     t = ix[rank].clone()
     hitopk(t, topo, gradsync.build_codec("topk:density=1.0"), op="sum", key="h1")
     assert torch.equal(t, torch.stack(ix).sum(0))
+    for strategy in ("allgather", "ring", "ps"):  # the mean is decoded directly (scaled decode)
+        for local in (False, True):
+            t = ix[rank].clone()
+            compressed_allreduce(t, topo, gradsync.build_codec("topk:density=1.0"), strategy, local, key="m")
+            torch.testing.assert_close(t, torch.stack(ix).mean(0))
     # naive: the sum of every rank's own top-k
     t = xs[rank].clone()
     compressed_allreduce(t, topo, gradsync.build_codec("topk:k=40"), "allgather", op="sum", key="naive")

@@ -42,12 +42,15 @@ def test_sparse_formulas():
     c = codec()
     # paper 01 Eq. 3 with B-byte payloads
     assert m.allgather(1000, 4, INTER) == pytest.approx(INTER.alpha * 2 + 3 * 1000 * INTER.beta)
-    naive = c.encode(S) + INTER.alpha * 2 + 3 * c.payload(S) * INTER.beta + 4 * c.decode(S)
+    # naive: sizes then payloads (two start-ups per step), then four decodes
+    naive = c.encode(S) + 2 * INTER.alpha * 2 + 3 * c.payload(S) * INTER.beta + 4 * c.decode(S)
     assert m.naive(S, c) == pytest.approx(naive)
-    # Eq. 7-10: two local indices share the cable, each gathering one shard payload from 1 peer
+    # Eq. 7-10: two local indices share the cable, each gathering one shard payload from 1 peer;
+    # then each rank forwards its 2 payloads to the other local rank (Eq. 10's sparse all-gather)
     t1 = INTRA.alpha + S / 2 * INTRA.beta
-    t3 = INTER.alpha * 1 + 1 * c.payload(S / 2) * INTER.beta * 2
-    assert m.hitopk(S, c) == pytest.approx(t1 + c.encode(S / 2) + t3 + 2 * c.decode(S / 2) + t1)
+    t3 = 2 * INTER.alpha + c.payload(S / 2) * INTER.beta * 2
+    t4 = 2 * INTRA.alpha + 2 * c.payload(S / 2) * INTRA.beta
+    assert m.hitopk(S, c) == pytest.approx(t1 + c.encode(S / 2) + t3 + t4 + 4 * c.decode(S / 2))
     assert m.hitopk(S, c) < m.naive(S, c) < m.flat(S)
     # paper 04: T_sparse and T_dense
     assert m.paper04_sparse(S, 0.01, 0.0, 0.0) == pytest.approx(2 * INTER.alpha + 3 * S * 0.01 * INTER.beta)
@@ -63,6 +66,8 @@ def test_casync_table_3():
     part = S / 4
     want = 6 * INTER.send(q.payload(part)) + 4 * q.encode(part) + 4 * q.decode(part)
     assert m.casync("ring", S, q) == pytest.approx(want)
+    two = 6 * (2 * INTER.alpha + q.payload(part) * INTER.beta) + 4 * q.encode(part) + 4 * q.decode(part)
+    assert m.casync("ring", S, q, messages=2) == pytest.approx(two)
     assert m.casync_orig(S, 4, 4, INTER) == pytest.approx(6 * INTER.send(part))
 
 

@@ -190,7 +190,7 @@ def _model(scheme: Scheme, model: CostModel, nbytes: int, codec_cost: CodecCost 
         return model.locally_aggregated(scheme.algorithm, nbytes, codec_cost)
     if scheme.algorithm == "allgather":
         return model.naive(nbytes, codec_cost)
-    return model.casync(scheme.algorithm, nbytes, codec_cost)
+    return model.casync(scheme.algorithm, nbytes, codec_cost, messages=2)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:

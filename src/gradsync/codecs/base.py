@@ -101,9 +101,16 @@ class Codec(abc.ABC):
         return payload
 
     def decode(
-        self, payload: Payload, *, out: torch.Tensor | None = None, accumulate: bool = False
+        self,
+        payload: Payload,
+        *,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        scale: float = 1.0,
     ) -> torch.Tensor:
-        """Decompress into a new tensor, or into (``accumulate``: add to) ``out``."""
+        """Decompress into a new tensor, or into (``accumulate``: add to) ``out``.
+
+        ``scale`` multiplies the decoded values at no extra pass (a mean is a scaled sum)."""
         if payload.codec != self.name:
             raise ValueError(f"{self.name} cannot decode a payload made by {payload.codec!r}")
         if out is None:
@@ -119,7 +126,7 @@ class Codec(abc.ABC):
             flat.fill_(math.nan)
             return out
         with self._ops_backend():
-            self._decode(payload, flat, accumulate)
+            self._decode(payload, flat, accumulate, scale)
         return out
 
     def _ops_backend(self) -> contextlib.AbstractContextManager[None]:
@@ -238,8 +245,8 @@ class Codec(abc.ABC):
         """Encode the flat, contiguous ``x`` (the original had ``shape``)."""
 
     @abc.abstractmethod
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) the decoded flat tensor into the flat, contiguous ``out``."""
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
+        """Write (or add) ``scale`` times the decoded flat tensor into the flat, contiguous ``out``."""
 
     @abc.abstractmethod
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:

@@ -76,9 +76,14 @@ class NoCompression(Codec):
         """The summable value section."""
         return self._layout(payload.numel, payload.dtype).view(payload.data, "val")
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         v = self.values(payload)
-        out.add_(v) if accumulate else out.copy_(v)
+        if accumulate:
+            out.add_(v, alpha=scale) if scale != 1.0 else out.add_(v)
+        elif scale != 1.0:
+            torch.mul(v, scale, out=out)
+        else:
+            out.copy_(v)
 
 
 @dataclass(frozen=True)
@@ -169,8 +174,8 @@ class _HalfCodec(Codec):
         """The summable value section (in the 16-bit format)."""
         return self._layout(payload.numel).view(payload.data, "val")
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
-        uncast(self.values(payload), self.fmt, 2.0 ** (-payload.header.aux), out, accumulate)
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
+        uncast(self.values(payload), self.fmt, scale * 2.0 ** (-payload.header.aux), out, accumulate)
 
 
 @register

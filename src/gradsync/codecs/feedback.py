@@ -202,9 +202,14 @@ class ErrorFeedback:
             s.pending = s.pending_u = None
 
     def decode(
-        self, payload: Payload, *, out: torch.Tensor | None = None, accumulate: bool = False
+        self,
+        payload: Payload,
+        *,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        scale: float = 1.0,
     ) -> torch.Tensor:
-        return self.codec.decode(payload, out=out, accumulate=accumulate)
+        return self.codec.decode(payload, out=out, accumulate=accumulate, scale=scale)
 
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.codec.transmitted(payload)

@@ -146,16 +146,20 @@ class PowerSGD(Codec):
             )
         return super().payload_nbytes(payload)
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         lay = self._layout(payload.shape)
         if payload.header.flags & Flag.DENSE:
             v = lay.view(payload.data, "dense")
+            if scale != 1.0:
+                v = v * scale
             out.add_(v) if accumulate else out.copy_(v)
             return
         rows, cols = matrix_shape(payload.shape)
         r = self.config.rank
         p = lay.view(payload.data, "p").view(rows, r)
         q = lay.view(payload.data, "q").view(cols, r)
+        if scale != 1.0:
+            p = p * scale  # rows x rank
         if out.dtype != torch.float32:
             v = (p @ q.T).reshape(-1)
             out.add_(v) if accumulate else out.copy_(v)

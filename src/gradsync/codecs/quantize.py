@@ -82,11 +82,10 @@ class OneBit(Codec):
             hi, lo = m, -m
         return self._finish(data, payload, Header(count=n, flags=nonfinite_flag(st.nonfinite), s0=hi, s1=lo))
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         h = payload.header
-        lut_decode(
-            _codes_layout(payload.numel, 1).view(payload.data, "codes"), 1, [h.s1, h.s0], out, accumulate
-        )
+        codes = _codes_layout(payload.numel, 1).view(payload.data, "codes")
+        lut_decode(codes, 1, [h.s1 * scale, h.s0 * scale], out, accumulate)
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,8 @@ class TBQ(Codec):
         nonzero, nonfinite = threshold_pack(x, tau, lay.view(data, "codes"))
         return self._finish(data, payload, Header(count=nonzero, flags=nonfinite_flag(nonfinite), s0=tau))
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
-        tau = payload.header.s0
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
+        tau = payload.header.s0 * scale
         lut_decode(
             _codes_layout(payload.numel, 2).view(payload.data, "codes"),
             2,
@@ -187,13 +186,13 @@ class TernGrad(Codec):
         half = 1 << (bits - 1)
         return [(-1.0 if c & half else 1.0) * (c & (half - 1)) * step for c in range(1 << bits)]
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         h = payload.header
         bits = self.config.bits
         lut_decode(
             _codes_layout(payload.numel, bits).view(payload.data, "codes"),
             bits,
-            self.lut(h.s0, bits),
+            self.lut(h.s0 * scale, bits),
             out,
             accumulate,
         )
@@ -252,9 +251,10 @@ class QRGC(Codec):
         idx = self._layout(payload.numel, payload.count).view(payload.data, "idx")
         return idx, torch.full((idx.numel(),), payload.header.s0, dtype=payload.dtype, device=idx.device)
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         idx, val = self.transmitted(payload)
+        val = val.to(out.dtype) * scale
         if accumulate:
-            sparse_add_(out, idx, val.to(out.dtype))
+            sparse_add_(out, idx, val)
         else:
-            sparse_to_dense_(out, idx, val.to(out.dtype))
+            sparse_to_dense_(out, idx, val)

@@ -69,8 +69,10 @@ class SparseCodec(Codec):
         lay = sparse_layout(payload.numel, payload.count, payload.dtype)
         return lay.view(payload.data, "idx"), lay.view(payload.data, "val")
 
-    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool) -> None:
+    def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         idx, val = self.sparse_view(payload)
+        if scale != 1.0:
+            val = val * scale  # k elements
         if accumulate:
             sparse_add_(out, idx, val)
         else:

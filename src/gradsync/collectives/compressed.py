@@ -115,12 +115,13 @@ def compressed_allreduce(
         return tensor
     coder = _Coder(codec, key, loss_scale)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    scale = 1.0 / topo.world if op == "mean" else 1.0
     if local_aggregation and topo.per_node > 1:
-        _locally_aggregated(work, topo, coder, strategy, pipeline)
+        scaled = _locally_aggregated(work, topo, coder, strategy, pipeline, scale)
     else:
-        _whole(work, topo, coder, strategy)
-    if op == "mean":
-        work.div_(topo.world)
+        scaled = _whole(work, topo, coder, strategy, scale)
+    if scale != 1.0 and not scaled:
+        work.mul_(scale)
     if work.data_ptr() != tensor.data_ptr():
         tensor.copy_(work)
     return tensor
@@ -151,7 +152,7 @@ class _Piece:
     payload: Payload
 
 
-def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec) -> None:
+def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec, scale: float = 1.0) -> None:
     """Write the result the pieces describe into the flat ``x``.
 
     Pieces over the same range are summed, ranges no piece covers become zero. The first piece of
@@ -161,7 +162,7 @@ def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec) -> None:
     seen: set[tuple[int, int]] = set()
     for piece in pieces:
         span = (piece.offset, piece.payload.numel)
-        codec.decode(piece.payload, out=x[span[0] : span[0] + span[1]], accumulate=span in seen)
+        codec.decode(piece.payload, out=x[span[0] : span[0] + span[1]], accumulate=span in seen, scale=scale)
         seen.add(span)
     pos = 0
     for start, n in sorted(seen):
@@ -172,7 +173,10 @@ def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec) -> None:
         x[pos:].zero_()
 
 
-def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, pipeline: int) -> None:
+def _locally_aggregated(
+    x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, pipeline: int, scale: float
+) -> bool:
+    """Returns whether ``scale`` was applied (else the caller scales)."""
     if _is_lowrank(coder.plain):
         # the factors need the whole matrix: reduce to the node leader, compress across nodes
         # among the leaders, broadcast back
@@ -180,7 +184,7 @@ def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy
         if topo.local_rank == 0 and topo.nodes > 1:
             _lowrank(x, topo.inter_group, "inter", coder)
         P.broadcast(x, topo.leader, topo.intra_group, "intra")
-        return
+        return False
     flat = x.view(-1)
     padded, shard = shard_buffers(flat, topo)
     scratch = topo.workspace.get("rs", padded.numel(), flat.dtype, flat.device)
@@ -201,9 +205,10 @@ def _locally_aggregated(x: torch.Tensor, topo: Topology, coder: _Coder, strategy
         # paper 01's sparse intra-node all-gather), then everybody decodes all of it
         blobs = P.all_gather_bytes(_pack(pieces), topo.intra_group, "intra")
         everything = [q for blob in blobs for q in _unpack(blob, padded.numel(), x.dtype, coder.plain)]
-        _apply(everything, padded, coder.plain)
+        _apply(everything, padded, coder.plain, scale)
     if padded.data_ptr() != flat.data_ptr():
         flat.copy_(padded[: flat.numel()])
+    return topo.nodes > 1
 
 
 _MIN_CHUNK_BYTES = 1 << 20
@@ -302,15 +307,16 @@ def _strategy(
     return _ps(x.view(-1), group, level, coder, rank)
 
 
-def _whole(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str) -> None:
-    """A strategy over the whole world (no local aggregation); the result lands in ``x``."""
+def _whole(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, scale: float) -> bool:
+    """A strategy over the whole world (no local aggregation); the result lands in ``x``.
+    Returns whether ``scale`` was applied."""
     group = topo.world_group
-    if P.size(group) == 1:
-        return
     if _is_lowrank(coder.plain):
         _lowrank(x, group, _level(topo, group), coder)
-        return
-    _apply(_strategy(x, group, _level(topo, group), coder, strategy, topo.rank), x.view(-1), coder.plain)
+        return False
+    pieces = _strategy(x, group, _level(topo, group), coder, strategy, topo.rank)
+    _apply(pieces, x.view(-1), coder.plain, scale)
+    return True
 
 
 def _is_lowrank(codec: Codec) -> bool:

@@ -133,29 +133,31 @@ class CostModel:
         return 2 * rs + inter
 
     # ------------------------------------------------------------------ sparse (papers 01, 04)
-    def allgather(self, payload_bytes: float, p: int, link: Link, streams: int = 1) -> float:
-        """Paper 01 Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share the link."""
+    def allgather(
+        self, payload_bytes: float, p: int, link: Link, streams: int = 1, messages: int = 1
+    ) -> float:
+        """Paper 01 Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share the link.
+        ``messages``: start-ups per step (gradsync sends the payload sizes first: 2)."""
         if p <= 1:
             return 0.0
-        return link.alpha * log2(p) + (p - 1) * payload_bytes * link.beta * streams
+        return messages * link.alpha * log2(p) + (p - 1) * payload_bytes * link.beta * streams
 
     def naive(self, nbytes: float, c: CodecCost) -> float:
-        """Every rank's payload all-gathered over the world, decoded p times."""
-        return (
-            c.encode(nbytes)
-            + self.allgather(c.payload(nbytes), self.p, self._world_link)
-            + self.p * c.decode(nbytes)
-        )
+        """Every rank's payload all-gathered over the world (sizes first), decoded p times."""
+        gather = self.allgather(c.payload(nbytes), self.p, self._world_link, messages=2)
+        return c.encode(nbytes) + gather + self.p * c.decode(nbytes)
 
     def hitopk(self, nbytes: float, c: CodecCost) -> float:
-        """Paper 01 Eq. 7-10 (the intra all-gather moves the dense shards)."""
+        """Paper 01 Eq. 7-10: intra reduce-scatter, top-k of the shard, inter all-gather of the
+        shard payloads (n streams share the cable), intra all-gather of the m payloads each rank
+        holds (Eq. 10's sparse all-gather), decode of everything."""
         i, o = self.params.intra, self.params.inter
         shard = nbytes / self.n
         t1 = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
         t2 = c.encode(shard)
-        t3 = self.allgather(c.payload(shard), self.m, o, streams=self.n)
-        t4 = t1
-        return t1 + t2 + t3 + self.m * c.decode(shard) + t4
+        t3 = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=2)
+        t4 = self.allgather(self.m * c.payload(shard), self.n, i, messages=2)
+        return t1 + t2 + t3 + t4 + self.m * self.n * c.decode(shard)
 
     def paper04_sparse(self, nbytes: float, density: float, t_select: float, gamma1: float) -> float:
         """RedSync's T_sparse (recursive-doubling all-gather of the compressed residuals)."""
@@ -186,14 +188,16 @@ class CostModel:
         return 2 * (n - 1) * link.send(nbytes / k)
 
     def casync(self, strategy: str, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
-               link: Link | None = None) -> float:  # fmt: skip
-        """Eq. 2 for ``ring`` or ``ps`` over n ranks (default: the world) with K partitions."""
+               link: Link | None = None, messages: int = 1) -> float:  # fmt: skip
+        """Eq. 2 for ``ring`` or ``ps`` over n ranks (default: the world) with K partitions;
+        ``messages`` start-ups per send (gradsync's steps send a size, then the payload: 2)."""
         n = n or self.p
         k = k or n
         link = link or self._world_link
         a, b, g = self.casync_steps(strategy, c, n, k)
         part = nbytes / k
-        return a * link.send(c.payload(part)) + b * c.encode(part) + g * c.decode(part)
+        send = messages * link.alpha + c.payload(part) * link.beta
+        return a * send + b * c.encode(part) + g * c.decode(part)
 
     def lowrank(self, nbytes: float, c: CodecCost, p: int | None = None, link: Link | None = None) -> float:
         """PowerSGD's two rounds: ring all-reduces of the P and Q factors (together the payload)
@@ -203,22 +207,20 @@ class CostModel:
         return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
 
     def locally_aggregated(self, strategy: str, nbytes: float, c: CodecCost) -> float:
-        """Intra reduce-scatter, the strategy over the m nodes on S/n (n streams share the
-        cable), intra all-gather."""
-        i = self.params.intra
+        """Intra reduce-scatter, the strategy over the m nodes on S/n (the n local indices' streams
+        share the cable), the compressed results forwarded inside the node, all of them decoded."""
+        i, o = self.params.intra, self.params.inter
         if c.lowrank:  # intra reduce and broadcast around the leaders' low-rank rounds
             tree = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
-            return 2 * tree + self.lowrank(nbytes, c, self.m, self.params.inter)
+            return 2 * tree + self.lowrank(nbytes, c, self.m, o)
+        if strategy == "allgather":
+            return self.hitopk(nbytes, c)
         rs = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
         shard = nbytes / self.n
-        o = self.params.inter
         shared = Link(o.alpha, o.beta * self.n)
-        if strategy == "allgather":
-            across = c.encode(shard) + self.allgather(c.payload(shard), self.m, o, streams=self.n)
-            across += self.m * c.decode(shard)
-        else:
-            across = self.casync(strategy, shard, c, n=self.m, link=shared)
-        return 2 * rs + across
+        across = self.casync(strategy, shard, c, n=self.m, link=shared, messages=2)
+        forward = self.allgather(c.payload(shard), self.n, i, messages=2)
+        return rs + across + forward + c.decode(nbytes)
 
 
 # -------------------------------------------------------------------------------- calibration
@@ -238,29 +240,33 @@ def _time_collective(fn: Callable[[], None], reps: int) -> float:
 def _fit_ring(
     topo: Topology, group: dist.ProcessGroup | None, p: int, active: bool, sizes: list[int], reps: int
 ) -> Link:
+    """alpha from the smallest all-reduce (latency: every software and network start-up cost of one
+    step), beta from the slope between the smallest and the largest (two points are robust on a
+    noisy machine where a least-squares intercept is not)."""
     times = []
     for s in sizes:
         buf = torch.zeros(max(s // 4, 1))
         times.append(
             _time_collective(lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps)
         )
-    fit = Linear.fit([float(s) for s in sizes], times)
-    slope = fit.b
-    if slope <= 0:  # latency-dominated sweep (fast links, small sizes): bound beta by the largest size
+    alpha = times[0] / (2 * (p - 1))
+    span = sizes[-1] - sizes[0]
+    slope = (times[-1] - times[0]) / span if span > 0 else 0.0
+    if slope <= 0:  # latency-dominated even at the largest size: bound beta by that size
         slope = times[-1] / sizes[-1]
-    return Link(fit.a / (2 * (p - 1)), slope * p / (2 * (p - 1)))
+    return Link(alpha, slope * p / (2 * (p - 1)))
 
 
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
     """Measure alpha and beta of the intra and inter levels on the running cluster.
 
-    Ring all-reduce sweeps over ``sizes`` (bytes) on the intra-node groups (all nodes at once) and
-    on one inter-node group (local index 0, so its stream has the node cable to itself), fitted
-    by least squares to ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds. Every
+    Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
+    inter-node group (local index 0, so its stream has the node cable to itself), read as
+    ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds. Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """
-    sizes = sizes or [4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
+    sizes = sorted(sizes or [4, 1024 * 1024, 4 * 1024 * 1024])
     intra = inter = None
     if topo.world > 1 and topo.per_node > 1:
         intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, sizes, reps)
