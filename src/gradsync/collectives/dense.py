@@ -36,13 +36,15 @@ COMM_DTYPES = (None, "fp16", "bf16")
 class HybridPolicy:
     """``hybrid``: use ``small`` below ``threshold`` bytes and ``large`` from there on.
 
-    The default threshold comes from `gradsync bench collectives` on the emulated 2x2 cluster at
-    100 Mbit/s (see docs/benchmarks.md): below it the latency of torus2d's extra steps costs
-    more than the bandwidth it saves.
+    Paper 03 switches between its hierarchical algorithm and the ring on tensor size. The defaults
+    here come from `gradsync bench collectives` on the emulated 2 x 2 cluster at 100 Mbit/s
+    (docs/benchmarks.md): at 64 KiB the single flat all-reduce was fastest (7.1 ms against 8.2 ms
+    hierarchical and 9.2 ms torus2d: latency-bound, fewest steps), from 256 KiB on torus2d and
+    hierarchical were 1.7x faster than flat (the cable carries S instead of 1.5 S).
     """
 
-    threshold: int = 256 * 1024
-    small: str = "hierarchical"
+    threshold: int = 128 * 1024
+    small: str = "flat"
     large: str = "torus2d"
 
     def __post_init__(self) -> None:
