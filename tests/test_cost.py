@@ -75,3 +75,15 @@ def test_one_rank_costs_nothing_to_communicate():
     m = CostModel(PARAMS, nodes=1, per_node=1)
     assert m.flat(S) == 0.0 and m.torus2d(S) == 0.0
     assert math.isinf(Link(0.0, 0.0).bandwidth)
+
+
+def test_pipelined_hitopk_overlaps_compute_and_transfer():
+    m = CostModel(PARAMS, nodes=2, per_node=2)
+    c = codec(enc=1e-8)
+    one, four = m.hitopk(S, c), m.hitopk(S, c, chunks=4)
+    assert four < one
+    part = S / 4
+    compute = INTRA.alpha + part / 2 * INTRA.beta + c.encode(part / 2)
+    transfer = 2 * INTER.alpha + c.payload(part / 2) * INTER.beta * 2
+    tail = 2 * INTRA.alpha + 2 * 4 * c.payload(part / 2) * INTRA.beta + 16 * c.decode(part / 2)
+    assert four == pytest.approx(compute + 3 * max(compute, transfer) + transfer + tail)

@@ -185,7 +185,9 @@ def _model(scheme: Scheme, model: CostModel, nbytes: int, codec_cost: CodecCost 
     if codec_cost.lowrank and not scheme.local:
         return model.lowrank(nbytes, codec_cost)
     if scheme.algorithm == "hitopk":
-        return model.hitopk(nbytes, codec_cost)
+        # the chunks compressed_allreduce's pipeline uses (at least 1 MiB each)
+        chunks = max(1, min(4, nbytes // (1 << 20)))
+        return model.hitopk(nbytes, codec_cost, chunks)
     if scheme.local:
         return model.locally_aggregated(scheme.algorithm, nbytes, codec_cost)
     if scheme.algorithm == "allgather":

@@ -83,15 +83,19 @@ def compressed_allreduce(
     key: str = "",
     loss_scale: float = 1.0,
     check: bool = True,
-    pipeline: int = 1,
+    pipeline: int = 4,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place through ``codec`` with a compressed ``strategy``.
 
     ``key`` names the tensor for the codec's per-tensor state (use the same key every step);
-    ``loss_scale`` is passed to error feedback. With local aggregation the ``allgather`` strategy
-    works in chunks of ``pipeline_bytes`` whose inter-node transfers overlap the next chunk's
-    reduce-scatter and compression. With ``check`` the ranks first agree on size,
+    ``loss_scale`` is passed to error feedback. With ``check`` the ranks first agree on size,
     dtype, codec and strategy (one tiny all-gather) and raise on every rank if they differ.
+
+    With local aggregation the ``allgather`` strategy (hitopk) cuts the tensor into ``pipeline``
+    chunks (of at least 1 MiB) whose inter-node transfers overlap the next chunk's reduce-scatter
+    and compression; the codec then selects within each chunk (paper 05's partitioning).
+    ``pipeline=1`` is paper 01's algorithm as printed. On the emulated 2 x 2 cluster at
+    100 Mbit/s, 64 MiB took about 240 ms in 1 chunk, 173 ms in 2 and 160 ms in 4.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")

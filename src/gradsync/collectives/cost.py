@@ -147,17 +147,22 @@ class CostModel:
         gather = self.allgather(c.payload(nbytes), self.p, self._world_link, messages=2)
         return c.encode(nbytes) + gather + self.p * c.decode(nbytes)
 
-    def hitopk(self, nbytes: float, c: CodecCost) -> float:
+    def hitopk(self, nbytes: float, c: CodecCost, chunks: int = 1) -> float:
         """Paper 01 Eq. 7-10: intra reduce-scatter, top-k of the shard, inter all-gather of the
         shard payloads (n streams share the cable), intra all-gather of the m payloads each rank
-        holds (Eq. 10's sparse all-gather), decode of everything."""
+        holds (Eq. 10's sparse all-gather), decode of everything.
+
+        With ``chunks`` > 1 the first two steps of one chunk overlap the third of the previous
+        one: ``c + (K - 1) max(c, x) + x`` for per-chunk compute c and transfer x."""
         i, o = self.params.intra, self.params.inter
-        shard = nbytes / self.n
-        t1 = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
-        t2 = c.encode(shard)
-        t3 = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=2)
-        t4 = self.allgather(self.m * c.payload(shard), self.n, i, messages=2)
-        return t1 + t2 + t3 + t4 + self.m * self.n * c.decode(shard)
+        part = nbytes / chunks
+        shard = part / self.n
+        t1 = (self.n - 1) * i.alpha + (self.n - 1) / self.n * part * i.beta if self.n > 1 else 0.0
+        compute = t1 + c.encode(shard)
+        transfer = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=2)
+        pipeline = compute + (chunks - 1) * max(compute, transfer) + transfer
+        t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=2)
+        return pipeline + t4 + self.m * self.n * chunks * c.decode(shard)
 
     def paper04_sparse(self, nbytes: float, density: float, t_select: float, gamma1: float) -> float:
         """RedSync's T_sparse (recursive-doubling all-gather of the compressed residuals)."""
