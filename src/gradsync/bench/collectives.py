@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology, allreduce, compressed_allreduce, hitopk
+from gradsync.collectives.compressed import pipeline_chunks
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, calibrate, measure_codec
 from gradsync.collectives.dense import ALGORITHMS
 
@@ -185,8 +186,8 @@ def _model(scheme: Scheme, model: CostModel, nbytes: int, codec_cost: CodecCost 
     if codec_cost.lowrank and not scheme.local:
         return model.lowrank(nbytes, codec_cost)
     if scheme.algorithm == "hitopk":
-        # the chunks compressed_allreduce's pipeline uses (at least 1 MiB each)
-        chunks = max(1, min(4, nbytes // (1 << 20)))
+        # the chunks compressed_allreduce's pipeline uses (default pipeline=4)
+        chunks = pipeline_chunks(nbytes, 4)
         return model.hitopk(nbytes, codec_cost, chunks)
     if scheme.local:
         return model.locally_aggregated(scheme.algorithm, nbytes, codec_cost)

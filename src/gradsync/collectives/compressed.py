@@ -22,8 +22,10 @@ groups in parallel), all-gather inside the node. ``hitopk`` (paper 01, Algorithm
 shard, inter-node packed all-gather, sparse add, intra all-gather.
 
 PowerSGD's factors are summable but need two rounds: P = M Q is all-reduced, orthogonalized,
-then Q = M^T P is all-reduced (:func:`_lowrank`); with local aggregation only the node leaders do
-this across nodes (between an intra-node reduce and broadcast).
+then Q = M^T P is all-reduced (:func:`lowrank_program`, which batches every matrix of a bucket
+into those two all-reduces, the bucket's vectors riding along with the first); with local
+aggregation only the node leaders do this across nodes (between an intra-node reduce and
+broadcast).
 
 Error feedback: pass an :class:`~gradsync.codecs.ErrorFeedback` and every lossy encode a rank
 performs keeps its own residual (keyed by the call's ``key`` plus the role of that encode), so
@@ -31,23 +33,32 @@ nothing a rank compresses away is lost. Every rank ends with bit-identical resul
 decodes the same payloads in the same order, owners included.
 
 Results are exact for groups of one rank (nothing is compressed there).
+
+Every strategy is a step program (:mod:`gradsync.collectives.program`): it yields its
+communication steps and returns the decoding work as a finisher.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.codecs import Codec, EncodeContext, ErrorFeedback, Payload
 from gradsync.codecs.lowrank import matrix_shape
-from gradsync.codecs.ops import abs_max
+from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
 from gradsync.collectives.dense import shard_buffers
+from gradsync.collectives.program import Finisher, Program, Step, chain, run
 from gradsync.collectives.topology import Topology
 
 STRATEGIES = ("allgather", "ring", "ps")
+
+Pieces = Generator[Step, Any, "list[_Piece]"]
 
 
 @dataclass
@@ -73,6 +84,25 @@ class _Coder:
         return self.plain.payload_from_bytes(data, like.shape, like.dtype)
 
 
+def codec_spec(codec: Codec | ErrorFeedback) -> str:
+    """The spec string of a codec (with its error-feedback wrapper)."""
+    return codec.spec() if isinstance(codec, ErrorFeedback) else codec.config.spec()
+
+
+def check_arguments(tensor: torch.Tensor, codec: object, strategy: str, op: str, pipeline: object) -> None:
+    """Raise for arguments :func:`compressed_allreduce` cannot take (before communicating)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
+        raise ValueError(f"pipeline must be a positive number of chunks, got {pipeline!r}")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if not isinstance(codec, (Codec, ErrorFeedback)):
+        raise TypeError(f"codec must be a gradsync codec, got {type(codec).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"compressed all-reduce needs a floating tensor, got {tensor.dtype}")
+
+
 def compressed_allreduce(
     tensor: torch.Tensor,
     topology: Topology | None,
@@ -92,43 +122,65 @@ def compressed_allreduce(
     dtype, codec and strategy (one tiny all-gather) and raise on every rank if they differ.
 
     With local aggregation the ``allgather`` strategy (hitopk) cuts the tensor into ``pipeline``
-    chunks (of at least 1 MiB) whose inter-node transfers overlap the next chunk's reduce-scatter
+    chunks (of at least 4 MiB) whose inter-node transfers overlap the next chunk's reduce-scatter
     and compression; the codec then selects within each chunk (paper 05's partitioning).
     ``pipeline=1`` is paper 01's algorithm as printed. On the emulated 2 x 2 cluster at
-    100 Mbit/s, 64 MiB took about 240 ms in 1 chunk, 173 ms in 2 and 160 ms in 4.
+    100 Mbit/s, 64 MiB took about 240 ms in 1 chunk, 173 ms in 2 and 160 ms in 4; 16 MiB 67 ms in
+    1 and 61 ms in 4; but 4 MiB took 21 ms in 1 chunk and 33 ms in 4 chunks of 1 MiB (each
+    chunk's fixed costs, three collectives, outweigh the overlap), hence the 4 MiB minimum.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if not isinstance(pipeline, int) or pipeline < 1:
-        raise ValueError(f"pipeline must be a positive number of chunks, got {pipeline!r}")
-    if op not in ("sum", "mean"):
-        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-    if not isinstance(codec, (Codec, ErrorFeedback)):
-        raise TypeError(f"codec must be a gradsync codec, got {type(codec).__name__}")
-    if not tensor.is_floating_point():
-        raise TypeError(f"compressed all-reduce needs a floating tensor, got {tensor.dtype}")
+    check_arguments(tensor, codec, strategy, op, pipeline)
     topo = topology or Topology()
-    spec = codec.spec() if isinstance(codec, ErrorFeedback) else codec.config.spec()
     if check:
         P.check_same(
             topo.world_group, tensor.device, numel=tensor.numel(), shape=str(tuple(tensor.shape)),
-            dtype=str(tensor.dtype), codec=spec, strategy=strategy, local_aggregation=int(local_aggregation),
-            op=op,
+            dtype=str(tensor.dtype), codec=codec_spec(codec), strategy=strategy,
+            local_aggregation=int(local_aggregation), op=op,
         )  # fmt: skip
     if topo.world == 1:
         return tensor
-    coder = _Coder(codec, key, loss_scale)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    scale = 1.0 / topo.world if op == "mean" else 1.0
-    if local_aggregation and topo.per_node > 1:
-        scaled = _locally_aggregated(work, topo, coder, strategy, pipeline, scale)
-    else:
-        scaled = _whole(work, topo, coder, strategy, scale)
-    if scale != 1.0 and not scaled:
-        work.mul_(scale)
+    run(
+        compressed_program(
+            work, topo, codec, strategy, local_aggregation, op, key, loss_scale, pipeline, topo.workspace
+        )
+    )
     if work.data_ptr() != tensor.data_ptr():
         tensor.copy_(work)
     return tensor
+
+
+def compressed_program(
+    x: torch.Tensor,
+    topo: Topology,
+    codec: Codec | ErrorFeedback,
+    strategy: str = "allgather",
+    local_aggregation: bool = False,
+    op: str = "mean",
+    key: str = "",
+    loss_scale: float = 1.0,
+    pipeline: int = 4,
+    ws: Workspace | None = None,
+    parts: list[tuple[torch.Tensor, str]] | None = None,
+) -> Program:
+    """:func:`compressed_allreduce` of the contiguous ``x`` as a step program (arguments checked
+    by the caller). ``ws`` holds this program's scratch space. For low-rank codecs ``parts``
+    lists the tensors inside ``x`` (views with their own shapes) and their state keys; by default
+    ``x`` is one tensor."""
+    ws = ws if ws is not None else topo.workspace
+    if topo.world == 1:
+        return None
+    coder = _Coder(codec, key, loss_scale)
+    scale = 1.0 / topo.world if op == "mean" else 1.0
+    flat = x.view(-1)
+    if is_lowrank(coder.plain):
+        local = local_aggregation and topo.per_node > 1
+        return (yield from lowrank_program(flat, parts or [(x, f"{key}/lowrank")], topo, coder, local, scale))
+    if local_aggregation and topo.per_node > 1:
+        return (yield from _locally_aggregated(flat, topo, coder, strategy, pipeline, scale, ws))
+    group = topo.world_group
+    pieces = yield from _strategy(flat, group, _level(topo, group), coder, strategy, topo.rank)
+    return partial(_apply, pieces, flat, coder.plain, scale)
 
 
 def hitopk(
@@ -177,77 +229,93 @@ def _apply(pieces: list[_Piece], x: torch.Tensor, codec: Codec, scale: float = 1
         x[pos:].zero_()
 
 
+def _scaled(flat: torch.Tensor, scale: float) -> Finisher | None:
+    return (lambda: flat.mul_(scale)) if scale != 1.0 else None
+
+
 def _locally_aggregated(
-    x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, pipeline: int, scale: float
-) -> bool:
-    """Returns whether ``scale`` was applied (else the caller scales)."""
-    if _is_lowrank(coder.plain):
-        # the factors need the whole matrix: reduce to the node leader, compress across nodes
-        # among the leaders, broadcast back
-        P.reduce(x, topo.leader, topo.intra_group, "intra")
-        if topo.local_rank == 0 and topo.nodes > 1:
-            _lowrank(x, topo.inter_group, "inter", coder)
-        P.broadcast(x, topo.leader, topo.intra_group, "intra")
-        return False
-    flat = x.view(-1)
-    padded, shard = shard_buffers(flat, topo)
-    scratch = topo.workspace.get("rs", padded.numel(), flat.dtype, flat.device)
+    flat: torch.Tensor,
+    topo: Topology,
+    coder: _Coder,
+    strategy: str,
+    pipeline: int,
+    scale: float,
+    ws: Workspace,
+) -> Program:
+    padded, shard = shard_buffers(flat, topo, ws)
+    scratch = ws.get("rs", padded.numel(), flat.dtype, flat.device)
+
+    def copy_back() -> None:
+        if padded.data_ptr() != flat.data_ptr():
+            flat.copy_(padded[: flat.numel()])
+
     if topo.nodes == 1:  # nothing crosses a node: a plain dense reduce-scatter and all-gather
-        P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
-        P.all_gather(padded, shard, topo.intra_group, "intra")
+        yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
+        yield partial(P.all_gather, padded, shard, topo.intra_group, "intra")
+        return chain(copy_back, _scaled(flat, scale))
+    if strategy == "allgather":
+        pieces = yield from _pipelined_allgather(padded, topo, coder, pipeline, scratch, ws)
     else:
-        if strategy == "allgather":
-            pieces = _pipelined_allgather(padded, topo, coder, pipeline, scratch)
-        else:
-            P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
-            base = topo.local_rank * shard.numel()
-            pieces = [
-                _Piece(base + q.offset, q.payload)
-                for q in _strategy(shard, topo.inter_group, "inter", coder, strategy, topo.rank)
-            ]
-        # forward what crossed the nodes to the other ranks of the node (not the dense shard:
-        # paper 01's sparse intra-node all-gather), then everybody decodes all of it
-        blobs = P.all_gather_bytes(_pack(pieces), topo.intra_group, "intra")
-        everything = [q for blob in blobs for q in _unpack(blob, padded.numel(), x.dtype, coder.plain)]
+        yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
+        base = topo.local_rank * shard.numel()
+        inner = yield from _strategy(shard, topo.inter_group, "inter", coder, strategy, topo.rank)
+        pieces = [_Piece(base + q.offset, q.payload) for q in inner]
+    # forward what crossed the nodes to the other ranks of the node (not the dense shard:
+    # paper 01's sparse intra-node all-gather), then everybody decodes all of it
+    blobs = yield partial(P.all_gather_bytes, _pack(pieces), topo.intra_group, "intra")
+
+    def finish() -> None:
+        everything = [q for blob in blobs for q in _unpack(blob, padded.numel(), flat.dtype, coder.plain)]
         _apply(everything, padded, coder.plain, scale)
-    if padded.data_ptr() != flat.data_ptr():
-        flat.copy_(padded[: flat.numel()])
-    return topo.nodes > 1
+        copy_back()
+
+    return finish
 
 
-_MIN_CHUNK_BYTES = 1 << 20
+_MIN_CHUNK_BYTES = 4 << 20
+
+
+def pipeline_chunks(nbytes: int, pipeline: int) -> int:
+    """How many chunks hitopk's pipeline cuts ``nbytes`` into: ``pipeline``, but none under
+    4 MiB (so at least one)."""
+    return max(1, min(pipeline, nbytes // _MIN_CHUNK_BYTES))
 
 
 def _pipelined_allgather(
-    padded: torch.Tensor, topo: Topology, coder: _Coder, pipeline: int, scratch: torch.Tensor
-) -> list[_Piece]:
-    """hitopk's inner part, cut into ``pipeline`` chunks (at least 1 MiB each) so that the
+    padded: torch.Tensor, topo: Topology, coder: _Coder, pipeline: int, scratch: torch.Tensor, ws: Workspace
+) -> Pieces:
+    """hitopk's inner part, cut into :func:`pipeline_chunks` chunks so that the
     inter-node all-gather of one chunk (network) overlaps the reduce-scatter and compression of
     the next (CPU and the node's own links). Pieces carry offsets into ``padded``."""
     n = topo.per_node
     total = padded.numel()
-    min_elems = _MIN_CHUNK_BYTES // padded.element_size()
-    per_chunk = max(-(-total // pipeline), min_elems)
+    chunks = pipeline_chunks(total * padded.element_size(), pipeline)
+    per_chunk = -(-total // chunks)
     per_chunk = -(-per_chunk // n) * n  # a multiple of per_node
     codec = coder.plain
     pending = []
     for start in range(0, total, per_chunk):
         chunk = padded[start : start + per_chunk]
         sub = chunk.numel() // n
-        shard = topo.workspace.get("pipeline_shard", sub, padded.dtype, padded.device)
-        P.reduce_scatter(shard, chunk, topo.intra_group, "intra", scratch)
+        shard = ws.get("pipeline_shard", sub, padded.dtype, padded.device)
+        yield partial(P.reduce_scatter, shard, chunk, topo.intra_group, "intra", scratch)
         payload = coder.encode(shard, f"allgather@{start}")
         capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
+        offset = start + topo.local_rank * sub
         if capacity > 2 * max(codec.estimate_nbytes(sub, (sub,), padded.dtype), 1024):
             # a variable-size codec with a loose bound: exchange the sizes instead (no overlap)
-            bufs = P.all_gather_bytes(payload.data, topo.inter_group, "inter")
-            pending.append((start + topo.local_rank * sub, sub, None, bufs))
+            bufs = yield partial(P.all_gather_bytes, payload.data, topo.inter_group, "inter")
+            pending.append((offset, sub, None, bufs))
         else:
-            gather = P.start_all_gather_fixed(payload.data, capacity, topo.inter_group, "inter")
-            pending.append((start + topo.local_rank * sub, sub, gather, None))
+            gather = yield partial(
+                P.start_all_gather_fixed, payload.data, capacity, topo.inter_group, "inter"
+            )
+            pending.append((offset, sub, gather, None))
     pieces = []
     for offset, sub, gather, bufs in pending:
-        for buf in gather.wait() if gather is not None else bufs:
+        if gather is not None:
+            bufs = yield gather.wait
+        for buf in bufs:
             pieces.append(_Piece(offset, _trimmed(codec, buf, sub, padded.dtype)))
     return pieces
 
@@ -302,53 +370,40 @@ def _unpack(blob: torch.Tensor, length: int, dtype: torch.dtype, codec: Codec) -
 
 def _strategy(
     x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, strategy: str, rank: int
-) -> list[_Piece]:
+) -> Pieces:
     """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result."""
     if strategy == "allgather":
-        return _allgather(x.view(-1), group, level, coder)
+        return (yield from _allgather(x, group, level, coder))
     if strategy == "ring":
-        return _ring(x.view(-1), group, level, coder, rank)
-    return _ps(x.view(-1), group, level, coder, rank)
+        return (yield from _ring(x, group, level, coder, rank))
+    return (yield from _ps(x, group, level, coder, rank))
 
 
-def _whole(x: torch.Tensor, topo: Topology, coder: _Coder, strategy: str, scale: float) -> bool:
-    """A strategy over the whole world (no local aggregation); the result lands in ``x``.
-    Returns whether ``scale`` was applied."""
-    group = topo.world_group
-    if _is_lowrank(coder.plain):
-        _lowrank(x, group, _level(topo, group), coder)
-        return False
-    pieces = _strategy(x, group, _level(topo, group), coder, strategy, topo.rank)
-    _apply(pieces, x.view(-1), coder.plain, scale)
-    return True
-
-
-def _is_lowrank(codec: Codec) -> bool:
+def is_lowrank(codec: Codec) -> bool:
+    """Whether the codec compresses by summable low-rank factors in two rounds (PowerSGD)."""
     return hasattr(codec, "project") and hasattr(codec, "reproject")
 
 
 def _agreed(
     x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int
-) -> EncodeContext:
+) -> Generator[Step, Any, EncodeContext]:
     """The context for summable encodes: the group's max |x| (if the codec scales) and its size."""
     p = P.size(group)
     amax = None
     if coder.plain.agreed_scale:
         t = torch.tensor([abs_max(x)[0]], dtype=torch.float32, device=x.device)
-        P.all_reduce(t, group, level, op=dist.ReduceOp.MAX)
+        yield partial(P.all_reduce, t, group, level, op=dist.ReduceOp.MAX)
         amax = float(t)
     return EncodeContext(rank=rank, summands=p, amax=amax)
 
 
-def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> list[_Piece]:
+def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> Pieces:
     payload = coder.encode(x, "allgather")
-    datas = P.all_gather_bytes(payload.data, group, level)
+    datas = yield partial(P.all_gather_bytes, payload.data, group, level)
     return [_Piece(0, coder.received(d, x)) for d in datas]  # checks every header against its size
 
 
-def _ring(
-    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int
-) -> list[_Piece]:
+def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int) -> Pieces:
     p, g = P.size(group), P.group_rank(group)
     right, left = P.global_rank(group, (g + 1) % p), P.global_rank(group, (g - 1) % p)
     chunks = list(torch.tensor_split(x, p))
@@ -357,13 +412,14 @@ def _ring(
         offsets.append(offsets[-1] + c.numel())
     owned = (g + 1) % p  # the chunk this rank holds fully reduced after the first phase
     codec = coder.plain
+    exchange = partial(P.send_recv_bytes, dst=right, src=left, group=group, level=level)
     if codec.summable:  # add the payloads' values, no decoding
-        ctx = _agreed(x, group, level, coder, rank)
+        ctx = yield from _agreed(x, group, level, coder, rank)
         payloads = [coder.encode(c, f"ring{i}", ctx) for i, c in enumerate(chunks)]
         send = payloads[g]
         for s in range(p - 1):
             idx = (g - s - 1) % p
-            incoming = coder.received(P.send_recv_bytes(send.data, right, left, group, level), chunks[idx])
+            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
             codec.values(payloads[idx]).add_(codec.values(incoming))
             send = payloads[idx]
         final = payloads[owned]
@@ -371,7 +427,7 @@ def _ring(
         send = coder.encode(chunks[g], f"ring{g}")
         for s in range(p - 1):
             idx = (g - s - 1) % p
-            incoming = coder.received(P.send_recv_bytes(send.data, right, left, group, level), chunks[idx])
+            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
             work = chunks[idx].clone()
             codec.decode(incoming, out=work, accumulate=True)
             send = coder.encode(work, f"ring{idx}")  # the last one is the owned chunk's final payload
@@ -380,25 +436,22 @@ def _ring(
     pieces = [_Piece(offsets[owned], final)]
     current, idx = final, owned
     for _ in range(p - 1):
-        data = P.send_recv_bytes(current.data, right, left, group, level)
+        data = yield partial(exchange, current.data)
         idx = (idx - 1) % p
         current = coder.received(data, chunks[idx])
         pieces.append(_Piece(offsets[idx], current))
     return pieces
 
 
-def _ps(
-    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int
-) -> list[_Piece]:
+def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder, rank: int) -> Pieces:
     p, g = P.size(group), P.group_rank(group)
     parts = list(torch.tensor_split(x, p))
     codec = coder.plain
     summable = codec.summable
-    ctx = _agreed(x, group, level, coder, rank) if summable else None
+    ctx = (yield from _agreed(x, group, level, coder, rank)) if summable else None
     payloads = [coder.encode(part, f"ps{j}", ctx) for j, part in enumerate(parts)]
-    received = [
-        coder.received(d, parts[g]) for d in P.all_to_all_bytes([q.data for q in payloads], group, level)
-    ]
+    datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
+    received = [coder.received(d, parts[g]) for d in datas]
     if summable:
         agg = received[0]
         total = codec.values(agg).clone()
@@ -411,38 +464,91 @@ def _ps(
             codec.decode(q, out=work, accumulate=True)
         agg = coder.encode(work, "ps-aggregate")
     pieces, offset = [], 0
-    for j, data in enumerate(P.all_gather_bytes(agg.data, group, level)):
+    for j, data in enumerate((yield partial(P.all_gather_bytes, agg.data, group, level))):
         pieces.append(_Piece(offset, coder.received(data, parts[j])))
         offset += parts[j].numel()
     return pieces
 
 
-def _lowrank(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: _Coder) -> None:
-    """PowerSGD's two summable rounds over ``group`` (x keeps its matrix shape)."""
+def lowrank_program(
+    flat: torch.Tensor,
+    parts: list[tuple[torch.Tensor, str]],
+    topo: Topology,
+    coder: _Coder,
+    local: bool,
+    scale: float,
+) -> Program:
+    """PowerSGD over the tensors ``parts`` (views into the contiguous ``flat``, with state keys).
+
+    Without local aggregation the two rounds run over the world. With it the node reduces onto
+    its leader, the leaders run the rounds across nodes, and the leader broadcasts the result."""
+    if local:
+        yield partial(P.reduce, flat, topo.leader, topo.intra_group, "intra")
+        if topo.local_rank == 0 and topo.nodes > 1:
+            tail = yield from _lowrank_rounds(parts, topo.inter_group, "inter", coder)
+            if tail is not None:
+                tail()  # the leader reconstructs before it broadcasts
+        yield partial(P.broadcast, flat, topo.leader, topo.intra_group, "intra")
+        return _scaled(flat, scale)
+    group = topo.world_group
+    tail = yield from _lowrank_rounds(parts, group, _level(topo, group), coder)
+    return chain(tail, _scaled(flat, scale))
+
+
+def _lowrank_rounds(
+    parts: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup | None, level: str, coder: _Coder
+) -> Program:
+    """Sum the tensors over ``group`` through PowerSGD's factors, every matrix of ``parts`` in the
+    same two all-reduces (P, then Q); tensors the codec sends dense ride along with P."""
     codec = coder.plain
-    if not codec.compresses(x.shape):  # type: ignore[attr-defined]
-        P.all_reduce(x, group, level)
-        return
     ef = coder.codec if isinstance(coder.codec, ErrorFeedback) else None
-    key = f"{coder.key}/lowrank"
-    v = ef.accumulate(x, key, coder.loss_scale) if ef is not None else x.reshape(-1)
-    m = v.view(matrix_shape(x.shape)).float()
-    stream = codec.stream(key)
-    p_sum = codec.project(m, stream).contiguous()  # type: ignore[attr-defined]
-    P.all_reduce(p_sum, group, level)
-    q_local = codec.reproject(m, p_sum, stream).contiguous()  # type: ignore[attr-defined]
-    q_sum = q_local.clone()
-    P.all_reduce(q_sum, group, level)
-    # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)
-    finite = bool(torch.isfinite(p_sum).all()) and bool(torch.isfinite(q_sum).all())
-    if ef is not None:
-        if finite:
-            ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))  # what this rank's data contributed
-        else:
-            ef.discard(key)
-    out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
-    result = codec.reconstruct(q_sum, stream, out=out)  # type: ignore[attr-defined]
-    if not finite:
-        result.fill_(float("nan"))
-    if out is None:
-        x.copy_(result.view(x.shape))
+    dense = [x for x, _ in parts if not codec.compresses(x.shape)]  # type: ignore[attr-defined]
+    mats = []
+    first_parts = [x.reshape(-1).float() for x in dense]
+    for x, key in parts:
+        if not codec.compresses(x.shape):  # type: ignore[attr-defined]
+            continue
+        v = ef.accumulate(x, key, coder.loss_scale) if ef is not None else x.reshape(-1)
+        m = v.view(matrix_shape(x.shape)).float()
+        stream = codec.stream(key)
+        p = codec.project(m, stream)  # type: ignore[attr-defined]
+        mats.append((x, key, m, stream, p.shape))
+        first_parts.append(p.reshape(-1))
+    if not first_parts:
+        return None
+    first = torch.cat(first_parts)
+    yield partial(P.all_reduce, first, group, level)
+    pos = sum(x.numel() for x in dense)
+    q_locals = []
+    for _, _, m, stream, shape in mats:
+        n = shape.numel()
+        q_locals.append(codec.reproject(m, first[pos : pos + n].view(shape), stream).contiguous())  # type: ignore[attr-defined]
+        pos += n
+    second = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else first.new_empty(0)
+    if mats:
+        yield partial(P.all_reduce, second, group, level)
+
+    def finish() -> None:
+        # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)
+        finite = bool(torch.isfinite(first).all()) and bool(torch.isfinite(second).all())
+        pos = 0
+        for x in dense:
+            x.copy_(first[pos : pos + x.numel()].view(x.shape))
+            pos += x.numel()
+        qpos = 0
+        for (x, key, _, stream, _), q_local in zip(mats, q_locals, strict=True):
+            q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
+            qpos += q_local.numel()
+            if ef is not None:
+                if finite:  # what this rank's data contributed to the sum
+                    ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))
+                else:
+                    ef.discard(key)
+            out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
+            result = codec.reconstruct(q_sum, stream, out=out)  # type: ignore[attr-defined]
+            if not finite:
+                result.fill_(float("nan"))
+            if out is None:
+                x.copy_(result.view(x.shape))
+
+    return finish

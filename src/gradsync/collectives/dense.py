@@ -18,13 +18,15 @@ overflow; the value section is reduced and decoded back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from gradsync.codecs import EncodeContext, build_codec
-from gradsync.codecs.ops import abs_max
+from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
+from gradsync.collectives.program import Program, chain, run
 from gradsync.collectives.topology import Topology
 
 ALGORITHMS = ("flat", "hierarchical", "torus2d", "hybrid")
@@ -73,14 +75,7 @@ def allreduce(
     first agree on size, dtype and arguments (one tiny all-gather), so a mismatch raises
     :class:`~gradsync.collectives.primitives.MismatchError` on every rank instead of hanging.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    if op not in OPS:
-        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-    if comm_dtype not in COMM_DTYPES:
-        raise ValueError(f"comm_dtype must be None, 'fp16' or 'bf16', got {comm_dtype!r}")
-    if not tensor.is_floating_point() and (op == "mean" or comm_dtype is not None):
-        raise TypeError(f"op='mean' and comm_dtype need a floating tensor, got {tensor.dtype}")
+    check_arguments(tensor, algorithm, op, comm_dtype)
     if algorithm != "flat" and topology is None:
         raise ValueError(f"algorithm {algorithm!r} needs a topology (gradsync.Topology)")
     topo = topology or Topology()
@@ -92,53 +87,91 @@ def allreduce(
     if topo.world == 1:
         return tensor
     buf = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    if algorithm == "hybrid":
-        algorithm = (hybrid or HybridPolicy()).pick(buf.numel() * buf.element_size())
-    if comm_dtype is None:
-        _run(buf, topo, algorithm)
-    else:
-        _run_low_precision(buf, topo, algorithm, comm_dtype)
-    if op == "mean":
-        buf.div_(topo.world)
+    run(allreduce_program(buf, topo, algorithm, op, comm_dtype, hybrid, topo.workspace))
     if buf.data_ptr() != tensor.data_ptr():
         tensor.copy_(buf.view(tensor.shape))
     return tensor
 
 
-def _run(buf: torch.Tensor, topo: Topology, algorithm: str) -> None:
+def check_arguments(tensor: torch.Tensor, algorithm: str, op: str, comm_dtype: str | None) -> None:
+    """Raise for arguments :func:`allreduce` cannot take (before any communication)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"comm_dtype must be None, 'fp16' or 'bf16', got {comm_dtype!r}")
+    if not tensor.is_floating_point() and (op == "mean" or comm_dtype is not None):
+        raise TypeError(f"op='mean' and comm_dtype need a floating tensor, got {tensor.dtype}")
+
+
+def allreduce_program(
+    buf: torch.Tensor,
+    topo: Topology,
+    algorithm: str = "flat",
+    op: str = "mean",
+    comm_dtype: str | None = None,
+    hybrid: HybridPolicy | None = None,
+    ws: Workspace | None = None,
+) -> Program:
+    """:func:`allreduce` of the flat, contiguous ``buf`` as a step program (arguments checked
+    by the caller); ``ws`` holds the scratch space of this program."""
+    ws = ws if ws is not None else topo.workspace
+    if topo.world == 1:
+        return None
+    if algorithm == "hybrid":
+        algorithm = (hybrid or HybridPolicy()).pick(buf.numel() * buf.element_size())
+    scale = 1.0 / topo.world if op == "mean" else 1.0
+    if comm_dtype is None:
+        tail = yield from dense_steps(buf, topo, algorithm, ws)
+        return chain(tail, (lambda: buf.div_(topo.world)) if op == "mean" else None)
+    codec = build_codec(comm_dtype)
+    # the scale must be the same everywhere: agree on the global max first
+    amax = torch.tensor([abs_max(buf)[0]], dtype=torch.float32, device=buf.device)
+    yield partial(P.all_reduce, amax, topo.world_group, "world", op=dist.ReduceOp.MAX)
+    payload = codec.encode(buf, EncodeContext(summands=topo.world, amax=float(amax)))
+    values = codec.values(payload)
+    assert values is not None  # fp16 / bf16 payloads have a value section
+    tail = yield from dense_steps(values, topo, algorithm, ws)
+    return chain(tail, lambda: codec.decode(payload, out=buf, scale=scale))
+
+
+def dense_steps(buf: torch.Tensor, topo: Topology, algorithm: str, ws: Workspace) -> Program:
+    """Sum the flat ``buf`` over all ranks with a dense ``algorithm`` (not ``hybrid``)."""
     if algorithm == "flat":
-        P.all_reduce(buf, topo.world_group, "world")
-    elif algorithm == "hierarchical":
-        hierarchical(buf, topo)
-    else:
-        torus2d(buf, topo)
+        yield partial(P.all_reduce, buf, topo.world_group, "world")
+        return None
+    if algorithm == "hierarchical":
+        return (yield from hierarchical(buf, topo))
+    return (yield from torus2d(buf, topo, ws))
 
 
-def hierarchical(buf: torch.Tensor, topo: Topology) -> None:
+def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
     """Paper 03's three phases on a flat buffer (sum)."""
-    P.reduce(buf, topo.leader, topo.intra_group, "intra")
+    yield partial(P.reduce, buf, topo.leader, topo.intra_group, "intra")
     if topo.local_rank == 0:  # the leaders' inter-node group is the one of local index 0
-        P.all_reduce(buf, topo.inter_group, "inter")
-    P.broadcast(buf, topo.leader, topo.intra_group, "intra")
+        yield partial(P.all_reduce, buf, topo.inter_group, "inter")
+    yield partial(P.broadcast, buf, topo.leader, topo.intra_group, "intra")
+    return None
 
 
-def torus2d(buf: torch.Tensor, topo: Topology) -> None:
+def torus2d(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
     """Paper 01's 2D-torus all-reduce on a flat buffer (sum)."""
-    padded, shard = shard_buffers(buf, topo)
-    scratch = topo.workspace.get("rs", padded.numel(), buf.dtype, buf.device)
-    P.reduce_scatter(shard, padded, topo.intra_group, "intra", scratch)
-    P.all_reduce(shard, topo.inter_group, "inter")
-    P.all_gather(padded, shard, topo.intra_group, "intra")
+    padded, shard = shard_buffers(buf, topo, ws)
+    scratch = ws.get("rs", padded.numel(), buf.dtype, buf.device)
+    yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
+    yield partial(P.all_reduce, shard, topo.inter_group, "inter")
+    yield partial(P.all_gather, padded, shard, topo.intra_group, "intra")
     if padded.data_ptr() != buf.data_ptr():
-        buf.copy_(padded[: buf.numel()])
+        return lambda: buf.copy_(padded[: buf.numel()])
+    return None
 
 
-def shard_buffers(buf: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_buffers(buf: torch.Tensor, topo: Topology, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
     """``buf`` padded to a multiple of per_node (a workspace copy only when padding is needed)
     and a workspace tensor for this rank's shard."""
     n = topo.per_node
     shard_len = -(-buf.numel() // n)
-    ws = topo.workspace
     if shard_len * n == buf.numel():
         padded = buf
     else:
@@ -146,14 +179,3 @@ def shard_buffers(buf: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, torc
         padded[: buf.numel()].copy_(buf)
         padded[buf.numel() :].zero_()
     return padded, ws.get("shard", shard_len, buf.dtype, buf.device)
-
-
-def _run_low_precision(buf: torch.Tensor, topo: Topology, algorithm: str, comm_dtype: str) -> None:
-    codec = build_codec(f"{comm_dtype}")
-    # the scale must be the same everywhere: agree on the global max first
-    local = torch.tensor([abs_max(buf)[0]], dtype=torch.float32, device=buf.device)
-    P.all_reduce(local, topo.world_group, "world", op=dist.ReduceOp.MAX)
-    payload = codec.encode(buf, EncodeContext(summands=topo.world, amax=float(local)))
-    values = codec.values(payload)
-    _run(values, topo, algorithm)
-    codec.decode(payload, out=buf)
