@@ -9,6 +9,9 @@ from gradsync.codecs import (
     build_codec,
     codec_names,
 )
+from gradsync.collectives import Topology
+from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, wrap
+from gradsync.sync import StepStats, SyncConfig
 
 __version__ = "0.1.0"
 
@@ -17,8 +20,15 @@ __all__ = [
     "EncodeContext",
     "ErrorFeedback",
     "FeedbackConfig",
+    "GradSync",
     "Payload",
+    "StepStats",
+    "SyncConfig",
+    "SyncedOptimizer",
+    "Topology",
     "__version__",
     "build_codec",
     "codec_names",
+    "ddp_comm_hook",
+    "wrap",
 ]

@@ -65,6 +65,8 @@ class FeedbackStream:
     # the step between accumulate() and commit()/discard()
     pending: torch.Tensor | None = None
     pending_u: torch.Tensor | None = None
+    # committed since begin_round(): the previous residual / momentum are in spare / spare_u
+    committed: bool = False
 
 
 def _buffer(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -193,6 +195,7 @@ class ErrorFeedback:
                 s.pending_u.index_fill_(0, indices.long(), 0)
             s.spare_u, s.momentum = s.momentum, s.pending_u
         s.pending = s.pending_u = None
+        s.committed = True
 
     def discard(self, key: str = "") -> None:
         """Drop a pending step (its gradient was non-finite): residual and momentum unchanged."""
@@ -200,6 +203,28 @@ class ErrorFeedback:
         if s is not None and s.pending is not None:
             s.spare, s.spare_u = s.pending, s.pending_u
             s.pending = s.pending_u = None
+
+    def begin_round(self) -> None:
+        """Start a synchronization round (a training step): :meth:`rollback_round` undoes the
+        commits made after this call."""
+        for s in self._streams.values():
+            s.committed = False
+
+    def rollback_round(self) -> int:
+        """Undo every commit since :meth:`begin_round` and return how many streams were reset.
+
+        For a step that every rank skips because *some* rank's gradient overflowed: this rank's
+        own gradient was finite, so its residual and momentum were updated and must go back."""
+        undone = 0
+        for s in self._streams.values():
+            if not s.committed:
+                continue
+            s.residual, s.spare = s.spare, s.residual
+            if self.config.momentum > 0:
+                s.momentum, s.spare_u = s.spare_u, s.momentum
+            s.committed = False
+            undone += 1
+        return undone
 
     def decode(
         self,

@@ -544,10 +544,11 @@ def _lowrank_rounds(
                     ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))
                 else:
                     ef.discard(key)
+            if not finite:  # keep the warm start finite; the NaN result makes the step skip
+                x.fill_(float("nan"))
+                continue
             out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
             result = codec.reconstruct(q_sum, stream, out=out)  # type: ignore[attr-defined]
-            if not finite:
-                result.fill_(float("nan"))
             if out is None:
                 x.copy_(result.view(x.shape))
 

@@ -56,6 +56,12 @@ def record_traffic() -> Iterator[Traffic]:
         _traffic.reset(token)
 
 
+def set_traffic(traffic: Traffic | None) -> None:
+    """Count the bytes of this thread's collectives into ``traffic`` from now on (a long-lived
+    communication thread uses it instead of :func:`record_traffic`)."""
+    _traffic.set(traffic)
+
+
 def _account(level: str, nbytes: float) -> None:
     t = _traffic.get()
     if t is not None:

@@ -1,0 +1,174 @@
+"""``gradsync.wrap(model, scheme=...)``: the one line a training script changes.
+
+The wrapper registers a post-accumulate-grad hook on every trainable parameter. Each hook tells
+the engine that a gradient is final; the engine launches a bucket as soon as it is complete, so
+compression and communication of the last layers overlap the backward pass of the first ones.
+At the end of the backward pass (a callback queued on the autograd engine, as DDP does) the
+engine launches what is left and waits, so that after ``loss.backward()`` returns every
+``.grad`` holds the mean gradient over all ranks. With ``finish_in_backward=False`` the wait is
+deferred to :meth:`GradSync.finish_sync` (or :class:`SyncedOptimizer.step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.collectives.topology import Topology
+from gradsync.integrate.agreement import agreed, comm_device
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.engine import SyncEngine
+from gradsync.sync.stats import StepStats
+
+
+def build_config(scheme: str | SyncConfig, config: SyncConfig | None, options: dict[str, Any]) -> SyncConfig:
+    """One :class:`SyncConfig` from ``wrap``'s arguments (unknown options raise ``ValueError``)."""
+    if isinstance(scheme, SyncConfig):
+        if config is not None:
+            raise ValueError("give the SyncConfig once (as scheme or as config), not twice")
+        config = scheme
+    if config is not None:
+        if options:
+            raise ValueError(f"give options in the SyncConfig or as keywords, not both: {sorted(options)}")
+        return config
+    return SyncConfig.from_options({"scheme": scheme, **options})
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    return ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters())
+
+
+class GradSync(nn.Module):
+    """A model whose gradients gradsync synchronizes (built by :func:`wrap`).
+
+    ``forward`` is the wrapped module's. ``state_dict()`` is the usual module state (with a
+    ``module.`` prefix, like DDP; ``.module.state_dict()`` gives the bare one); the engine's
+    compression state is :meth:`sync_state_dict`.
+    """
+
+    def __init__(self, module: nn.Module, engine: SyncEngine) -> None:
+        super().__init__()
+        self.module = module
+        self.engine = engine
+        self._callback_queued = False
+        self._handles = []
+        if engine.active:
+            for slot in engine.slots:
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._hook(slot.index)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            engine = self.engine
+            if not engine.enabled:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            engine.ready(index)
+
+        return hook
+
+    def _backward_end(self) -> None:
+        self._callback_queued = False
+        self.engine.backward_ended()
+        if self.engine.config.finish_in_backward:
+            self.engine.finish()
+
+    # ------------------------------------------------------------------ public
+    def finish_sync(self) -> StepStats | None:
+        """Wait until every gradient of the last backward pass is synchronized (a no-op when it
+        already is); returns the step's :class:`~gradsync.sync.StepStats`."""
+        return self.engine.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block; the first backward
+        pass after it synchronizes the accumulated sum."""
+        previous = self.engine.enabled
+        self.engine.enabled = False
+        try:
+            yield
+        finally:
+            self.engine.enabled = previous
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.engine.last_stats
+
+    def plan_table(self) -> str:
+        return self.engine.plan_table()
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """This rank's compression state (residuals, factors, generators, plan, step)."""
+        return self.engine.state_dict()
+
+    def load_sync_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
+        self.engine.load_state_dict(state, reset_compression_state)
+
+    def close(self) -> None:
+        """Remove the hooks and stop the engine's threads."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.engine.close()
+
+
+def wrap(
+    model: nn.Module,
+    scheme: str | SyncConfig = "auto",
+    topology: Topology | None = None,
+    *,
+    grad_scaler: Any | None = None,
+    config: SyncConfig | None = None,
+    **options: Any,
+) -> GradSync:
+    """Synchronize ``model``'s gradients with gradsync.
+
+    ``scheme`` is a spec string (``"hitopk:density=0.01"``, ``"torus2d"``, ``"powersgd:rank=4"``,
+    ``"ps+local/onebit"``...) or a :class:`~gradsync.sync.SyncConfig`; ``options`` are further
+    SyncConfig fields (``bucket_bytes=...``, ``plan="compress"``...). ``topology`` defaults to
+    torchrun's layout. Pass the GradScaler of mixed-precision training as ``grad_scaler``: error
+    feedback then works in unscaled units and overflowing steps are skipped on every rank.
+
+    Every rank must call ``wrap`` with the same arguments on the same model; that is checked
+    (one tiny all-gather) and a difference raises on every rank, naming the ranks. With world
+    size 1 nothing is communicated and the gradients are left as they are.
+    """
+    topo = topology or Topology()
+    if topo.world > 1:
+        cfg = agreed(
+            topo, lambda: build_config(scheme, config, options), lambda c: c.spec(),
+            model_fingerprint(model), comm_device(),
+        )  # fmt: skip
+    else:
+        cfg = build_config(scheme, config, options)
+    if topo.world > 1 and cfg.broadcast_parameters:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+    engine = SyncEngine(model.named_parameters(), topo, cfg, grad_scaler)
+    return GradSync(model, engine)
+
+
+class SyncedOptimizer:
+    """An optimizer whose ``step()`` first finishes gradsync's synchronization (needed with
+    ``finish_in_backward=False``; harmless otherwise). Everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: GradSync) -> None:
+        self.optimizer = optimizer
+        self.model = model
+
+    def step(self, closure: Any = None) -> Any:
+        self.model.finish_sync()
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

@@ -1,0 +1,167 @@
+"""Tensor fusion: which gradients travel together (paper 03's fusion threshold, paper 05's batch
+compression), and the flat buffers they are packed into.
+
+Buckets are fixed for a run (all ranks must agree on them, and they key the codecs' per-tensor
+state). They are built from the order and the times at which gradients became ready in a measured
+step: walking the gradients in ready order, a bucket closes when it holds ``bucket_bytes``
+(Horovod's fusion threshold), or before a gradient that became ready more than ``timeout``
+after the bucket's first one (Horovod's cycle time: a bucket should not wait long for its last
+member while the network idles). Gradients only share a bucket with gradients of the same
+dtype, device and codec class (never-compressed small tensors, the main codec, the codec for
+large tensors). Buckets are launched in the order in which they become complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gradsync.codecs.ops import Workspace
+
+
+@dataclass
+class Slot:
+    """One parameter the engine synchronizes."""
+
+    index: int
+    name: str
+    param: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+    @property
+    def group(self) -> tuple[torch.dtype, torch.device]:
+        return (self.param.dtype, self.param.device)
+
+
+def build_groups(
+    slots: list[Slot],
+    order: list[int],
+    ready_s: list[float] | None,
+    codec_class: list[int],
+    bucket_bytes: int,
+    timeout_s: float,
+) -> list[tuple[list[int], int]]:
+    """Group slot indices into buckets: ``[(slot indices, codec class), ...]`` in launch order.
+
+    ``order`` lists slot indices in (expected) ready order, ``ready_s`` gives each slot's ready
+    time (None: sizes alone decide), ``codec_class`` each slot's class.
+    """
+    open_: dict[tuple[object, ...], _Open] = {}
+    closed: list[tuple[int, list[int], int]] = []  # (position of the last member, slots, class)
+    for pos, i in enumerate(order):
+        slot = slots[i]
+        cls = codec_class[i]
+        key = (*slot.group, cls)
+        t = ready_s[i] if ready_s is not None else 0.0
+        b = open_.get(key)
+        if b is not None and ready_s is not None and t - b.t0 > timeout_s:
+            closed.append((b.last, b.members, cls))
+            b = None
+        if b is None:
+            b = open_[key] = _Open(t0=t)
+        b.members.append(i)
+        b.nbytes += slot.nbytes
+        b.last = pos
+        if b.nbytes >= bucket_bytes:
+            closed.append((b.last, b.members, cls))
+            del open_[key]
+        elif b is not open_.get(key):
+            open_[key] = b
+    for key, b in open_.items():
+        closed.append((b.last, b.members, int(key[2])))  # type: ignore[call-overload]
+    closed.sort(key=lambda c: (c[0], c[1][0]))
+    return [(members, cls) for _, members, cls in closed]
+
+
+@dataclass
+class _Open:
+    t0: float
+    members: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    last: int = 0
+
+
+@dataclass
+class Bucket:
+    """A bucket's slots, its flat buffer and the bookkeeping of one step."""
+
+    index: int
+    slots: list[Slot]
+    key: str
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    workspaces: list[Workspace] = field(default_factory=list)
+    _flat: torch.Tensor | None = None
+    # per step
+    pending: int = 0  # gradients not yet ready
+    parts_left: int = 0
+    missing: list[int] = field(default_factory=list)  # slots without a gradient on this rank
+
+    def __post_init__(self) -> None:
+        pos = 0
+        self.offsets = []
+        for s in self.slots:
+            self.offsets.append(pos)
+            pos += s.numel
+        self.numel = pos
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots[0].param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].param.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.slots[0].param.element_size()
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self._flat
+
+    def workspace(self, part: int) -> Workspace:
+        while len(self.workspaces) <= part:
+            self.workspaces.append(Workspace())
+        return self.workspaces[part]
+
+    def view(self, j: int) -> torch.Tensor:
+        """Slot ``j``'s region of the flat buffer, in the parameter's shape."""
+        s = self.slots[j]
+        return self.flat[self.offsets[j] : self.offsets[j] + s.numel].view(s.param.shape)
+
+    def pack(self) -> None:
+        """Copy the gradients in (any memory layout); a missing gradient counts as zero."""
+        self.missing = []
+        for j, s in enumerate(self.slots):
+            g = s.param.grad
+            if g is None:
+                self.view(j).zero_()
+                self.missing.append(j)
+            else:
+                self.view(j).copy_(g)
+
+    def unpack(self) -> None:
+        """Write the synchronized values back into the gradients (creating missing ones)."""
+        for j, s in enumerate(self.slots):
+            g = s.param.grad
+            if g is None:
+                s.param.grad = self.view(j).clone()
+            else:
+                g.copy_(self.view(j))
+
+    def part_range(self, part: int, parts: int) -> tuple[int, int]:
+        """Element range of part ``part`` of ``parts`` (equal cuts)."""
+        lo = self.numel * part // parts
+        return lo, self.numel * (part + 1) // parts

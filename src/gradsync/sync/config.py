@@ -1,0 +1,87 @@
+"""The sync engine's configuration: a typed dataclass that rejects unknown keys and bad values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from gradsync.codecs.config import OptionsConfig, check_choice, check_range
+from gradsync.collectives.dense import ALGORITHMS
+from gradsync.sync.scheme import Scheme
+
+PLAN_MODES = ("auto", "compress", "dense")
+DENSE_CHOICES = ("auto", *ALGORITHMS)
+
+
+@dataclass(frozen=True)
+class SyncConfig(OptionsConfig):
+    """How :func:`gradsync.wrap` and :func:`gradsync.ddp_comm_hook` synchronize gradients.
+
+    Every field can be given as a keyword to ``wrap`` or as ``key=value`` on the command line.
+    """
+
+    codec: ClassVar[str] = "sync"
+
+    scheme: str = "auto"
+    """The aggregation (see :mod:`gradsync.sync.scheme`): ``none``, ``torus2d``,
+    ``hitopk:density=0.01``, ``ps+local/onebit``, ``powersgd:rank=4``, ``auto``..."""
+    plan: str = "auto"
+    """``auto``: compress a bucket only where the cost model says it pays (paper 05's selective
+    compression); ``compress``: every bucket that may be compressed is; ``dense``: none is."""
+    partitions: int = 0
+    """Split a compressed bucket into this many parts that pipeline (0: the planner picks 1, 2 or 4)."""
+    dense_algorithm: str = "auto"
+    """For dense buckets: ``auto`` (cheapest by the cost model) or flat, hierarchical, torus2d, hybrid."""
+    error_feedback: bool | None = None
+    """None: add error feedback to codecs with a biased error; True: always; False: never."""
+    bucket_bytes: int = 64 << 20
+    """Fusion threshold theta: a bucket closes when it reaches this many bytes (Horovod's 64 MiB)."""
+    bucket_timeout_ms: float = 5.0
+    """A bucket also closes when the gradients it would wait for become ready more than this
+    long after its first one (Horovod's 5 ms cycle, applied to the ready times measured in the
+    first step)."""
+    min_compress_bytes: int = 64 << 10
+    """Tensors smaller than this are never compressed (biases, norms: paper 04)."""
+    large_codec: str | None = None
+    """Optional codec for tensors of at least ``large_bytes`` (paper 04 picks its selection method
+    by layer size, e.g. ``bsearch:density=0.01`` for the large ones)."""
+    large_bytes: int = 4 << 20
+    dense_warmup_steps: int = 1
+    """Steps synchronized densely before compression starts (at least 1: the first step measures
+    the gradient-ready order and times the plan is made from)."""
+    dense_from_step: int | None = None
+    """Switch to dense synchronization from this step on (paper 01's sparse-then-dense recipe)."""
+    overlap: bool = True
+    """Start a bucket's synchronization during the backward pass as soon as it is ready."""
+    finish_in_backward: bool = True
+    """Wait for the synchronization at the end of ``backward()`` (DDP's behaviour). False: the
+    gradients are final only after ``finish_sync()`` (or the wrapped optimizer's ``step()``)."""
+    find_unused_parameters: bool = False
+    """Detect parameters no rank used in a step (one small extra all-reduce) and leave their
+    gradient as None. Without it a parameter unused on some rank counts as a zero gradient there."""
+    check_overflow: bool | None = None
+    """All-reduce an inf/NaN flag every step so that every rank's GradScaler skips together, and
+    roll back error-feedback residuals on such steps. None: on when a GradScaler is attached."""
+    calibrate: bool = True
+    """Measure alpha/beta of each link level after the first step (else use ``alpha``/``beta`` defaults)."""
+    timeout_s: float = 300.0
+    """How long ``finish_sync`` waits for the synchronization tasks before raising."""
+    log_plan: bool = True
+    broadcast_parameters: bool = True
+    """Copy rank 0's parameters and buffers to every rank at wrap time (as DDP does)."""
+
+    def validate(self) -> None:
+        Scheme.parse(self.scheme)
+        check_choice(self.codec, "plan", self.plan, PLAN_MODES)
+        check_choice(self.codec, "dense_algorithm", self.dense_algorithm, DENSE_CHOICES)
+        check_range(self.codec, "partitions", self.partitions, 0, 64)
+        check_range(self.codec, "bucket_bytes", self.bucket_bytes, 1)
+        check_range(self.codec, "bucket_timeout_ms", self.bucket_timeout_ms, 0.0)
+        check_range(self.codec, "min_compress_bytes", self.min_compress_bytes, 0)
+        check_range(self.codec, "large_bytes", self.large_bytes, 1)
+        check_range(self.codec, "dense_warmup_steps", self.dense_warmup_steps, 1)
+        if self.dense_from_step is not None:
+            check_range(self.codec, "dense_from_step", self.dense_from_step, 0)
+        check_range(self.codec, "timeout_s", self.timeout_s, 0.0, lo_open=True)
+        if self.large_codec is not None:
+            Scheme.parse(f"allgather/{self.large_codec}")  # a valid codec spec

@@ -1,0 +1,478 @@
+"""The sync engine: buckets of gradients, synchronized by the plan, overlapped with backward.
+
+Life of a step (driven by :mod:`gradsync.integrate.wrap`, which calls :meth:`SyncEngine.ready`
+from per-parameter post-accumulate-grad hooks and :meth:`SyncEngine.finish` at the end of the
+backward pass):
+
+1. a gradient becomes ready: its bucket's count drops; once the bucket is complete, and every
+   bucket before it has been launched, it is launched: its step program(s) go to the task
+   manager (packing, then the plan's dense or compressed collective, then unpacking into
+   ``.grad``);
+2. at the end of backward every bucket still waiting is launched (a parameter without a
+   gradient counts as zero), optionally followed by a tiny all-reduce of the overflow flag and
+   the used-parameter map, and the engine waits for all of them;
+3. after the first step the engine measures the link levels, times the codec, makes the plan on
+   rank 0 from the gradient-ready order and times it observed, and broadcasts it.
+
+The first ``dense_warmup_steps`` steps (at least one) are dense. Buckets launch in a fixed
+order, the same on every rank, and the task manager issues their collectives in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.codecs import Codec, ErrorFeedback
+from gradsync.collectives import primitives as P
+from gradsync.collectives.compressed import codec_spec, compressed_program, is_lowrank
+from gradsync.collectives.cost import CostModel, CostParams, Link, calibrate, measure_codec
+from gradsync.collectives.dense import allreduce_program
+from gradsync.collectives.program import Program
+from gradsync.collectives.topology import Topology
+from gradsync.sync.buckets import Bucket, Slot, build_groups
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.planner import Plan, encode_sizes, make_plan
+from gradsync.sync.scheme import Scheme
+from gradsync.sync.stats import StepStats
+from gradsync.sync.tasks import Task, TaskManager
+
+log = logging.getLogger("gradsync")
+
+STATE_FORMAT = "gradsync.sync/1"
+
+
+class SyncEngine:
+    """Synchronizes the gradients of ``params`` (name, parameter) over ``topology``."""
+
+    def __init__(
+        self,
+        params: Iterable[tuple[str, torch.Tensor]],
+        topology: Topology,
+        config: SyncConfig,
+        grad_scaler: Any | None = None,
+    ) -> None:
+        self.config = config
+        self.topo = topology
+        self.grad_scaler = grad_scaler
+        self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
+        self.codecs: list[Codec | ErrorFeedback] = []
+        main = self.scheme.build(config.error_feedback)
+        if main is not None:
+            self.codecs.append(main)
+            if config.large_codec is not None:
+                large = Scheme.parse(f"allgather/{config.large_codec}").build(config.error_feedback)
+                assert large is not None  # a compressed scheme always has a codec
+                self.codecs.append(large)
+        self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
+        self.active = topology.world > 1
+        self.check_overflow = (
+            config.check_overflow if config.check_overflow is not None else grad_scaler is not None
+        )
+        self.manager = TaskManager("gradsync")
+        self.step = 0  # completed steps
+        self.plan: Plan | None = None
+        self.enabled = True  # False inside no_sync()
+        self.history: list[StepStats] = []
+        self._lock = threading.Lock()
+        self._buckets: list[Bucket] = []
+        self._bucket_of: list[int] = []
+        self._compress: list[bool] = []
+        self._parts: list[int] = []
+        self._set_buckets(self._initial_groups(), None)
+        # per step
+        self._in_step = False
+        self._dense_step = True
+        self._next = 0
+        self._tasks: list[Task] = []
+        self._ready_at: list[float | None] = [None] * len(self.slots)
+        self._order: list[int] = []
+        self._backward_end_at = 0.0
+        self._nonfinite = False
+        self._loss_scale = 1.0
+
+    # ------------------------------------------------------------------ layout
+    def _set_buckets(self, groups: list[tuple[list[int], int]], plan: Plan | None) -> None:
+        self._buckets, self._bucket_of = [], [0] * len(self.slots)
+        self._compress, self._parts = [], []
+        for b, (members, _) in enumerate(groups):
+            slots = [self.slots[i] for i in members]
+            first, last = slots[0].name, slots[-1].name
+            key = first if first == last else f"{first}..{last}"
+            self._buckets.append(Bucket(b, slots, key))
+            for i in members:
+                self._bucket_of[i] = b
+            bp = plan.buckets[b] if plan is not None else None
+            self._compress.append(bool(bp and bp.compress))
+            self._parts.append(bp.partitions if bp and bp.compress else 1)
+
+    def _initial_groups(self) -> list[tuple[list[int], int]]:
+        """Before anything was measured: reverse registration order (roughly the order backward
+        produces gradients), fused by size only; these buckets are synchronized densely."""
+        order = [s.index for s in reversed(self.slots)]
+        return build_groups(self.slots, order, None, [-1] * len(self.slots), self.config.bucket_bytes, 0.0)
+
+    def codec_class(self, slot: Slot) -> int:
+        """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
+        if (
+            not self.codecs
+            or slot.nbytes < self.config.min_compress_bytes
+            or not slot.param.is_floating_point()
+        ):
+            return -1
+        if len(self.codecs) > 1 and slot.nbytes >= self.config.large_bytes:
+            return 1
+        return 0
+
+    # ------------------------------------------------------------------ the step
+    def ready(self, index: int) -> None:
+        """Slot ``index``'s gradient is final for this backward pass (called from its hook)."""
+        if not self.active or not self.enabled:
+            return
+        with self._lock:
+            if not self._in_step:
+                self._begin_step()
+            if self._ready_at[index] is not None:
+                raise RuntimeError(
+                    f"gradsync: the gradient of {self.slots[index].name!r} became ready twice in one "
+                    "synchronized backward pass (backward called twice without finish_sync()? "
+                    "use no_sync() for gradient accumulation)"
+                )
+            self._ready_at[index] = time.perf_counter()
+            self._order.append(index)
+            bucket = self._buckets[self._bucket_of[index]]
+            bucket.pending -= 1
+            if self.config.overlap:
+                while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+                    self._launch(self._next)
+
+    def backward_ended(self) -> None:
+        """The backward pass is over (its remaining work is this engine's)."""
+        self._backward_end_at = time.perf_counter()
+
+    def finish(self) -> StepStats | None:
+        """Launch what is left, wait for every bucket and make ``.grad`` final. Idempotent."""
+        if not self.active or not self.enabled:
+            return None
+        with self._lock:
+            if not self._in_step:
+                return None
+            if not self._backward_end_at:
+                self._backward_end_at = time.perf_counter()
+            in_backward = self._next
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            flags = self._flags_task()
+        self.manager.wait(self._tasks, timeout=self.config.timeout_s)
+        overflow = False
+        if flags is not None:
+            overflow = self._apply_flags(flags)
+        stats = self._stats(in_backward, overflow)
+        self.history.append(stats)
+        if len(self.history) > 1000:
+            del self.history[:-1000]
+        self.step += 1
+        self._in_step = False
+        if self.plan is None:
+            self._make_plan()
+        return stats
+
+    def _begin_step(self) -> None:
+        self._in_step = True
+        self._next = 0
+        self._tasks = []
+        self._ready_at = [None] * len(self.slots)
+        self._order = []
+        self._backward_end_at = 0.0
+        self._nonfinite = False
+        self.manager.take_traffic()
+        for b in self._buckets:
+            b.pending = len(b.slots)
+        cfg = self.config
+        self._dense_step = (
+            self.plan is None
+            or self.step < cfg.dense_warmup_steps
+            or (cfg.dense_from_step is not None and self.step >= cfg.dense_from_step)
+        )
+        self._loss_scale = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self._loss_scale = float(self.grad_scaler.get_scale())
+        for codec in self.codecs:
+            if isinstance(codec, ErrorFeedback):
+                codec.begin_round()
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        compress = self._compress[b] and not self._dense_step
+        parts = self._parts[b] if compress else 1
+        bucket.parts_left = parts
+        done = self._unpacker(bucket)
+        for part in range(parts):
+            program = self._program(bucket, part, parts, compress)
+            self._tasks.append(self.manager.submit(program, f"bucket {b} part {part}", done))
+        self._next = b + 1
+
+    def _unpacker(self, bucket: Bucket) -> Callable[[], None]:
+        def done() -> None:  # on the compute thread, after each part's finisher
+            bucket.parts_left -= 1
+            if bucket.parts_left == 0:
+                bucket.unpack()
+
+        return done
+
+    def _program(self, bucket: Bucket, part: int, parts: int, compress: bool) -> Program:
+        if part == 0:
+            bucket.pack()
+            if self.check_overflow and not bool(torch.isfinite(bucket.flat).all()):
+                self._nonfinite = True
+        lo, hi = bucket.part_range(part, parts)
+        view = bucket.flat[lo:hi]
+        ws = bucket.workspace(part)
+        scheme = self.scheme
+        if not compress:
+            if scheme.kind == "dense":
+                algo, comm_dtype = scheme.algorithm, scheme.comm_dtype
+            else:
+                algo = self.plan.buckets[bucket.index].dense_algorithm if self.plan else "hybrid"
+                comm_dtype = None
+            return (yield from allreduce_program(view, self.topo, algo, "mean", comm_dtype, None, ws))
+        codec_id = self.plan.buckets[bucket.index].codec_id if self.plan else 0
+        codec = self.codecs[codec_id]
+        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+        lowrank_parts = None
+        if is_lowrank(plain):
+            lowrank_parts = [(bucket.view(j), s.name) for j, s in enumerate(bucket.slots)]
+        key = bucket.key if parts == 1 else f"{bucket.key}#{part}"
+        return (
+            yield from compressed_program(
+                view, self.topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key,
+                self._loss_scale, 4, ws, lowrank_parts,
+            )
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ flags
+    def _flags_task(self) -> torch.Tensor | None:
+        """Submit the step's flag all-reduce (overflow, used parameters) if it is needed."""
+        unused = self.config.find_unused_parameters
+        if not (self.check_overflow or unused):
+            return None
+        flags = torch.zeros(1 + (len(self.slots) if unused else 0), dtype=torch.float32)
+
+        def program() -> Program:
+            # runs after every bucket's packing (tasks run their first segments in order)
+            flags[0] = float(self._nonfinite)
+            if unused:
+                for i, t in enumerate(self._ready_at):
+                    flags[1 + i] = float(t is not None)
+            yield lambda: P.all_reduce(flags, self.topo.world_group, "world", op=dist.ReduceOp.MAX)
+            return None
+
+        self._tasks.append(self.manager.submit(program(), "step flags"))
+        return flags
+
+    def _apply_flags(self, flags: torch.Tensor) -> bool:
+        overflow = bool(flags[0] > 0)
+        if overflow:
+            # some rank overflowed: every rank skips the step (its GradScaler sees NaN) and undoes
+            # what this step did to the residuals
+            for s in self.slots:
+                if s.param.grad is not None:
+                    s.param.grad.fill_(float("nan"))
+            for codec in self.codecs:
+                if isinstance(codec, ErrorFeedback):
+                    codec.rollback_round()
+        if self.config.find_unused_parameters:
+            for i, s in enumerate(self.slots):
+                if flags[1 + i] == 0:
+                    s.param.grad = None  # no rank used it: leave it as DDP would
+        return overflow
+
+    # ------------------------------------------------------------------ plan
+    def _make_plan(self) -> None:
+        """After the first step: measure, decide on rank 0, broadcast, rebuild the buckets."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        params = calibrate(self.topo, reps=3) if cfg.calibrate else _DEFAULT_PARAMS
+        model = CostModel(params, self.topo.nodes, self.topo.per_node)
+        if self.topo.rank == 0:
+            groups = self._groups_from_step0()
+            nbytes = [s.nbytes for s in self.slots]
+            costs = {}
+            for cid, codec in enumerate(self.codecs):
+                sizes = sorted(
+                    {
+                        max(int(encode_sizes(self.scheme, sum(nbytes[i] for i in m), self.topo.nodes,
+                                             self.topo.per_node)), 4)
+                        for m, c in groups if c == cid
+                    }
+                )  # fmt: skip
+                if sizes:
+                    costs[cid] = measure_codec(
+                        codec, [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes, reps=3
+                    )
+            plan = make_plan(
+                groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions
+            )
+            wire = plan.to_tensor()
+            size = torch.tensor([wire.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dev = _comm_device(self.topo)
+        size = size.to(dev)
+        dist.broadcast(size, 0)
+        if self.topo.rank != 0:
+            wire = torch.zeros(int(size), dtype=torch.int64)
+        wire = wire.to(dev)
+        dist.broadcast(wire, 0)
+        plan = Plan.from_tensor(wire.cpu())
+        self._install_plan(plan)
+        if cfg.log_plan and self.topo.rank == 0:
+            log.info(
+                "gradsync plan (%s on %d x %d, made in %.2f s):\n%s",
+                self.scheme.name, self.topo.nodes, self.topo.per_node, time.perf_counter() - t0,
+                self.plan_table(),
+            )  # fmt: skip
+
+    def _groups_from_step0(self) -> list[tuple[list[int], int]]:
+        order = list(self._order)
+        seen = set(order)
+        order += [s.index for s in reversed(self.slots) if s.index not in seen]  # never ready: last
+        times = [t if t is not None else float("inf") for t in self._ready_at]
+        t0 = min((t for t in times if t != float("inf")), default=0.0)
+        rel = [t - t0 if t != float("inf") else 1e9 for t in times]
+        classes = [self.codec_class(s) for s in self.slots]
+        return build_groups(
+            self.slots, order, rel, classes, self.config.bucket_bytes, self.config.bucket_timeout_ms / 1e3
+        )
+
+    def _install_plan(self, plan: Plan) -> None:
+        n = len(self.slots)
+        covered = sorted(i for b in plan.buckets for i in b.slots)
+        if covered != list(range(n)) or any(b.codec_id >= len(self.codecs) for b in plan.buckets):
+            raise ValueError("gradsync: the plan does not match this model's parameters or codecs")
+        self.plan = plan
+        self._set_buckets([(b.slots, b.codec_id) for b in plan.buckets], plan)
+
+    def plan_table(self) -> str:
+        """The plan as a readable table (empty before the first step)."""
+        if self.plan is None:
+            return ""
+        return self.plan.table(
+            [s.name for s in self.slots], [s.nbytes for s in self.slots], self.scheme,
+            [codec_spec(c) for c in self.codecs],
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ stats
+    def _stats(self, launched_in_backward: int, overflow: bool) -> StepStats:
+        now = time.perf_counter()
+        tasks = self._tasks
+        first_ready = min((t for t in self._ready_at if t is not None), default=self._backward_end_at)
+        comm_starts = [t.first_comm_at for t in tasks if t.first_comm_at is not None]
+        return StepStats(
+            step=self.step,
+            dense=self._dense_step,
+            buckets=len(self._buckets),
+            compressed_buckets=0 if self._dense_step else sum(self._compress),
+            launched_in_backward=launched_in_backward,
+            backward_s=self._backward_end_at - first_ready,
+            exposed_s=now - self._backward_end_at,
+            compute_s=sum(t.compute_s for t in tasks),
+            decode_s=sum(t.finish_s for t in tasks),
+            comm_s=sum(t.comm_s for t in tasks),
+            sent_bytes=self.manager.take_traffic(),
+            overflow=overflow,
+            first_ready_at=first_ready,
+            backward_end_at=self._backward_end_at,
+            first_comm_at=min(comm_starts) if comm_starts else None,
+            done_at=now,
+        )
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return self.history[-1] if self.history else None
+
+    # ------------------------------------------------------------------ state
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint must match: world, topology, scheme, codecs and parameters."""
+        return {
+            "world": self.topo.world,
+            "nodes": self.topo.nodes,
+            "per_node": self.topo.per_node,
+            "scheme": self.scheme.name,
+            "codecs": [codec_spec(c) for c in self.codecs],
+            "params": [f"{s.name}:{tuple(s.param.shape)}" for s in self.slots],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Engine and codec state: tensors and plain values only (``weights_only`` loads it).
+
+        It is this rank's: residuals differ between ranks, so save one per rank."""
+        if self._in_step:
+            raise RuntimeError("gradsync: state_dict() during a step; call it after finish_sync()")
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.topo.rank,
+            "signature": self.signature(),
+            "step": self.step,
+            "plan": None if self.plan is None else self.plan.to_state(),
+            "codecs": [c.state_dict() for c in self.codecs],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
+        """Restore :meth:`state_dict`. A state saved under another world size, topology, scheme
+        or model raises ``ValueError``, unless ``reset_compression_state``: then the step count
+        is kept, the compression state starts afresh (with a warning) and the next step re-plans."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gradsync engine state (expected format {STATE_FORMAT!r})")
+        mine, theirs = self.signature(), state.get("signature", {})
+        diff = [k for k in mine if mine[k] != theirs.get(k)]
+        if state.get("rank") != self.topo.rank and "world" not in diff:
+            diff.append("rank")
+        if diff:
+            detail = "; ".join(f"{k}: saved {_short(theirs.get(k))} vs now {_short(mine[k])}" for k in diff)
+            if not reset_compression_state:
+                raise ValueError(
+                    f"gradsync: the engine state was saved under a different setup ({detail}); pass "
+                    "reset_compression_state=True to start the compression state afresh"
+                )
+            warnings.warn(
+                f"gradsync: resetting the compression state, it was saved under a different setup ({detail})",
+                stacklevel=2,
+            )
+            for codec in self.codecs:
+                codec.reset_state()
+            self.step = int(state.get("step", 0))
+            self.plan = None
+            self._set_buckets(self._initial_groups(), None)
+            return
+        for codec, cs in zip(self.codecs, state["codecs"], strict=True):
+            codec.load_state_dict(cs)
+        self.step = int(state["step"])
+        if state["plan"] is not None:
+            self._install_plan(Plan.from_state(state["plan"]))
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+_DEFAULT_PARAMS = CostParams(Link(50e-6, 1 / 10e9), Link(50e-6, 8 / 10e9), 1e-10)
+
+
+def _comm_device(topo: Topology) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) < 120 else text[:117] + "..."

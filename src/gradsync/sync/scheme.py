@@ -1,0 +1,138 @@
+"""Scheme spec strings: which aggregation to run, in one string for Python, the CLI and the simulator.
+
+Grammar (every part is case-sensitive and whitespace around it is ignored)::
+
+    DENSE[/fp16|/bf16]          flat | hierarchical | torus2d | hybrid, optionally 16-bit on the wire
+    none                        the same as flat: plain dense all-reduce, DDP's behaviour
+    STRATEGY[+local]/CODEC      allgather | ring | ps, with or without local aggregation; any codec
+    hitopk/CODEC                allgather+local with a sparsifying codec (paper 01's HiTopKComm)
+    hitopk[:OPTIONS]            hitopk/mstopk[:OPTIONS], e.g. hitopk:density=0.01
+    CODEC                       a codec alone; the strategy follows from the codec and topology
+    auto                        hitopk/mstopk:density=0.01 on several nodes of several ranks,
+                                allgather/mstopk:density=0.01 otherwise
+
+For a codec alone (``topk:density=0.01``, ``powersgd:rank=4``, ``onebit``): sparsifiers use
+``allgather`` (``+local``, i.e. hitopk, when there are several nodes of several ranks);
+quantizers use ``ps`` (CaSync-PS, ``+local`` likewise); PowerSGD runs its two factor rounds (with
+local aggregation likewise); plain ``fp16`` / ``bf16`` become ``hybrid/fp16`` / ``hybrid/bf16``.
+:meth:`Scheme.resolve` fills these in for a topology.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gradsync.codecs import Codec, ErrorFeedback, build_codec
+from gradsync.codecs.config import split_spec
+from gradsync.collectives.compressed import STRATEGIES, is_lowrank
+from gradsync.collectives.dense import ALGORITHMS
+
+DEFAULT_CODEC = "mstopk:density=0.01"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A parsed scheme. ``codec`` is None for dense schemes; ``strategy`` None until resolved."""
+
+    text: str
+    kind: str  # "dense" or "compressed"
+    algorithm: str = "flat"  # dense algorithm (dense schemes)
+    comm_dtype: str | None = None
+    strategy: str | None = None  # allgather, ring, ps (compressed schemes)
+    local: bool | None = None
+    codec: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Scheme:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"scheme must be a non-empty string like 'hitopk:density=0.01', got {text!r}")
+        text = text.strip()
+        head, slash, tail = text.partition("/")
+        head = head.strip()
+        tail = tail.strip()
+        if head == "auto" and not slash:
+            return cls(text, "compressed", codec=DEFAULT_CODEC)
+        if head in ("none", *ALGORITHMS):
+            if tail not in ("", "fp16", "bf16") or (head == "none" and tail):
+                raise ValueError(
+                    f"scheme {text!r}: a dense algorithm takes /fp16 or /bf16 (none takes nothing), "
+                    f"got /{tail}"
+                )
+            return cls(text, "dense", "flat" if head == "none" else head, comm_dtype=tail or None)
+        if slash:
+            strategy, plus, local = head.partition("+")
+            strategy = strategy.strip()
+            if strategy not in (*STRATEGIES, "hitopk") or (plus and local.strip() != "local"):
+                raise ValueError(
+                    f"scheme {text!r}: expected STRATEGY[+local]/CODEC with STRATEGY one of "
+                    f"{', '.join((*STRATEGIES, 'hitopk'))}, or a dense algorithm "
+                    f"({', '.join(('none', *ALGORITHMS))})"
+                )
+            if not tail:
+                raise ValueError(f"scheme {text!r}: a compressed scheme needs /CODEC, e.g. {head}/topk")
+            codec = build_codec(tail)  # validates the codec spec
+            if strategy == "hitopk":
+                if not codec.sparse:
+                    raise ValueError(
+                        f"scheme {text!r}: hitopk needs a sparsifying codec (topk, mstopk, dgc, ...), "
+                        f"got {codec.name!r}"
+                    )
+                return cls(text, "compressed", strategy="allgather", local=True, codec=tail)
+            return cls(text, "compressed", strategy=strategy, local=bool(plus), codec=tail)
+        name = split_spec(text)[0][0]
+        if name == "hitopk":
+            options = text.partition(":")[2]
+            codec_text = "mstopk" + (":" + options if options else "")
+            build_codec(codec_text)
+            return cls(text, "compressed", strategy="allgather", local=True, codec=codec_text)
+        codec = build_codec(text)  # raises with the list of codecs for an unknown name
+        if codec.name == "none" and "+" not in text and ":" not in text:
+            return cls(text, "dense", "flat")
+        if text in ("fp16", "bf16"):
+            return cls(text, "dense", "hybrid", comm_dtype=text)
+        return cls(text, "compressed", codec=text)
+
+    def resolve(self, nodes: int, per_node: int) -> Scheme:
+        """Fill in the strategy and local aggregation that a shortcut leaves open."""
+        if self.kind == "dense" or (self.strategy is not None and self.local is not None):
+            return self
+        hierarchy = nodes > 1 and per_node > 1
+        codec = build_codec(self.codec or DEFAULT_CODEC)
+        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+        strategy = "allgather" if codec.sparse or is_lowrank(plain) else "ps"
+        return replace(
+            self, strategy=self.strategy or strategy, local=hierarchy if self.local is None else self.local
+        )
+
+    @property
+    def name(self) -> str:
+        """A canonical name: ``torus2d/fp16``, ``allgather+local/mstopk:density=0.01``."""
+        if self.kind == "dense":
+            return self.algorithm + (f"/{self.comm_dtype}" if self.comm_dtype else "")
+        strategy = self.strategy or "?"
+        return f"{strategy}{'+local' if self.local else ''}/{self.codec}"
+
+    def build(self, error_feedback: bool | None = None) -> Codec | ErrorFeedback | None:
+        """The codec of a compressed scheme (None for dense ones).
+
+        ``error_feedback``: None adds ``+ef`` to codecs whose compression is biased (it is what
+        makes top-k, onebit or PowerSGD converge like dense training) unless the spec already has
+        it; True requires it (adds it); False never adds it.
+        """
+        if self.kind == "dense":
+            return None
+        codec = build_codec(self.codec or DEFAULT_CODEC)
+        if isinstance(codec, ErrorFeedback) or error_feedback is False:
+            return codec
+        if error_feedback is None and not needs_error_feedback(codec):
+            return codec
+        if codec.lossless:
+            raise ValueError(f"error_feedback=True makes no sense with the lossless codec {codec.name!r}")
+        return ErrorFeedback(codec)
+
+
+def needs_error_feedback(codec: Codec) -> bool:
+    """Whether a codec's error is biased, so that dropping it would bias training."""
+    if codec.lossless or codec.name in ("fp16", "bf16", "terngrad"):
+        return False
+    return not (codec.name == "randomk" and getattr(codec.config, "unbiased", False))

@@ -1,0 +1,251 @@
+"""The task manager: step programs run on a compute thread and a communication thread.
+
+Paper 05 (CaSync) found that compressing inside a framework's gradient hook serializes compute,
+compression and communication. Here every bucket's synchronization is a step program
+(:mod:`gradsync.collectives.program`) and runs as a *task* split over two threads:
+
+- the **compute thread** runs the tasks' local work (packing gradients, encoding, merging,
+  decoding: everything between two communication steps, then the finisher). Of the segments that
+  are ready it always runs the one of the oldest task, so the communication thread is fed in
+  order;
+- the **communication thread** runs the communication steps, strictly task after task in
+  submission order, and within a task in program order. Since every rank submits the same tasks
+  in the same order, every rank issues the same collectives in the same order: the one rule
+  torch.distributed imposes. As soon as a task's last step is issued the thread moves on to the
+  next task, while the compute thread decodes the previous one.
+
+A step's dependencies are explicit: it waits for the compute segment that produced it, and the
+segment after it waits for its result. While one task communicates, the next task's packing
+and encoding run on the compute thread, and the training thread keeps computing the backward
+pass (both threads release the GIL inside torch kernels, gradsync's native kernels and gloo).
+
+A failure in any task poisons the manager: the order of collectives can no longer be trusted,
+so every later call raises the first error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradsync.collectives import primitives as P
+from gradsync.collectives.program import Program, Step
+
+
+class TaskError(RuntimeError):
+    """A synchronization task failed (the message names it; ``__cause__`` is the original)."""
+
+
+@dataclass
+class Task:
+    """One step program in the manager, with what it cost."""
+
+    seq: int
+    name: str
+    program: Program
+    on_done: Callable[[], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+    compute_s: float = 0.0  # local work between steps (packing, encoding, merging)
+    finish_s: float = 0.0  # the finisher (decoding, unpacking)
+    comm_s: float = 0.0  # time inside communication steps
+    steps: int = 0
+    submitted_at: float = 0.0
+    first_comm_at: float | None = None
+    comm_done_at: float | None = None
+    done_at: float | None = None
+    error: BaseException | None = None
+    # hand-over state, guarded by the manager's lock
+    _started: bool = False
+    _result: Any = None
+    _step: Step | None = None
+    _comm_done: bool = False
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class TaskManager:
+    """Runs step programs on a compute thread and a communication thread (started lazily)."""
+
+    def __init__(self, name: str = "gradsync") -> None:
+        self.name = name
+        self._cv = threading.Condition()
+        self._compute: list[tuple[int, Task]] = []  # heap by submission order
+        self._comm: deque[Task] = deque()
+        self._seq = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        # bytes the communication steps sent, per level (read and reset with take_traffic)
+        self._traffic = P.Traffic()
+
+    # ------------------------------------------------------------------ public
+    def submit(
+        self,
+        program: Program,
+        name: str,
+        on_done: Callable[[], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> Task:
+        """Queue a program. Every rank must submit the same programs in the same order.
+
+        ``on_done`` runs on the compute thread after the finisher; ``on_error`` gets the error
+        if the task (or one before it) fails."""
+        self.raise_if_failed()
+        self._start()
+        with self._cv:
+            task = Task(self._seq, name, program, on_done, on_error, submitted_at=time.perf_counter())
+            self._seq += 1
+            heapq.heappush(self._compute, (task.seq, task))
+            self._comm.append(task)
+            self._cv.notify_all()
+        return task
+
+    def wait(self, tasks: list[Task], timeout: float | None = None) -> None:
+        """Block until every task is done; raise :class:`TaskError` if any (or any before) failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for task in tasks:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not task._done.wait(left):
+                raise TaskError(f"{self.name}: task {task.name!r} did not finish within {timeout} s")
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TaskError(
+                f"{self.name}: a synchronization task failed ({type(self._error).__name__}: {self._error}); "
+                "the order of collectives is lost, so this engine cannot continue"
+            ) from self._error
+
+    def take_traffic(self) -> dict[str, int]:
+        """Bytes sent per level since the last call."""
+        with self._cv:
+            sent = dict(self._traffic.sent)
+            self._traffic.sent.clear()
+        return sent
+
+    def close(self) -> None:
+        """Stop the threads (after the queued tasks)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
+        self._threads.clear()
+
+    # ------------------------------------------------------------------ threads
+    def _start(self) -> None:
+        if self._threads:
+            return
+        for target, role in ((self._compute_loop, "compute"), (self._comm_loop, "comm")):
+            t = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _fail(self, task: Task, error: BaseException) -> None:
+        """Record a failure and fail every task queued after it (call without the lock)."""
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            failed = [task] + [t for t in self._comm if t is not task]
+            failed = [t for t in failed if not t._done.is_set()]
+            for t in failed:
+                t.error = t.error or error
+                t._comm_done = True
+            self._comm.clear()
+            self._compute.clear()
+            self._cv.notify_all()
+        # everything queued after it can never run correctly: nobody may wait for it forever
+        for t in failed:
+            if t.on_error is not None:
+                with contextlib.suppress(Exception):
+                    t.on_error(t.error or error)
+            t._done.set()
+
+    def _compute_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._compute and not self._closing:
+                    self._cv.wait()
+                if not self._compute:
+                    return
+                _, task = heapq.heappop(self._compute)
+                if task._done.is_set():  # failed meanwhile
+                    continue
+                value, task._result = task._result, None
+            t0 = time.perf_counter()
+            try:
+                if task._started:
+                    step = task.program.send(value)
+                else:
+                    task._started = True
+                    step = next(task.program)
+            except StopIteration as stop:
+                task.compute_s += time.perf_counter() - t0
+                with self._cv:
+                    task._comm_done = True
+                    task.comm_done_at = time.perf_counter()
+                    self._cv.notify_all()
+                self._finish(task, stop.value)
+                continue
+            except BaseException as e:
+                self._fail(task, e)
+                continue
+            task.compute_s += time.perf_counter() - t0
+            with self._cv:
+                task._step = step
+                self._cv.notify_all()
+
+    def _finish(self, task: Task, finisher: Callable[[], None] | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            if finisher is not None:
+                finisher()
+            if task.on_done is not None:
+                task.on_done()
+        except BaseException as e:
+            self._fail(task, e)
+            return
+        task.finish_s += time.perf_counter() - t0
+        task.done_at = time.perf_counter()
+        task._done.set()
+
+    def _comm_loop(self) -> None:
+        P.set_traffic(self._traffic)  # this thread's steps count into the manager's traffic
+        while True:
+            with self._cv:
+                while not self._comm and not self._closing:
+                    self._cv.wait()
+                if not self._comm:
+                    return
+                task = self._comm[0]
+                while task._step is None and not task._comm_done:
+                    self._cv.wait()
+                if task._comm_done:
+                    if self._comm and self._comm[0] is task:
+                        self._comm.popleft()
+                    continue
+                step, task._step = task._step, None
+            t0 = time.perf_counter()
+            if task.first_comm_at is None:
+                task.first_comm_at = t0
+            try:
+                result = step()
+            except BaseException as e:
+                self._fail(task, e)
+                continue
+            task.comm_s += time.perf_counter() - t0
+            task.steps += 1
+            with self._cv:
+                task._result = result
+                heapq.heappush(self._compute, (task.seq, task))
+                self._cv.notify_all()

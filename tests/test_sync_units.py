@@ -1,0 +1,254 @@
+"""Sync-layer pieces without a process group: scheme specs, config errors, fusion, the planner,
+the task manager's ordering, and the step-program driver."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gradsync.codecs import ErrorFeedback
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.collectives.program import chain, run
+from gradsync.sync import Plan, Scheme, SyncConfig, TaskError, TaskManager
+from gradsync.sync.buckets import Bucket, Slot, build_groups
+from gradsync.sync.planner import make_plan
+
+
+# ------------------------------------------------------------------------------------- schemes
+@pytest.mark.parametrize(
+    ("text", "kind", "algorithm", "comm", "strategy", "local", "codec"),
+    [
+        ("none", "dense", "flat", None, None, None, None),
+        ("torus2d/fp16", "dense", "torus2d", "fp16", None, None, None),
+        ("hierarchical", "dense", "hierarchical", None, None, None, None),
+        ("fp16", "dense", "hybrid", "fp16", None, None, None),
+        ("hitopk:density=0.01", "compressed", "flat", None, "allgather", True, "mstopk:density=0.01"),
+        ("hitopk/dgc:density=0.001", "compressed", "flat", None, "allgather", True, "dgc:density=0.001"),
+        ("ps+local/onebit", "compressed", "flat", None, "ps", True, "onebit"),
+        ("ring/terngrad", "compressed", "flat", None, "ring", False, "terngrad"),
+        ("topk:density=0.1+ef", "compressed", "flat", None, None, None, "topk:density=0.1+ef"),
+        ("auto", "compressed", "flat", None, None, None, "mstopk:density=0.01"),
+    ],
+)
+def test_scheme_specs_parse(text, kind, algorithm, comm, strategy, local, codec):
+    s = Scheme.parse(text)
+    assert (s.kind, s.algorithm, s.comm_dtype, s.strategy, s.local, s.codec) == (
+        kind, algorithm, comm, strategy, local, codec,
+    )  # fmt: skip
+
+
+def test_codec_shortcuts_resolve_by_codec_and_topology():
+    assert Scheme.parse("topk").resolve(2, 2).name == "allgather+local/topk"
+    assert Scheme.parse("topk").resolve(1, 4).name == "allgather/topk"
+    assert Scheme.parse("onebit").resolve(2, 2).name == "ps+local/onebit"
+    assert Scheme.parse("onebit").resolve(4, 1).name == "ps/onebit"
+    assert Scheme.parse("powersgd:rank=2").resolve(2, 2).local is True
+    assert Scheme.parse("ring/onebit").resolve(2, 2).name == "ring/onebit"  # explicit stays
+
+
+def test_error_feedback_is_added_to_biased_codecs_only():
+    assert isinstance(Scheme.parse("topk").build(), ErrorFeedback)
+    assert isinstance(Scheme.parse("onebit").build(), ErrorFeedback)
+    assert isinstance(Scheme.parse("powersgd").build(), ErrorFeedback)
+    assert not isinstance(Scheme.parse("terngrad").build(), ErrorFeedback)  # unbiased
+    assert not isinstance(Scheme.parse("randomk:unbiased=true").build(), ErrorFeedback)
+    assert not isinstance(Scheme.parse("topk").build(error_feedback=False), ErrorFeedback)
+    assert isinstance(Scheme.parse("terngrad").build(error_feedback=True), ErrorFeedback)
+    ef = Scheme.parse("dgc+ef:momentum=0.9").build(error_feedback=False)  # explicit ef is kept
+    assert isinstance(ef, ErrorFeedback) and ef.config.momentum == 0.9
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "scheme must be a non-empty string"),
+        ("torus2d/fp8", "a dense algorithm takes /fp16 or /bf16"),
+        (
+            "butterfly/topk",
+            "expected STRATEGY\\[\\+local\\]/CODEC with STRATEGY one of allgather, ring, ps, hitopk",
+        ),
+        ("ring+global/topk", "expected STRATEGY"),
+        ("ring/", "a compressed scheme needs /CODEC"),
+        ("hitopk/onebit", "hitopk needs a sparsifying codec"),
+        ("nosuchcodec", "unknown codec 'nosuchcodec'; available codecs:"),
+        ("topk:density=2", "topk: density must be in \\(0, 1\\]"),
+    ],
+)
+def test_bad_schemes_name_the_problem(text, message):
+    with pytest.raises(ValueError, match=message):
+        Scheme.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"plan": "sometimes"}, "sync: plan must be one of auto, compress, dense; got 'sometimes'"),
+        ({"partitions": -1}, "sync: partitions must be in \\[0, 64\\]"),
+        ({"bucket_bytes": 0}, "sync: bucket_bytes must be in \\[1, inf\\)"),
+        ({"bucket_timeout_ms": -1.0}, "sync: bucket_timeout_ms must be in \\[0, inf\\)"),
+        ({"dense_warmup_steps": 0}, "sync: dense_warmup_steps must be in \\[1, inf\\)"),
+        ({"dense_algorithm": "ring"}, "sync: dense_algorithm must be one of auto, flat, hierarchical"),
+        ({"timeout_s": 0}, "sync: timeout_s must be in \\(0, inf\\)"),
+        ({"scheme": "ring/"}, "a compressed scheme needs /CODEC"),
+        ({"large_codec": "topk:k=0"}, "topk: k must be in \\[1, inf\\)"),
+        ({"bucket_size": 3}, "sync: unknown option 'bucket_size'; allowed options: scheme, plan"),
+        ({"overlap": "maybe"}, "sync: overlap must be true or false"),
+    ],
+)
+def test_bad_sync_options_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        SyncConfig.from_options(options)
+
+
+# -------------------------------------------------------------------------------------- fusion
+def _slots(sizes, dtype=torch.float32):
+    return [Slot(i, f"p{i}", torch.nn.Parameter(torch.zeros(n, dtype=dtype))) for i, n in enumerate(sizes)]
+
+
+def test_fusion_closes_buckets_by_size_and_by_ready_time():
+    slots = _slots([100, 100, 100, 100, 100])
+    order = [4, 3, 2, 1, 0]
+    # by size alone: 800 bytes per bucket = two tensors of 400 bytes
+    groups = build_groups(slots, order, None, [0] * 5, 800, 0.0)
+    assert [g for g, _ in groups] == [[4, 3], [2, 1], [0]]
+    # a gap of 10 ms before tensor 1 closes the bucket early (timeout 5 ms)
+    ready = [0.0120, 0.0110, 0.0011, 0.0010, 0.0]
+    groups = build_groups(slots, order, ready, [0] * 5, 10_000, 0.005)
+    assert [g for g, _ in groups] == [[4, 3, 2], [1, 0]]
+
+
+def test_fusion_keeps_classes_and_dtypes_apart_and_orders_by_completion():
+    slots = _slots([10, 100, 10, 100])
+    slots.append(Slot(4, "half", torch.nn.Parameter(torch.zeros(100, dtype=torch.float16))))
+    classes = [-1, 0, -1, 0, 0]
+    groups = build_groups(slots, [3, 2, 4, 1, 0], None, classes, 10_000, 0.0)
+    # every group is one class and one dtype; launch order follows each bucket's last member
+    assert sorted(sorted(g) for g, _ in groups) == [[0, 2], [1, 3], [4]]
+    assert next(g for g, _ in groups) == [4]  # complete first (its only member is third in order)
+    for members, cls in groups:
+        assert {classes[i] for i in members} == {cls}
+
+
+def test_bucket_packs_any_layout_and_unpacks_into_missing_gradients():
+    a = torch.nn.Parameter(torch.zeros(3, 4))
+    b = torch.nn.Parameter(torch.zeros(5))
+    a.grad = torch.arange(12.0).view(4, 3).t()  # non-contiguous
+    bucket = Bucket(0, [Slot(0, "a", a), Slot(1, "b", b)], "a..b")
+    bucket.pack()
+    assert torch.equal(bucket.flat[:12], a.grad.reshape(-1)) and torch.equal(bucket.flat[12:], torch.zeros(5))
+    assert bucket.missing == [1]
+    bucket.flat.mul_(2)
+    bucket.unpack()
+    assert torch.equal(a.grad, 2 * torch.arange(12.0).view(4, 3).t()) and torch.equal(b.grad, torch.zeros(5))
+
+
+# ------------------------------------------------------------------------------------- planner
+def _model(intra_bw, inter_bw, alpha=1e-4):
+    return CostModel(CostParams(Link(alpha, 1 / intra_bw), Link(alpha, 1 / inter_bw), 1e-10), 2, 2)
+
+
+def _codec(density=0.01, enc_per_byte=1e-9):
+    return CodecCost(Linear(1e-4, enc_per_byte), Linear(1e-4, enc_per_byte / 2), Linear(64, density * 2))
+
+
+def test_planner_compresses_big_buckets_on_a_slow_network_and_declines_on_a_fast_one():
+    scheme = Scheme.parse("hitopk:density=0.01")
+    groups = [([0], -1), ([1], 0), ([2], 0)]
+    nbytes = [1024, 64 << 10, 64 << 20]
+    slow = make_plan(groups, nbytes, scheme, _model(1e9, 12.5e6), {0: _codec()}, "auto", "auto", 0)
+    assert [b.compress for b in slow.buckets] == [False, True, True]
+    assert slow.buckets[0].dense_algorithm in ("flat", "hierarchical", "torus2d")
+    # a network faster than the codec: compressing cannot pay
+    fast = make_plan(
+        groups, nbytes, scheme, _model(1e11, 1e11), {0: _codec(enc_per_byte=1e-8)}, "auto", "auto", 0
+    )
+    assert [b.compress for b in fast.buckets] == [False, False, False]
+    forced = make_plan(groups, nbytes, scheme, _model(1e11, 1e11), {0: _codec()}, "compress", "auto", 2)
+    assert [b.compress for b in forced.buckets] == [False, True, True]
+    assert forced.buckets[2].partitions == 2
+    never = make_plan(groups, nbytes, scheme, _model(1e9, 12.5e6), {0: _codec()}, "dense", "torus2d", 0)
+    assert [(b.compress, b.dense_algorithm) for b in never.buckets] == [(False, "torus2d")] * 3
+
+
+def test_plan_round_trips_through_a_tensor_and_a_state():
+    scheme = Scheme.parse("hitopk:density=0.01")
+    plan = make_plan([([2, 0], 0), ([1], -1)], [4096, 4, 4096], scheme, _model(1e9, 12.5e6),
+                     {0: _codec()}, "compress", "auto", 4)  # fmt: skip
+    again = Plan.from_tensor(plan.to_tensor())
+    assert [(b.slots, b.codec_id, b.compress, b.partitions, b.dense_algorithm) for b in again.buckets] == [
+        (b.slots, b.codec_id, b.compress, b.partitions, b.dense_algorithm) for b in plan.buckets
+    ]
+    assert Plan.from_state(plan.to_state()).buckets == plan.buckets
+    table = plan.table(["w", "b", "v"], [4096, 4, 4096], scheme, ["mstopk:density=0.01+ef"])
+    assert "dense" in table and "mstopk" in table and "v .. w" in table
+
+
+# ------------------------------------------------------------------------------- task manager
+def _recording_program(log, name, steps, compute_s=0.0, lock=None):
+    for i in range(steps):
+        time.sleep(compute_s)  # local work
+        got = yield lambda i=i: log.append((name, i)) or f"{name}{i}"
+        assert got == f"{name}{i}"
+    return lambda: log.append((name, "finish"))
+
+
+def test_task_manager_issues_steps_in_submission_order_and_runs_finishers():
+    log = []
+    tm = TaskManager("t")
+    tasks = [tm.submit(_recording_program(log, n, 3, compute_s=0.002), n) for n in "abc"]
+    tm.wait(tasks, timeout=10)
+    steps = [e for e in log if e[1] != "finish"]
+    assert steps == [(n, i) for n in "abc" for i in range(3)]
+    assert all((n, "finish") in log for n in "abc")
+    assert all(t.done and t.steps == 3 and t.comm_s >= 0 for t in tasks)
+    tm.close()
+
+
+def test_task_manager_overlaps_one_tasks_compute_with_anothers_communication():
+    """While task a's (slow) communication step runs, task b's compute runs."""
+    events = []
+    in_comm = threading.Event()
+
+    def slow_comm():
+        yield lambda: (in_comm.set(), time.sleep(0.2), events.append(("a-comm-end", time.perf_counter())))
+        return None
+
+    def compute_then_comm():
+        in_comm.wait(5)
+        events.append(("b-compute", time.perf_counter()))
+        yield lambda: events.append(("b-comm", time.perf_counter()))
+        return None
+
+    tm = TaskManager("t")
+    tasks = [tm.submit(slow_comm(), "a"), tm.submit(compute_then_comm(), "b")]
+    tm.wait(tasks, timeout=10)
+    t = dict(events)
+    assert t["b-compute"] < t["a-comm-end"] < t["b-comm"]  # overlap, then strict comm order
+    tm.close()
+
+
+def test_task_manager_failure_fails_later_tasks_and_every_call_after():
+    def broken():
+        yield lambda: 1 / 0
+        return None
+
+    errors = []
+    tm = TaskManager("t")
+    tasks = [tm.submit(broken(), "a"), tm.submit(_recording_program([], "b", 2), "b", on_error=errors.append)]
+    with pytest.raises(TaskError, match="ZeroDivisionError"):
+        tm.wait(tasks, timeout=10)
+    assert isinstance(errors[0], ZeroDivisionError)
+    with pytest.raises(TaskError):
+        tm.submit(_recording_program([], "c", 1), "c")
+    tm.close()
+
+
+def test_program_driver_runs_steps_then_the_finisher():
+    log = []
+    run(_recording_program(log, "x", 2))
+    assert log == [("x", 0), ("x", 1), ("x", "finish")]
+    assert chain(None, None) is None
+    out = []
+    chain(lambda: out.append(1), None, lambda: out.append(2))()
+    assert out == [1, 2]
