@@ -18,7 +18,6 @@ effective one: dense bytes over the whole time, encode and decode included.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -30,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.bench.world import CableMeter, join_world, link_bytes_per_s
 from gradsync.codecs import build_codec
-from gradsync.collectives import Topology, allreduce, compressed_allreduce, hitopk
-from gradsync.collectives.compressed import pipeline_chunks
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, calibrate, measure_codec
-from gradsync.collectives.dense import ALGORITHMS
+from gradsync.collectives import Topology, allreduce, compressed_allreduce
+from gradsync.collectives.cost import CostModel, CostParams, calibrate, measure_codec
+from gradsync.sync.planner import encode_sizes, predict
+from gradsync.sync.scheme import Scheme
 
 DEFAULT_SCHEMES = (
     "flat,hierarchical,torus2d,hybrid,torus2d/fp16,"
@@ -44,33 +44,15 @@ DEFAULT_SCHEMES = (
 
 
 @dataclass(frozen=True)
-class Scheme:
+class BenchScheme:
+    """A scheme as named on the command line; ``parsed`` is resolved for the topology in ``run``."""
+
     name: str
-    kind: str  # "dense" or "compressed"
-    algorithm: str  # dense algorithm or strategy
-    comm_dtype: str | None = None
-    codec: str | None = None
-    local: bool = False
+    parsed: Scheme
 
     @classmethod
-    def parse(cls, text: str) -> Scheme:
-        head, _, tail = text.strip().partition("/")
-        if head in ALGORITHMS:
-            if tail not in ("", "fp16", "bf16"):
-                raise ValueError(f"scheme {text!r}: a dense algorithm takes /fp16 or /bf16, got /{tail}")
-            return cls(text.strip(), "dense", head, comm_dtype=tail or None)
-        strategy, plus, local = head.partition("+")
-        if strategy not in ("allgather", "hitopk", "ring", "ps") or (plus and local != "local"):
-            raise ValueError(
-                f"scheme {text!r}: expected a dense algorithm ({', '.join(ALGORITHMS)}) or "
-                "STRATEGY[+local]/CODEC with STRATEGY allgather, hitopk, ring or ps"
-            )
-        if not tail:
-            raise ValueError(
-                f"scheme {text!r}: a compressed scheme needs /CODEC, e.g. {head}/topk:density=0.01"
-            )
-        build_codec(tail)  # validates the codec spec
-        return cls(text.strip(), "compressed", strategy, codec=tail, local=bool(plus) or strategy == "hitopk")
+    def parse(cls, text: str) -> BenchScheme:
+        return cls(text.strip(), Scheme.parse(text))
 
 
 @dataclass
@@ -89,29 +71,9 @@ class Row:
     iters: int = 0
 
 
-def link_bytes_per_s(rate: str | None) -> float | None:
-    """``100mbit`` -> 12.5e6 bytes/s; None for unset or unshaped links."""
-    if not rate:
-        return None
-    r = rate.strip().lower()
-    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if r.endswith(suffix):
-            return float(r[: -len(suffix)]) * mult / 8
-    return None
-
-
 def bus_factor(p: int) -> float:
     """nccl-tests all-reduce busbw factor 2(p-1)/p."""
     return 2 * (p - 1) / p if p > 1 else 1.0
-
-
-def _nic_tx_bytes() -> int | None:
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    path = f"/sys/class/net/{ifname}/statistics/tx_bytes"
-    if not ifname or ifname == "lo" or not os.path.exists(path):
-        return None
-    with open(path) as fh:
-        return int(fh.read())
 
 
 def _timed(
@@ -125,7 +87,8 @@ def _timed(
     prepare()
     fn()  # warm-up
     times: list[float] = []
-    nic0 = _nic_tx_bytes() if topo.local_rank == 0 else None
+    meter = CableMeter(topo)
+    meter.start()
     spent = 0.0
     while len(times) < max_iters:
         prepare()
@@ -141,23 +104,18 @@ def _timed(
         spent += float(agg[0])
         if agg[1] > 0:
             break
-    nic1 = _nic_tx_bytes() if topo.local_rank == 0 else None
-    # each node's first rank reads its NIC: average the bytes per operation over the nodes
-    have = topo.local_rank == 0 and nic0 is not None and nic1 is not None
-    t = torch.tensor([(nic1 - nic0) / len(times) if have else 0.0, float(have)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    cable = float(t[0]) / topo.nodes if int(t[1]) == topo.nodes else None
+    cable = meter.stop(len(times))
     return statistics.median(times), len(times), cable
 
 
 def _runner(scheme: Scheme, topo: Topology, x: torch.Tensor, key: str) -> Any:
+    """One in-place all-reduce of ``x`` with the scheme (codecs exactly as written: no error
+    feedback is added here)."""
     if scheme.kind == "dense":
         return lambda: allreduce(x, topo, scheme.algorithm, comm_dtype=scheme.comm_dtype, check=False)
     codec = build_codec(scheme.codec or "none")
-    if scheme.algorithm == "hitopk":
-        return lambda: hitopk(x, topo, codec, key=key, check=False)
-    strategy = scheme.algorithm
-    return lambda: compressed_allreduce(x, topo, codec, strategy, scheme.local, key=key, check=False)
+    strategy, local = scheme.strategy or "allgather", bool(scheme.local)
+    return lambda: compressed_allreduce(x, topo, codec, strategy, local, key=key, check=False)
 
 
 def _inter_phase(scheme: Scheme, topo: Topology, nbytes: int) -> Any:
@@ -173,40 +131,13 @@ def _inter_phase(scheme: Scheme, topo: Topology, nbytes: int) -> Any:
     return None
 
 
-def _model(scheme: Scheme, model: CostModel, nbytes: int, codec_cost: CodecCost | None) -> float | None:
-    if scheme.kind == "dense":
-        algo = scheme.algorithm
-        if algo == "hybrid":
-            from gradsync.collectives.dense import HybridPolicy
-
-            algo = HybridPolicy().pick(nbytes)
-        size = nbytes // 2 if scheme.comm_dtype else nbytes
-        return getattr(model, algo)(size)
-    assert codec_cost is not None
-    if codec_cost.lowrank and not scheme.local:
-        return model.lowrank(nbytes, codec_cost)
-    if scheme.algorithm == "hitopk":
-        # the chunks compressed_allreduce's pipeline uses (default pipeline=4)
-        chunks = pipeline_chunks(nbytes, 4)
-        return model.hitopk(nbytes, codec_cost, chunks)
-    if scheme.local:
-        return model.locally_aggregated(scheme.algorithm, nbytes, codec_cost)
-    if scheme.algorithm == "allgather":
-        return model.naive(nbytes, codec_cost)
-    return model.casync(scheme.algorithm, nbytes, codec_cost, messages=2)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    schemes = [Scheme.parse(s) for s in args.schemes.split(",") if s.strip()]
+    schemes = [BenchScheme.parse(s) for s in args.schemes.split(",") if s.strip()]
     sizes = [float(s) for s in args.sizes_mb.split(",")]
     if any(s <= 0 for s in sizes):
         raise ValueError(f"--sizes-mb must be positive, got {args.sizes_mb!r}")
     torch.set_num_threads(args.threads)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise ValueError("launch with torchrun or launch.sh (RANK, WORLD_SIZE, MASTER_ADDR are not set)")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
+    topo = join_world(args.timeout, args.nodes, args.per_node)
     rank0 = topo.rank == 0
     if rank0:
         rate = os.environ.get("TB_RATE", "unknown")
@@ -218,13 +149,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     link = link_bytes_per_s(os.environ.get("TB_RATE"))
     rows: list[Row] = []
     p = topo.world
-    for scheme in schemes:
+    for named in schemes:
+        scheme = named.parsed.resolve(topo.nodes, topo.per_node)
         codec_cost = None
         if scheme.kind == "compressed":
             # the codec's speed on the sizes it will see (shards when aggregating locally)
-            div = topo.per_node if scheme.local else 1
-            codec_cost = measure_codec(build_codec(scheme.codec or "none"),
-                                       [int(s * 2**20 / div) for s in sizes], reps=3)  # fmt: skip
+            codec_cost = measure_codec(
+                build_codec(scheme.codec or "none"),
+                [max(int(encode_sizes(scheme, s * 2**20, topo.nodes, topo.per_node)), 4) for s in sizes],
+                reps=3,
+            )
         for mb in sizes:
             nbytes = int(mb * 2**20)
             gen = torch.Generator().manual_seed(topo.rank)
@@ -236,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                 else torch.randn(numel)
             )
             x = original.clone()
-            fn = _runner(scheme, topo, x, key=f"{scheme.name}@{mb}")
+            fn = _runner(scheme, topo, x, key=f"{named.name}@{mb}")
             t, iters, cable = _timed(
                 fn,
                 args.budget,
@@ -255,12 +189,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     2 * (topo.nodes - 1) / topo.nodes * (nbytes // 2 if scheme.comm_dtype else nbytes)
                 )
                 inter_pct = 100 * cable_bytes / tp / link
-            pred = _model(scheme, model, nbytes, codec_cost)
-            rows.append(Row(scheme.name, mb, nbytes, t * 1e3, algbw / 1e9, busbw / 1e9,
+            pred = predict(scheme, model, nbytes, codec_cost)
+            rows.append(Row(named.name, mb, nbytes, t * 1e3, algbw / 1e9, busbw / 1e9,
                             100 * busbw / link if link else None, cable, pred * 1e3 if pred else None,
                             t / pred if pred else None, inter_pct, iters))  # fmt: skip
             if rank0:
-                print(f"  {scheme.name:32s} {mb:6.1f} MB  {t * 1e3:10.2f} ms", file=sys.stderr, flush=True)
+                print(f"  {named.name:32s} {mb:6.1f} MB  {t * 1e3:10.2f} ms", file=sys.stderr, flush=True)
     result = {
         "command": "gradsync " + " ".join(sys.argv[1:]),
         "nodes": topo.nodes,
@@ -312,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--nodes and --per-node go together")
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         raise ValueError(f"need 1 <= --min-iters <= --max-iters, got {args.min_iters} and {args.max_iters}")
+    owned = not dist.is_initialized()  # leave a process group the caller made alone
     result = run(args)
     if result is not None:
         from rich.console import Console
@@ -331,6 +266,6 @@ def main(args: argparse.Namespace) -> int:
         if args.markdown:
             with open(args.markdown, "w") as fh:
                 fh.write(markdown(result))
-    if dist.is_initialized():
+    if owned and dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -15,7 +15,6 @@ are. What the hook does not do, compared with ``wrap``, is plan: every other buc
 compressed (``plan="dense"`` turns compression off).
 """
 
-
 import hashlib
 from typing import Any
 

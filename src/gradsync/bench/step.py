@@ -1,0 +1,274 @@
+"""``gradsync bench step``: where a training step's time goes, per synchronization scheme.
+
+Launch it like the collectives benchmark (torchrun, or ``launch.sh`` on the emulated cluster).
+For one model and per-worker batch it runs, in the same session and on the same data:
+
+- ``local``: no synchronization at all (the compute-only reference);
+- ``ddp``: PyTorch DistributedDataParallel, dense all-reduce, default buckets;
+- every gradsync scheme given (``gradsync.wrap(model, scheme)``).
+
+Per contender it reports the median over the measured steps of the slowest rank's times:
+forward, backward (``loss.backward()``, which includes waiting for the synchronization), the
+optimizer step, and the whole step; the **exposed synchronization** (the part of the step the
+synchronization added: for gradsync the engine's measurement from the end of the backward pass
+to the last synchronized gradient, for DDP its backward time minus ``local``'s); gradsync's
+compression time (packing, encoding, decoding on its threads) and communication time; the bytes
+sent per worker per step by level and, on the emulated cluster, the bytes that left each node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+from gradsync.bench.world import CableMeter, join_world
+from gradsync.collectives import Topology
+from gradsync.models import build_model, models_for, parameter_count
+from gradsync.sync import Scheme, SyncConfig
+
+DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
+
+
+@dataclass
+class StepRow:
+    contender: str
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    exposed_ms: float | None
+    compress_ms: float | None = None
+    comm_ms: float | None = None
+    sent_mb: dict[str, float] = field(default_factory=dict)
+    cable_mb: float | None = None
+    compressed_buckets: str = ""
+    steps: int = 0
+
+
+def _contender(name: str) -> str:
+    if name in ("local", "ddp"):
+        return name
+    Scheme.parse(name)  # validates
+    return name
+
+
+def _max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _measure(
+    name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
+) -> tuple[StepRow, dict[str, Any]]:
+    model: nn.Module = copy.deepcopy(base)
+    synced = None
+    if name == "ddp":
+        model = DDP(model)
+    elif name != "local":
+        options = dict(SyncConfig.from_options({"scheme": name, **_options(args.sync_option)}).to_dict())
+        synced = gradsync.wrap(model, topology=topo, **options)
+        model = synced
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    samples: list[list[float]] = []
+    sent: list[dict[str, int]] = []
+    meter = CableMeter(topo)
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            meter.start()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        st = synced.last_stats if synced is not None else None
+        row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
+        row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
+        row = _max(row)
+        if step >= args.warmup:
+            samples.append(row)
+            if st is not None:
+                sent.append(st.sent_bytes)
+    cable = meter.stop(args.steps)
+    med = [statistics.median(col) * 1e3 for col in zip(*samples, strict=True)]
+    levels = sorted({k for s in sent for k in s})
+    result = StepRow(
+        contender=name, step_ms=med[0], forward_ms=med[1], backward_ms=med[2], optimizer_ms=med[3],
+        exposed_ms=med[4] if synced is not None else None,
+        compress_ms=med[5] if synced is not None else None, comm_ms=med[6] if synced is not None else None,
+        sent_mb={k: statistics.median(s.get(k, 0) for s in sent) / 2**20 for k in levels},
+        cable_mb=cable / 2**20 if cable is not None else None, steps=args.steps,
+    )  # fmt: skip
+    extra: dict[str, Any] = {}
+    if synced is not None:
+        st = synced.last_stats
+        result.compressed_buckets = f"{st.compressed_buckets}/{st.buckets}"
+        plan = synced.engine.plan
+        extra = {
+            "plan": synced.plan_table(),
+            "plan_buckets": plan.to_state() if plan is not None else [],
+            "last_step": st.to_dict(),
+        }
+        synced.close()
+    return result, extra
+
+
+def _options(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    SyncConfig.from_options(_options(args.sync_option))  # bad options fail before the world starts
+    torch.set_num_threads(args.threads)
+    topo = join_world(args.timeout, args.nodes, args.per_node)
+    rank0 = topo.rank == 0
+    torch.manual_seed(0)
+    base = build_model(args.model, num_classes=args.classes)
+    g = torch.Generator().manual_seed(topo.rank)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    if rank0:
+        print(
+            f"gradsync bench step: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), "
+            f"batch {args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, "
+            f"link {os.environ.get('TB_RATE', 'unknown')}",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows, extras = [], {}
+    local_backward = None
+    for name in contenders:
+        row, extra = _measure(name, base, topo, x, y, args)
+        if name == "local":
+            local_backward = row.backward_ms
+        if name == "ddp" and local_backward is not None:
+            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
+        rows.append(row)
+        extras[name] = extra
+        if rank0:
+            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    result = {
+        "command": "gradsync " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "parameters": parameter_count(base),
+        "batch_size": args.batch_size,
+        "nodes": topo.nodes,
+        "per_node": topo.per_node,
+        "link": os.environ.get("TB_RATE"),
+        "rows": [asdict(r) for r in rows],
+        "details": extras,
+    }
+    ddp = next((r for r in rows if r.contender == "ddp"), None)
+    ours = [r for r in rows if r.contender not in ("local", "ddp") and r.exposed_ms is not None]
+    if ddp is not None and ddp.exposed_ms and ours:
+        best = min(ours, key=lambda r: r.exposed_ms or 0.0)
+        result["best"] = {
+            "contender": best.contender,
+            "exposed_over_ddp": (best.exposed_ms or 0.0) / ddp.exposed_ms,
+            "speedup_over_ddp": ddp.step_ms / best.step_ms,
+        }
+    return result if rank0 else None
+
+
+COLUMNS = ("contender", "step ms", "forward ms", "backward ms", "optimizer ms", "exposed sync ms",
+           "compress ms", "comm ms", "MB sent/step (intra, inter, world)", "cable MB/step",
+           "compressed buckets")  # fmt: skip
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    def f(v: float | None, fmt: str = ".1f") -> str:
+        return "" if v is None else format(v, fmt)
+
+    sent = r["sent_mb"]
+    levels = ", ".join(f(sent.get(k), ".2f") or "0" for k in ("intra", "inter", "world")) if sent else ""
+    return [r["contender"], f(r["step_ms"]), f(r["forward_ms"]), f(r["backward_ms"]), f(r["optimizer_ms"]),
+            f(r["exposed_ms"]), f(r["compress_ms"]), f(r["comm_ms"]), levels, f(r["cable_mb"], ".2f"),
+            r["compressed_buckets"]]  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="vgg", choices=models_for("classify"))
+    p.add_argument("--batch-size", type=int, default=16, help="samples per worker")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                   help="comma-separated: local, ddp and gradsync schemes")  # fmt: skip
+    p.add_argument("--sync-option", action="append", metavar="KEY=VALUE",
+                   help="a gradsync SyncConfig option for every scheme (repeatable)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps (gradsync plans after the first)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    p.add_argument("--nodes", type=int, help="impose a topology (with --per-node) instead of torchrun's")
+    p.add_argument("--per-node", type=int)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "image_size", "classes", "steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 1:
+        raise ValueError(
+            f"--warmup must be at least 1 (gradsync plans after its first step), got {args.warmup}"
+        )
+    owned = not dist.is_initialized()  # leave a process group the caller made alone
+    result = run(args)
+    if result is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        where = f"{result['nodes']} x {result['per_node']} ranks, link {result['link']}"
+        table = Table(title=f"training step, {result['model']}, {where}")
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col == "contender" else "right")
+        for r in result["rows"]:
+            table.add_row(*_cells(r))
+        (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
+        if "best" in result:
+            b = result["best"]
+            share, speedup = 100 * b["exposed_over_ddp"], b["speedup_over_ddp"]
+            print(
+                f"best gradsync scheme {b['contender']}: exposed sync {share:.1f}% of DDP's, "
+                f"step {speedup:.2f}x faster"
+            )
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(markdown(result))
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

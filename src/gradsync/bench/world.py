@@ -1,0 +1,69 @@
+"""What every distributed benchmark needs: joining the world it was launched in, the link rate
+of the emulated cluster, and the bytes that really left a node (read from its NIC)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives import Topology
+
+
+def join_world(timeout_s: float, nodes: int | None, per_node: int | None) -> Topology:
+    """Initialize the default process group from torchrun's (or launch.sh's) environment and
+    return the topology (imposed by ``nodes`` x ``per_node``, else torchrun's)."""
+    if (nodes is None) != (per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError("launch with torchrun or launch.sh (RANK, WORLD_SIZE, MASTER_ADDR are not set)")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Topology(nodes, per_node) if nodes else Topology()
+
+
+def link_bytes_per_s(rate: str | None) -> float | None:
+    """``100mbit`` -> 12.5e6 bytes/s; None for unset or unshaped links."""
+    if not rate:
+        return None
+    r = rate.strip().lower()
+    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if r.endswith(suffix):
+            return float(r[: -len(suffix)]) * mult / 8
+    return None
+
+
+def nic_tx_bytes() -> int | None:
+    """Bytes sent so far by the interface gloo uses (``GLOO_SOCKET_IFNAME``), if it is a real NIC."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    path = f"/sys/class/net/{ifname}/statistics/tx_bytes"
+    if not ifname or ifname == "lo" or not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return int(fh.read())
+
+
+class CableMeter:
+    """Bytes per operation that left each node, averaged over the nodes (None off the testbed).
+
+    Every rank must call :meth:`start` and :meth:`stop` (``stop`` all-reduces)."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self._start: int | None = None
+
+    def start(self) -> None:
+        self._start = nic_tx_bytes() if self.topo.local_rank == 0 else None
+
+    def stop(self, operations: int) -> float | None:
+        end = nic_tx_bytes() if self.topo.local_rank == 0 else None
+        have = self.topo.local_rank == 0 and self._start is not None and end is not None
+        sent = (end - self._start) / max(operations, 1) if have else 0.0  # type: ignore[operator]
+        t = torch.tensor([sent, float(have)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t[0]) / self.topo.nodes if int(t[1]) == self.topo.nodes else None

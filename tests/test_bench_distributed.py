@@ -1,0 +1,91 @@
+"""The distributed benchmarks' logic on 2 ranks on loopback (briefly; the emulated-cluster runs
+are benchmarks, not tests): the arithmetic of their figures, their JSON and markdown, and their
+argument errors (which come before any process group)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from gradsync.cli import main
+from worlds import run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def benches(tmp):
+    rank = dist.get_rank()
+    cj, cm = os.path.join(tmp, "c.json"), os.path.join(tmp, "c.md")
+    argv = ["bench", "collectives", "--schemes", "flat,torus2d/fp16,hitopk/topk:density=0.1,ps/onebit",
+            "--sizes-mb", "0.0625,0.25", "--budget", "0.05", "--max-iters", "3", "--calibration-reps", "1",
+            "--nodes", "2", "--per-node", "1", "--json", cj, "--markdown", cm]  # fmt: skip
+    assert main(argv) == 0
+    sj, sm = os.path.join(tmp, "s.json"), os.path.join(tmp, "s.md")
+    argv = ["bench", "step", "--model", "vgg-small", "--batch-size", "4", "--contenders",
+            "local,ddp,none,hitopk:density=0.1", "--warmup", "1", "--steps", "2", "--nodes", "2",
+            "--per-node", "1", "--sync-option", "plan=compress", "--sync-option", "calibrate=false",
+            "--json", sj, "--markdown", sm]  # fmt: skip
+    assert main(argv) == 0
+    if rank != 0:
+        return  # rank 0 reports
+    c = json.loads(Path(cj).read_text())
+    assert [(r["scheme"], r["mbytes"]) for r in c["rows"]] == [
+        (s, mb)
+        for s in ("flat", "torus2d/fp16", "hitopk/topk:density=0.1", "ps/onebit")
+        for mb in (0.0625, 0.25)
+    ]
+    for r in c["rows"]:
+        t = r["time_ms"] / 1e3
+        assert r["algbw_gbs"] == pytest.approx(r["nbytes"] / t / 1e9)
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * 2 * (2 - 1) / 2)  # nccl-tests, p = 2
+        assert r["model_ms"] > 0 and r["measured_over_model"] == pytest.approx(r["time_ms"] / r["model_ms"])
+        assert r["busbw_pct_link"] is None and r["cable_bytes_per_op"] is None  # loopback: no link, no NIC
+    assert len(Path(cm).read_text().splitlines()) == 2 + len(c["rows"])
+    s = json.loads(Path(sj).read_text())
+    rows = {r["contender"]: r for r in s["rows"]}
+    assert list(rows) == ["local", "ddp", "none", "hitopk:density=0.1"]
+    assert rows["local"]["exposed_ms"] is None and rows["local"]["sent_mb"] == {}
+    assert rows["ddp"]["exposed_ms"] == pytest.approx(
+        max(rows["ddp"]["backward_ms"] - rows["local"]["backward_ms"], 0)
+    )
+    hi = rows["hitopk:density=0.1"]
+    assert hi["exposed_ms"] is not None and hi["compress_ms"] > 0 and hi["sent_mb"]["inter"] > 0
+    done, total = (int(v) for v in hi["compressed_buckets"].split("/"))
+    plan = s["details"]["hitopk:density=0.1"]["plan_buckets"]
+    assert len(plan) == total
+    # plan=compress: every bucket with a codec (tensors above min_compress_bytes) is compressed,
+    # the others (biases, norms) are not
+    assert done == sum(b["codec_id"] >= 0 for b in plan) > 0
+    assert all(b["compress"] == (b["codec_id"] >= 0) for b in plan)
+    # none sends its gradient dense: the bytes match a ring all-reduce over 2 ranks, 2(p-1)/p * S
+    assert sum(rows["none"]["sent_mb"].values()) == pytest.approx(s["parameters"] * 4 / 2**20, rel=1e-3)
+    assert s["best"]["contender"] in ("none", "hitopk:density=0.1")
+    assert "synchronized as" in s["details"]["hitopk:density=0.1"]["plan"]
+
+
+def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
+    run_world(2, benches, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "step", "--contenders", "local,warp9"], "unknown codec 'warp9'"),
+        (
+            ["bench", "step", "--sync-option", "plan=always"],
+            "sync: plan must be one of auto, compress, dense",
+        ),
+        (["bench", "step", "--sync-option", "plan"], "--sync-option takes KEY=VALUE"),
+        (["bench", "step", "--warmup", "0"], "--warmup must be at least 1"),
+        (["bench", "step", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["bench", "step", "--nodes", "2"], "--nodes and --per-node go together"),
+        (["bench", "collectives", "--schemes", "ring/"], "a compressed scheme needs /CODEC"),
+        (["bench", "collectives", "--sizes-mb", "0"], "--sizes-mb must be positive"),
+    ],
+)
+def test_benchmark_argument_errors_come_before_any_process_group(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
