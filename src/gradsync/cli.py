@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from gradsync import train
+
+    p = sub.add_parser("train", help="train a model on local workers (or under torchrun) with gradsync")
+    train.add_arguments(p)
+    p.set_defaults(func=train.main)
+
     p = sub.add_parser("codecs", help="list the codecs and their options")
     p.set_defaults(func=_cmd_codecs)
 
@@ -47,11 +53,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("collectives", help="every aggregation scheme on the world it is launched in")
     bench_collectives.add_arguments(p)
     p.set_defaults(func=bench_collectives.main)
+
+    from gradsync.bench import step as bench_step
+
+    p = bsub.add_parser("step", help="a training step's time split per synchronization scheme, against DDP")
+    bench_step.add_arguments(p)
+    p.set_defaults(func=bench_step.main)
+
+    from gradsync.bench import convergence as bench_convergence
+
+    p = bsub.add_parser(
+        "convergence", help="final accuracy / perplexity of every scheme next to dense training"
+    )
+    bench_convergence.add_arguments(p)
+    p.set_defaults(func=bench_convergence.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return int(args.func(args) or 0)
     except ValueError as e:  # bad option values: a message, not a traceback

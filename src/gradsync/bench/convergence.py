@@ -1,0 +1,191 @@
+"""``gradsync bench convergence``: is compression safe? The same training run with every scheme.
+
+For each dataset (the digits classifier and the text language model by default) and each
+scheme, it runs ``gradsync train`` with identical options and seed (one torchrun world per run,
+on this machine, topology emulated with ``--nodes/--per-node``) and reports the final validation
+accuracy or perplexity next to the dense run's, with the gap: percentage points of accuracy,
+percent of perplexity. Schemes with a recipe of their own get it: DGC carries the momentum in
+its error feedback (momentum correction), so the optimizer's momentum is turned off for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+# scheme label -> (scheme spec, extra train options)
+RECIPES: dict[str, tuple[str, list[str]]] = {
+    "none": ("none", []),
+    "topk": ("topk:density=0.01", []),
+    "mstopk": ("mstopk:density=0.01", []),
+    "hitopk": ("hitopk:density=0.01", []),
+    "dgc": ("dgc:density=0.01+ef:momentum=0.9", ["--momentum", "0"]),
+    "powersgd": ("powersgd:rank=4", []),
+    "terngrad": ("terngrad", []),
+    "onebit": ("onebit+ef", []),
+}
+
+DATASETS: dict[str, list[str]] = {
+    "digits": ["--data", "digits", "--model", "vgg-small", "--epochs", "12", "--batch-size", "32"],
+    "text": [
+        "--data",
+        "text",
+        "--model",
+        "lstm",
+        "--epochs",
+        "4",
+        "--batch-size",
+        "32",
+        "--seq-len",
+        "64",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--weight-decay",
+        "0.01",
+    ],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schemes", default=",".join(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}")
+    p.add_argument(
+        "--datasets", default=",".join(DATASETS), help=f"comma-separated, from {', '.join(DATASETS)}"
+    )
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--per-node", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=None, help="override every dataset's epoch count")
+    p.add_argument(
+        "--train-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="a further gradsync train option for every run, e.g. --train-option=--seed=1",
+    )
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+
+
+def _pick(text: str, allowed: dict[str, Any], option: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(f"{option} takes names from {', '.join(allowed)}, got {text!r}")
+    return names
+
+
+def _train_argv(dataset: str, scheme: str, args: argparse.Namespace, json_path: str) -> list[str]:
+    spec, extra = RECIPES[scheme]
+    argv = [
+        "train",
+        *DATASETS[dataset],
+        "--scheme",
+        spec,
+        *extra,
+        "--plan",
+        "compress",
+        "--quiet",
+        "--nodes",
+        str(args.nodes),
+        "--per-node",
+        str(args.per_node),
+        "--json",
+        json_path,
+    ]
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    return argv + list(args.train_option)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from gradsync.cli import main as cli_main
+
+    schemes = _pick(args.schemes, RECIPES, "--schemes")
+    datasets = _pick(args.datasets, DATASETS, "--datasets")
+    for name in ("nodes", "per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.epochs is not None and args.epochs < 1:
+        raise ValueError(f"--epochs must be at least 1, got {args.epochs}")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dataset in datasets:
+            for scheme in schemes:
+                out = os.path.join(tmp, f"{dataset}-{scheme}.json")
+                argv = _train_argv(dataset, scheme, args, out)
+                print(
+                    f"gradsync bench convergence: {dataset} / {scheme}: gradsync {' '.join(argv)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                rc = cli_main(argv)
+                if rc != 0:
+                    raise RuntimeError(f"the {dataset} / {scheme} run failed (exit {rc})")
+                with open(out) as fh:
+                    summary = json.load(fh)
+                final = summary["final"]
+                rows.append(
+                    {
+                        "dataset": dataset,
+                        "scheme": scheme,
+                        "spec": RECIPES[scheme][0],
+                        "task": summary["task"],
+                        "epochs": summary["epochs"],
+                        "accuracy": final.get("val_accuracy"),
+                        "perplexity": final.get("val_perplexity"),
+                        "train_loss": final["train_loss"],
+                        "compression_ratio": final["compression_ratio"],
+                        "bytes_per_step_inter": final["bytes_per_step_inter"],
+                    }
+                )
+    for r in rows:
+        dense = next((d for d in rows if d["dataset"] == r["dataset"] and d["scheme"] == "none"), None)
+        r["gap"] = None
+        if dense is not None and r["accuracy"] is not None:
+            r["gap"] = 100 * (r["accuracy"] - dense["accuracy"])  # percentage points
+        elif dense is not None and r["perplexity"] is not None:
+            r["gap"] = 100 * (r["perplexity"] / dense["perplexity"] - 1)  # percent
+    return {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "nodes": args.nodes,
+        "per_node": args.per_node,
+        "rows": rows,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| dataset | scheme | spec | epochs | val accuracy % / perplexity | vs dense | compression | "
+        "MB/step inter |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        metric = f"{100 * r['accuracy']:.2f}" if r["accuracy"] is not None else f"{r['perplexity']:.3f}"
+        gap = (
+            ""
+            if r["gap"] is None
+            else (f"{r['gap']:+.2f} pp" if r["accuracy"] is not None else f"{r['gap']:+.2f} %")
+        )
+        lines.append(
+            f"| {r['dataset']} | {r['scheme']} | `{r['spec']}` | {r['epochs']} | {metric} | {gap} | "
+            f"x{r['compression_ratio']:.1f} | {r['bytes_per_step_inter'] / 1e6:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    text = markdown(result)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(text)
+    return 0

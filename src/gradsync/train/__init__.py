@@ -1,0 +1,5 @@
+"""``gradsync train``: real multi-process training on embedded data with any gradsync scheme."""
+
+from gradsync.train.launch import add_arguments, main
+
+__all__ = ["add_arguments", "main"]

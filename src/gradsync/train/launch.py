@@ -1,0 +1,76 @@
+"""``gradsync train``'s entry: check every option, then either run as a worker (inside torchrun,
+where ``RANK`` is set) or start the workers with torchrun's own launcher
+(``torch.distributed.run``, standalone rendezvous on a free port), which runs this same command
+in each of them. On a real cluster run it under torchrun directly::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m gradsync train --scheme hitopk:density=0.01 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from gradsync.train.options import add_arguments, validate
+
+__all__ = ["add_arguments", "main"]
+
+
+def _workers(args: argparse.Namespace) -> int:
+    return args.nproc or (args.nodes * args.per_node if args.nodes else 2)
+
+
+def _check_data_and_model(args: argparse.Namespace) -> None:
+    """Data spec, model name and batch size, checked before any process starts."""
+    from gradsync.data import build_data
+    from gradsync.models import build_model_for
+    from gradsync.train.loop import default_model
+
+    data = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
+    build_model_for(args.model or default_model(data.task), data.task, data.input_shape, data.num_classes)
+    share = -(-len(data.train) // _workers(args))
+    if args.batch_size > share:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than a worker's share of the training data "
+            f"({share} samples on each of {_workers(args)} workers)"
+        )
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    nproc = _workers(args)
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    torchrun = get_args_parser().parse_args(
+        [
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={args.max_restarts}",
+            "--monitor-interval=0.5",
+            "-m",
+            "gradsync",
+        ]
+    )
+    # set after parsing: argparse would try to match our own options against torchrun's
+    torchrun.training_script_args = argv
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    try:
+        run(torchrun)
+    except ChildFailedError as e:
+        print(f"gradsync train: a worker failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    validate(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from gradsync.train.loop import run_worker
+
+        return run_worker(args)
+    _check_data_and_model(args)
+    return _launch(args)

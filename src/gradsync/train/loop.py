@@ -1,0 +1,380 @@
+"""One worker of ``gradsync train``: started by torchrun (or by ``gradsync train``, which runs
+torchrun's launcher), it joins the world, builds data, model, gradsync and optimizer, and trains.
+
+The trajectory is a function of the options and the seed: the model starts from ``seed`` on
+every rank (and rank 0's copy is broadcast), every rank then draws from its own stream
+(``seed + rank``, for dropout), the data order of an epoch comes from ``seed + epoch``, and the
+codecs draw from their own seeded generators. A checkpoint stores all of that state, so a
+resumed run continues exactly where the interrupted one was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.collectives import Topology
+from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
+from gradsync.integrate.agreement import comm_device
+from gradsync.models import build_model_for, parameter_count
+from gradsync.train import checkpoint
+from gradsync.train.metrics import EpochMeter, epoch_record
+from gradsync.train.optim import build_optimizer, build_scheduler
+from gradsync.train.options import sync_config
+
+DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
+
+
+def default_model(task: str) -> str:
+    return DEFAULT_MODEL[task]
+
+
+class Trainer:
+    """The state of one worker's run; :meth:`run` trains and returns the summary (rank 0)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        torch.set_num_threads(args.threads)
+        self.device = self._join()
+        self.topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
+        self.rank, self.world = self.topo.rank, self.topo.world
+        self.data: DataBundle = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
+        self.model_name = args.model or default_model(self.data.task)
+        torch.manual_seed(args.seed)  # identical initial weights everywhere (wrap broadcasts rank 0's)
+        net = build_model_for(self.model_name, self.data.task, self.data.input_shape, self.data.num_classes)
+        net = net.to(self.device)
+        self.grad_bytes = sum(p.numel() * 4 for p in net.parameters() if p.requires_grad)
+        self.sampler = ShardedSampler(
+            len(self.data.train), self.rank, self.world, shuffle=True, seed=args.seed
+        )
+        self.loader = PrefetchLoader(self.data.train, self.sampler, args.batch_size, drop_last=True)
+        self.steps_per_epoch = len(self.loader)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"--batch-size {args.batch_size} is larger than a worker's share of the training data "
+                f"({len(self.sampler)} samples on each of {self.world} workers)"
+            )
+        cuda = self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp and cuda else None
+        self.config = sync_config(args, self.steps_per_epoch)
+        self.model = gradsync.wrap(net, self.config, self.topo, grad_scaler=self.scaler)
+        self.net = net
+        self.optimizer = build_optimizer(
+            net, args.optimizer, args.lr, args.momentum, args.nesterov, args.weight_decay
+        )
+        total = args.epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(
+            self.optimizer, args.schedule, round(args.warmup_epochs * self.steps_per_epoch), total
+        )
+        torch.manual_seed(args.seed + 1 + self.rank)  # per-rank stream (dropout)
+        self.epoch, self.batch, self.global_step = 0, 0, 0
+        self.meter = EpochMeter()
+        self.history: list[dict[str, Any]] = []
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if args.checkpoint_dir and (args.resume or restarted):
+            self._resume()
+
+    # ------------------------------------------------------------------ set-up
+    def _join(self) -> torch.device:
+        if not dist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            timeout = datetime.timedelta(seconds=self.args.timeout)
+            backend = "nccl" if cuda else "gloo"
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if attempt is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                # torchrun keeps its store across restarts: without a prefix per attempt, the
+                # restarted workers would find (and try to connect to) the dead workers' addresses
+                store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+                store = dist.PrefixStore(f"gradsync/attempt-{attempt}", store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dev = comm_device()
+        return dev
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been saved by (else resuming would misapply it)."""
+        a = self.args
+        return {
+            "data": self.data.fingerprint,
+            "model": self.model_name,
+            "scheme": a.scheme,
+            "world": self.world,
+            "nodes": self.topo.nodes,
+            "batch_size": a.batch_size,
+            "seq_len": a.seq_len,
+            "seed": a.seed,
+            "optimizer": a.optimizer,
+            "epochs": a.epochs,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self) -> None:
+        main = {
+            "identity": self.identity(),
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
+            "history": self.history,
+        }
+        local = {
+            "sync": self.model.sync_state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            "meter": self.meter.to_state(),
+            # batch-norm statistics are per rank (each sees its own shard); main.pt has rank 0's
+            "buffers": {n: b for n, b in self.net.named_buffers()},
+        }
+        checkpoint.save(
+            self.args.checkpoint_dir, self.global_step, main, local, self.rank, self.args.keep_checkpoints
+        )
+
+    def _resume(self) -> None:
+        folder = checkpoint.latest(self.args.checkpoint_dir)
+        if folder is None:
+            if self.rank == 0:
+                print(
+                    f"gradsync train: no checkpoint in {self.args.checkpoint_dir}, starting afresh",
+                    file=sys.stderr,
+                )
+            return
+        main, local = checkpoint.load(folder, self.rank)
+        checkpoint.check_identity(main["identity"], self.identity())
+        self.net.load_state_dict(main["model"])
+        self.optimizer.load_state_dict(main["optimizer"])
+        self.scheduler.load_state_dict(main["scheduler"])
+        if self.scaler is not None and main["scaler"] is not None:
+            self.scaler.load_state_dict(main["scaler"])
+        pos = main["position"]
+        self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]
+        self.history = list(main["history"])
+        with torch.no_grad():
+            for n, b in self.net.named_buffers():
+                b.copy_(local["buffers"][n])
+        self.model.load_sync_state_dict(local["sync"])
+        torch.set_rng_state(local["rng"])
+        if local["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(local["cuda_rng"])
+        self.meter = EpochMeter.from_state(local["meter"])
+        if self.rank == 0:
+            print(
+                f"gradsync train: resumed from {folder} (epoch {self.epoch + 1}, batch {self.batch}, "
+                f"step {self.global_step})",
+                file=sys.stderr,
+            )
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if not self.args.amp:
+            return nullcontext()
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.float16)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self._autocast():
+            loss = self._loss(self.model(x), y)
+        clip = self.args.clip_grad
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            if clip:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.net.parameters(), clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            if clip:
+                nn.utils.clip_grad_norm_(self.net.parameters(), clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return float(loss.detach())
+
+    def _maybe_crash(self) -> None:
+        a = self.args
+        first_try = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        last_rank = self.rank == self.world - 1
+        if a.crash_at_step is not None and first_try and last_rank and self.global_step == a.crash_at_step:
+            print(
+                f"gradsync train: rank {self.rank} kills itself at step {self.global_step} (--crash-at-step)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ evaluation
+    def _average_buffers(self) -> None:
+        """Batch-norm statistics differ per rank (each saw its own shard): use their mean."""
+        if self.world == 1:
+            return
+        for b in self.net.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b)
+                b.div_(self.world)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy (classification) or perplexity (language model) on the validation set,
+        each rank taking every world-th sample."""
+        self._average_buffers()
+        self.net.eval()
+        val = self.data.val
+        idx = list(range(self.rank, len(val), self.world))
+        loss_sum, correct, count = 0.0, 0.0, 0.0
+        bs = max(self.args.batch_size, 64)
+        for i in range(0, len(idx), bs):
+            items = [val[j] for j in idx[i : i + bs]]
+            x = torch.stack([it[0] for it in items]).to(self.device)
+            y = torch.stack([it[1] for it in items]).to(self.device)
+            with self._autocast():
+                out = self.net(x)
+            out = out.reshape(-1, out.shape[-1]).float()
+            yy = y.reshape(-1)
+            loss_sum += float(nn.functional.cross_entropy(out, yy, reduction="sum"))
+            correct += float((out.argmax(-1) == yy).sum())
+            count += yy.numel()
+        self.net.train()
+        t = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        loss = float(t[0] / t[2]) if t[2] > 0 else float("nan")
+        out = {"val_loss": loss}
+        if self.data.task == "lm":
+            out["val_perplexity"] = float(torch.tensor(loss).exp())
+        else:
+            out["val_accuracy"] = float(t[1] / t[2]) if t[2] > 0 else float("nan")
+        return out
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any] | None:
+        a = self.args
+        show = self.rank == 0 and not a.quiet
+        if self.rank == 0:
+            print(self._banner(), file=sys.stderr, flush=True)
+        from gradsync.train.progress import EpochProgress
+
+        while self.epoch < a.epochs:
+            self.sampler.set_epoch(self.epoch)
+            started = time.perf_counter()
+            with EpochProgress(show, self.epoch, a.epochs, self.steps_per_epoch, self.batch) as bar:
+                for x, y in self.loader.iter_from(self.batch):
+                    t0 = time.perf_counter()
+                    loss = self._step(x, y)
+                    dt = time.perf_counter() - t0
+                    self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    self.batch += 1
+                    self.global_step += 1
+                    bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
+                    if (
+                        a.checkpoint_every
+                        and self.global_step % a.checkpoint_every == 0
+                        and (self.batch < self.steps_per_epoch)
+                    ):
+                        self._save()
+                    self._maybe_crash()
+            record = {"epoch": self.epoch + 1}
+            record.update(
+                epoch_record(
+                    self.meter, time.perf_counter() - started, self.grad_bytes, self.world, self.device
+                )
+            )
+            record.update(self.evaluate())
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+            self.history.append(record)
+            if self.rank == 0:
+                print(_epoch_line(record), file=sys.stderr, flush=True)
+            self.epoch, self.batch, self.meter = self.epoch + 1, 0, EpochMeter()
+            if a.checkpoint_dir:
+                self._save()
+        self.model.close()
+        return self._summary() if self.rank == 0 else None
+
+    def _banner(self) -> str:
+        d = self.data
+        return (
+            f"gradsync train: {self.model_name} ({parameter_count(self.net) / 1e6:.2f} M parameters) on "
+            f"{d.name} ({len(d.train)} train / {len(d.val)} val), {self.world} workers as "
+            f"{self.topo.nodes} x {self.topo.per_node}, scheme {self.args.scheme} (plan {self.args.plan}), "
+            f"{self.steps_per_epoch} steps per epoch, device {self.device}"
+        )
+
+    def _summary(self) -> dict[str, Any]:
+        a = self.args
+        last = self.history[-1] if self.history else {}
+        return {
+            "command": "gradsync " + " ".join(getattr(a, "argv", []) or []),
+            "data": self.data.name,
+            "data_source": self.data.source,
+            "task": self.data.task,
+            "model": self.model_name,
+            "parameters": parameter_count(self.net),
+            "scheme": a.scheme,
+            "plan": a.plan,
+            "plan_table": self.model.plan_table(),
+            "world": self.world,
+            "nodes": self.topo.nodes,
+            "per_node": self.topo.per_node,
+            "batch_size": a.batch_size,
+            "epochs": a.epochs,
+            "steps": self.global_step,
+            "final": last,
+            "history": self.history,
+        }
+
+
+def _epoch_line(r: dict[str, Any]) -> str:
+    metric = (
+        f"val acc {100 * r['val_accuracy']:.2f}%"
+        if "val_accuracy" in r
+        else f"val ppl {r['val_perplexity']:.2f}"
+    )
+    return (
+        f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, {metric}, "
+        f"{r['samples_per_s']:.0f} samples/s, sent/step intra {r['bytes_per_step_intra'] / 1e6:.3f} MB "
+        f"inter {r['bytes_per_step_inter'] / 1e6:.3f} MB world {r['bytes_per_step_world'] / 1e6:.3f} MB, "
+        f"compression x{r['compression_ratio']:.1f}, "
+        f"exposed sync {100 * r['exposed_sync_share']:.1f}% of step"
+    )
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """The worker's entry point: train, print the summary on rank 0, write ``--json``."""
+    trainer = Trainer(args)
+    try:
+        summary = trainer.run()
+        if summary is not None:
+            from gradsync.train.progress import print_summary
+
+            print_summary(summary)
+            if args.json:
+                tmp = f"{args.json}.tmp-{os.getpid()}"
+                with open(tmp, "w") as fh:
+                    json.dump(summary, fh, indent=1)
+                os.replace(tmp, args.json)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,214 @@
+"""``gradsync train``'s options: the argparse definition and the checks that run before any
+process starts (a bad value is reported once, by the launcher, naming the option and what it
+allows, instead of by every worker after the world was created)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from gradsync.sync import Scheme, SyncConfig
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "step", "constant")
+PLANS = ("auto", "compress", "dense")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("what to train")
+    g.add_argument(
+        "--data",
+        default="digits",
+        help="digits | text | synthetic-images[:n=..] | synthetic-text[:n=..] | "
+        "imagefolder:PATH | tokens:PATH (default: digits)",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="vgg, vgg-small, resnet (images); lstm, transformer (text); default: vgg-small "
+        "for images, lstm for text",
+    )
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sample for text data")
+    g.add_argument("--epochs", type=int, default=12)
+    g.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--optimizer", default="sgd", help=f"one of {', '.join(OPTIMIZERS)}")
+    g.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: 0.1 sgd, 0.002 adamw)"
+    )
+    g.add_argument("--momentum", type=float, default=0.9, help="sgd momentum")
+    g.add_argument("--nesterov", action="store_true", help="sgd with Nesterov momentum")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=5e-4,
+        help="decoupled for adamw; never applied to biases and norm weights",
+    )
+    g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear learning-rate warm-up")
+    g.add_argument("--schedule", default="cosine", help=f"one of {', '.join(SCHEDULES)} (after warm-up)")
+    g.add_argument("--clip-grad", type=float, default=None, help="clip the synchronized gradient's norm")
+    g.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision: bf16 autocast on CPU, fp16 autocast + GradScaler on GPU",
+    )
+
+    g = p.add_argument_group("synchronization")
+    g.add_argument(
+        "--scheme",
+        default="hitopk:density=0.01",
+        help="a gradsync scheme: none, hierarchical, torus2d/fp16, hitopk:density=0.01, "
+        "topk:density=0.01, dgc:density=0.01, powersgd:rank=4, ps/onebit, auto, ...",
+    )
+    g.add_argument(
+        "--plan",
+        default="compress",
+        help="compress: compress every tensor the scheme may compress; auto: only where the "
+        "measured cost model says it pays; dense: none",
+    )
+    g.add_argument(
+        "--dense-warmup",
+        type=float,
+        default=0.0,
+        metavar="EPOCHS",
+        help="synchronize densely for the first EPOCHS epochs (at least the first step is)",
+    )
+    g.add_argument(
+        "--switch-to-dense-at",
+        type=float,
+        default=None,
+        metavar="EPOCH",
+        help="switch from compressed to dense synchronization at this epoch (paper 01)",
+    )
+    g.add_argument(
+        "--sync-option",
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
+        help="any further gradsync SyncConfig option (repeatable)",
+    )
+
+    g = p.add_argument_group("processes")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="worker processes on this machine (default: nodes x per-node, else 2)",
+    )
+    g.add_argument("--nodes", type=int, default=None, help="emulate this many nodes (with --per-node)")
+    g.add_argument("--per-node", type=int, default=None, help="ranks per emulated node")
+    g.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the workers this often after a failure (they resume from the last checkpoint)",
+    )
+    g.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--checkpoint-dir", default=None, help="save a checkpoint at every epoch's end here")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also save every STEPS optimizer steps (0: only at epoch ends)",
+    )
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
+    g.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir"
+    )
+    g.add_argument("--json", default=None, metavar="PATH", help="write the run's summary as JSON")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    # testing aid: the last rank kills itself (SIGKILL) at this global step on the first attempt,
+    # to show that torchrun's restart resumes from the last checkpoint
+    g.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def sync_options(args: argparse.Namespace) -> dict[str, str]:
+    """``--sync-option KEY=VALUE`` items as a dict (``ValueError`` for a malformed one)."""
+    out: dict[str, str] = {}
+    for item in args.sync_option or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _at_least(option: str, value: float | None, lo: float, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or not math.isfinite(value) or value < lo:
+        raise ValueError(f"{option} must be a number >= {lo:g}, got {value!r}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every check that needs no process and no data (``ValueError`` naming the option)."""
+    for name in ("epochs", "batch_size", "seq_len", "threads"):
+        _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
+    _choice("--optimizer", args.optimizer, OPTIMIZERS)
+    _choice("--schedule", args.schedule, SCHEDULES)
+    _choice("--plan", args.plan, PLANS)
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr!r}")
+    if not (0.0 <= args.momentum < 1.0):
+        raise ValueError(f"--momentum must be in [0, 1), got {args.momentum!r}")
+    if args.nesterov and (args.optimizer != "sgd" or args.momentum == 0):
+        raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
+    _at_least("--weight-decay", args.weight_decay, 0.0)
+    _at_least("--warmup-epochs", args.warmup_epochs, 0.0)
+    _at_least("--dense-warmup", args.dense_warmup, 0.0)
+    _at_least("--switch-to-dense-at", args.switch_to_dense_at, 0.0, allow_none=True)
+    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
+        raise ValueError(f"--clip-grad must be a positive number, got {args.clip_grad!r}")
+    _at_least("--max-restarts", args.max_restarts, 0)
+    _at_least("--checkpoint-every", args.checkpoint_every, 0)
+    _at_least("--keep-checkpoints", args.keep_checkpoints, 1)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    if args.nodes is not None:
+        _at_least("--nodes", args.nodes, 1)
+        _at_least("--per-node", args.per_node, 1)
+    if args.nproc is not None:
+        _at_least("--nproc", args.nproc, 1)
+        if args.nodes is not None and args.nproc != args.nodes * args.per_node:
+            raise ValueError(
+                f"--nproc ({args.nproc}) must equal --nodes x --per-node ({args.nodes} x {args.per_node})"
+            )
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    Scheme.parse(args.scheme)
+    sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
+
+
+def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
+    """The engine's configuration; epoch-valued options become step counts."""
+    options: dict[str, Any] = {
+        "scheme": args.scheme,
+        "plan": args.plan,
+        "dense_warmup_steps": max(1, round(args.dense_warmup * steps_per_epoch)),
+    }
+    if args.switch_to_dense_at is not None:
+        options["dense_from_step"] = round(args.switch_to_dense_at * steps_per_epoch)
+    extra = sync_options(args)
+    clash = sorted(set(extra) & {"scheme", "plan", "dense_warmup_steps", "dense_from_step"})
+    if clash:
+        raise ValueError(
+            f"--sync-option {clash[0]}=... has its own option (--scheme, --plan, --dense-warmup, "
+            "--switch-to-dense-at)"
+        )
+    return SyncConfig.from_options({**options, **extra})

@@ -1,0 +1,153 @@
+"""``gradsync train`` end to end: the README's main command (shortened) on 2 workers, resume
+equals an uninterrupted run (after an explicit --resume and after torchrun restarted a killed
+worker), and every option error, reported before any process starts."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.cli import main
+from gradsync.train import checkpoint
+
+pytestmark = pytest.mark.timeout(600)
+
+# deterministic: exact top-k, fixed plan (no calibration, one part per bucket, sizes alone fuse)
+BASE = [
+    "train",
+    "--nproc",
+    "2",
+    "--data",
+    "digits",
+    "--model",
+    "vgg-small",
+    "--batch-size",
+    "48",
+    "--scheme",
+    "topk:density=0.05",
+    "--plan",
+    "compress",
+    "--quiet",
+    "--sync-option",
+    "calibrate=false",
+    "--sync-option",
+    "partitions=1",
+    "--sync-option",
+    "bucket_timeout_ms=1e9",
+    "--sync-option",
+    "dense_algorithm=flat",
+]
+
+
+def _final_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    folder = checkpoint.latest(ckpt_dir)
+    assert folder is not None
+    main_state, _ = checkpoint.load(folder, 0)
+    return main_state["model"]
+
+
+def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # 1. uninterrupted, with the summary as JSON
+    out = tmp_path / "a.json"
+    assert main([*BASE, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "a"), "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["world"] == 2 and s["task"] == "classify" and len(s["history"]) == 2
+    steps_per_epoch = 719 // 48  # digits: 1438 training images, 719 per worker, whole batches only
+    assert s["steps"] == 2 * steps_per_epoch
+    for r in s["history"]:
+        assert 0.0 <= r["val_accuracy"] <= 1.0 and r["train_loss"] > 0 and r["samples_per_s"] > 0
+        assert 0.0 <= r["exposed_sync_share"] <= 1.0
+    last = s["history"][-1]
+    # the large tensors travel as 5 % top-k: far fewer bytes than a dense ring all-reduce
+    assert last["compression_ratio"] > 3
+    assert last["val_accuracy"] > 0.5  # 2 epochs already learn digits (10 classes: chance is 0.1)
+    reference = _final_model(tmp_path / "a")
+
+    # 2. killed at step 20 (checkpoints every 8 steps), no restarts: the run fails ...
+    crash = [
+        *BASE,
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "b"),
+        "--checkpoint-every",
+        "8",
+        "--crash-at-step",
+        "20",
+    ]
+    assert main(crash) == 1
+    folder = checkpoint.latest(tmp_path / "b")
+    assert folder is not None and folder.name == "step-00000016"
+    # ... and --resume continues from step 16 to the same parameters, bit for bit
+    assert main([*BASE, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "b"), "--resume"]) == 0
+    for k, v in _final_model(tmp_path / "b").items():
+        assert torch.equal(v, reference[k]), k
+
+    # 3. the same kill under --max-restarts 1: torchrun restarts the workers, they resume by themselves
+    assert (
+        main(
+            [
+                *crash[:-4],
+                "--checkpoint-dir",
+                str(tmp_path / "c"),
+                "--checkpoint-every",
+                "8",
+                "--crash-at-step",
+                "20",
+                "--max-restarts",
+                "1",
+            ]
+        )
+        == 0
+    )
+    for k, v in _final_model(tmp_path / "c").items():
+        assert torch.equal(v, reference[k]), k
+
+    # 4. a checkpoint of another run is refused, naming what differs
+    other = [
+        *BASE,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--checkpoint-dir",
+        str(tmp_path / "a"),
+        "--resume",
+    ]
+    capfd.readouterr()
+    assert main(other) == 1
+    assert "saved by a different run (batch_size: saved 48, now 32)" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--epochs", "0"], "--epochs must be a number >= 1"),
+        (["--optimizer", "lamb9"], "--optimizer must be one of sgd, adamw"),
+        (["--schedule", "linear"], "--schedule must be one of cosine, step, constant"),
+        (["--plan", "always"], "--plan must be one of auto, compress, dense"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
+        (["--optimizer", "adamw", "--nesterov"], "--nesterov needs --optimizer sgd"),
+        (["--scheme", "warp9"], "unknown codec 'warp9'"),
+        (["--sync-option", "bucket_bytes=-4"], "bucket_bytes"),
+        (["--sync-option", "plan=dense"], "--sync-option plan=... has its own option"),
+        (["--sync-option", "oops"], "--sync-option takes KEY=VALUE"),
+        (["--nodes", "2"], "--nodes and --per-node go together"),
+        (["--nodes", "2", "--per-node", "2", "--nproc", "3"], "--nproc (3) must equal --nodes x --per-node"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--data", "mnist"], "--data"),
+        (["--model", "lstm"], "--model 'lstm' does not fit task 'classify'"),
+        (["--data", "text", "--model", "resnet"], "--model 'resnet' does not fit task 'lm'"),
+        (["--batch-size", "5000"], "--batch-size 5000 is larger than a worker's share"),
+        (["--switch-to-dense-at", "-1"], "--switch-to-dense-at must be a number >= 0"),
+    ],
+)
+def test_option_errors_come_before_any_process(extra, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--quiet", *extra]) == 2
+    assert message in capsys.readouterr().err
