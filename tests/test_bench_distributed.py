@@ -65,6 +65,52 @@ def benches(tmp):
     assert "synchronized as" in s["details"]["hitopk:density=0.1"]["plan"]
 
 
+def train_bench(tmp):
+    rank = dist.get_rank()
+    tj, tm, tp = (os.path.join(tmp, f"t.{ext}") for ext in ("json", "md", "png"))
+    argv = ["bench", "train", "--model", "vgg-small", "--batch-size", "4", "--contenders",
+            "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1", "--warmup", "2", "--steps", "2",
+            "--nodes", "2", "--per-node", "1", "--json", tj, "--markdown", tm, "--png", tp]  # fmt: skip
+    assert main(argv) == 0
+    if rank != 0:
+        return
+    t = json.loads(Path(tj).read_text())
+    rows = {r["contender"]: r for r in t["rows"]}
+    assert list(rows) == ["local", "ddp", "ddp-fp16", "ddp-powersgd:rank=1", "hitopk:density=0.1"]
+    single = t["single_worker_step_ms"] / 1e3
+    assert single > 0
+    for r in rows.values():
+        step = r["step_ms"] / 1e3
+        assert r["samples_per_s"] == pytest.approx(2 * 4 / step)  # 2 workers x 4 samples per step
+        assert r["speedup_vs_ddp"] == pytest.approx(rows["ddp"]["step_ms"] / r["step_ms"])
+        # paper 02: T_n / (n T_1), T_1 = one worker alone = 4 samples / single
+        assert r["scaling_factor"] == pytest.approx(r["samples_per_s"] / (2 * 4 / single))
+        assert r["scaling_vs_local"] == pytest.approx(rows["local"]["step_ms"] / r["step_ms"])
+        assert r["compute_ms"] == pytest.approx(r["step_ms"] - (r["exposed_ms"] or 0.0))
+    for hook in ("ddp", "ddp-fp16", "ddp-powersgd:rank=1"):  # DDP's exposed time: backward over local's
+        assert rows[hook]["exposed_ms"] == pytest.approx(
+            max(rows[hook]["backward_ms"] - rows["local"]["backward_ms"], 0)
+        )
+        assert rows[hook]["crossing_mb_per_worker"] is None  # loopback: no NIC to read
+    assert (
+        rows["hitopk:density=0.1"]["crossing_mb_per_worker"] == rows["hitopk:density=0.1"]["sent_mb"]["inter"]
+    )
+    summary = t["summary"]
+    assert summary["best"] == "hitopk:density=0.1" and summary["best_hook"] in (
+        "ddp-fp16",
+        "ddp-powersgd:rank=1",
+    )
+    assert summary["best_over_ddp"] == pytest.approx(
+        rows["hitopk:density=0.1"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
+    )
+    assert Path(tp).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(Path(tm).read_text().splitlines()) == 2 + len(rows)
+
+
+def test_train_benchmark_against_ddp_hooks_on_two_ranks(tmp_path):
+    run_world(2, train_bench, str(tmp_path))
+
+
 def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
     run_world(2, benches, str(tmp_path))
 
@@ -82,6 +128,13 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         (["bench", "step", "--batch-size", "0"], "--batch-size must be at least 1"),
         (["bench", "step", "--nodes", "2"], "--nodes and --per-node go together"),
         (["bench", "collectives", "--schemes", "ring/"], "a compressed scheme needs /CODEC"),
+        (
+            ["bench", "train", "--contenders", "ddp-powersgd:rank=0"],
+            "expected ddp-powersgd or ddp-powersgd:rank=R",
+        ),
+        (["bench", "train", "--warmup", "1"], "--warmup must be at least 2"),
+        (["bench", "train", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
+        (["bench", "train", "--emulate", "2x2", "--link", "fast"], "--link must be a rate like 100mbit"),
         (["bench", "collectives", "--sizes-mb", "0"], "--sizes-mb must be positive"),
     ],
 )

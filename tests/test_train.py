@@ -3,6 +3,7 @@ equals an uninterrupted run (after an explicit --resume and after torchrun resta
 worker), and every option error, reported before any process starts."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,21 @@ def test_option_errors_come_before_any_process(extra, message, capsys, monkeypat
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_language_model_with_bf16_autocast_and_powersgd(tmp_path, monkeypatch):
+    """The text path (transformer LM, perplexity), bf16 autocast on CPU and a summable codec."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "lm.json"
+    argv = ["train", "--nproc", "2", "--data", "synthetic-text:n=40000,vocab=64", "--model", "transformer",
+            "--seq-len", "32", "--batch-size", "32", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.003",
+            "--amp", "--scheme", "powersgd:rank=2", "--quiet", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(out.read_text())
+    first, last = s["history"]
+    assert s["task"] == "lm" and "val_accuracy" not in last
+    # perplexity is exp(mean token cross-entropy) and falls well below the uniform guess (vocab 64)
+    assert last["val_perplexity"] == pytest.approx(math.exp(last["val_loss"]), rel=1e-6)
+    assert last["val_perplexity"] < first["val_perplexity"] < 64
+    assert last["compression_ratio"] > 1

@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_arguments(p)
     p.set_defaults(func=train.main)
 
+    from gradsync import cluster
+
+    p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (needs root)")
+    cluster.add_arguments(p)
+    p.set_defaults(func=cluster.main)
+
     p = sub.add_parser("codecs", help="list the codecs and their options")
     p.set_defaults(func=_cmd_codecs)
 
@@ -59,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("step", help="a training step's time split per synchronization scheme, against DDP")
     bench_step.add_arguments(p)
     p.set_defaults(func=bench_step.main)
+
+    from gradsync.bench import train as bench_train
+
+    p = bsub.add_parser("train", help="gradsync against PyTorch DDP and its hooks: samples/s, scaling factor")
+    bench_train.add_arguments(p)
+    p.set_defaults(func=bench_train.main)
 
     from gradsync.bench import convergence as bench_convergence
 

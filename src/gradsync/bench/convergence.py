@@ -20,8 +20,8 @@ from typing import Any
 # scheme label -> (scheme spec, extra train options)
 RECIPES: dict[str, tuple[str, list[str]]] = {
     "none": ("none", []),
-    "topk": ("topk:density=0.01", []),
-    "mstopk": ("mstopk:density=0.01", []),
+    "topk": ("allgather/topk:density=0.01", []),
+    "mstopk": ("allgather/mstopk:density=0.01", []),
     "hitopk": ("hitopk:density=0.01", []),
     "dgc": ("dgc:density=0.01+ef:momentum=0.9", ["--momentum", "0"]),
     "powersgd": ("powersgd:rank=4", []),

@@ -59,10 +59,56 @@ class StepRow:
 
 
 def _contender(name: str) -> str:
-    if name in ("local", "ddp"):
+    """Validate a contender name: ``local``, ``ddp``, ``ddp-fp16``, ``ddp-powersgd[:rank=R]`` or a
+    gradsync scheme."""
+    if name in ("local", "ddp", "ddp-fp16"):
+        return name
+    if name.startswith("ddp-powersgd"):
+        _powersgd_rank(name)
         return name
     Scheme.parse(name)  # validates
     return name
+
+
+def is_ddp(name: str) -> bool:
+    return name == "ddp" or name.startswith("ddp-")
+
+
+def _powersgd_rank(name: str) -> int:
+    rest = name[len("ddp-powersgd") :]
+    if rest == "":
+        return 1
+    key, eq, value = rest.lstrip(":").partition("=")
+    if not rest.startswith(":") or key != "rank" or not eq or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"contender {name!r}: expected ddp-powersgd or ddp-powersgd:rank=R with R >= 1")
+    return int(value)
+
+
+def _ddp(name: str, model: nn.Module, warmup: int) -> nn.Module:
+    """PyTorch DDP, with PyTorch's own fp16 or PowerSGD communication hook when asked. The
+    PowerSGD hook's dense warm-up (``start_powerSGD_iter``) ends inside the unmeasured steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if name.startswith("ddp-powersgd"):
+        # one bucket: under gloo the hook's second all-reduce of a bucket is issued from a
+        # completion callback, which can interleave with the next bucket's first all-reduce
+        # differently on each rank (a collective mismatch); with one bucket there is nothing to
+        # interleave. (NCCL orders them on its stream, so GPU runs keep DDP's default buckets.)
+        one_bucket = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        ddp = DDP(model, bucket_cap_mb=one_bucket if not torch.cuda.is_available() else None)
+    else:
+        ddp = DDP(model)
+    if name == "ddp-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name.startswith("ddp-powersgd"):
+        state = psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=_powersgd_rank(name),
+            start_powerSGD_iter=max(2, warmup),
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    return ddp
 
 
 def _max(values: list[float]) -> list[float]:
@@ -76,8 +122,8 @@ def _measure(
 ) -> tuple[StepRow, dict[str, Any]]:
     model: nn.Module = copy.deepcopy(base)
     synced = None
-    if name == "ddp":
-        model = DDP(model)
+    if is_ddp(name):
+        model = _ddp(name, model, args.warmup)
     elif name != "local":
         options = dict(SyncConfig.from_options({"scheme": name, **_options(args.sync_option)}).to_dict())
         synced = gradsync.wrap(model, topology=topo, **options)
@@ -165,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         row, extra = _measure(name, base, topo, x, y, args)
         if name == "local":
             local_backward = row.backward_ms
-        if name == "ddp" and local_backward is not None:
+        if is_ddp(name) and local_backward is not None:
             row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
         rows.append(row)
         extras[name] = extra
@@ -183,7 +229,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "details": extras,
     }
     ddp = next((r for r in rows if r.contender == "ddp"), None)
-    ours = [r for r in rows if r.contender not in ("local", "ddp") and r.exposed_ms is not None]
+    ours = [
+        r for r in rows if r.contender != "local" and not is_ddp(r.contender) and r.exposed_ms is not None
+    ]
     if ddp is not None and ddp.exposed_ms and ours:
         best = min(ours, key=lambda r: r.exposed_ms or 0.0)
         result["best"] = {

@@ -1,0 +1,303 @@
+"""``gradsync bench train``: gradsync against PyTorch DDP and its communication hooks, in one run.
+
+For one model and per-worker batch, on the world it is launched in (torchrun, or the emulated
+cluster with ``--emulate 2x2 --link 100mbit``, which this command sets up, uses and takes down),
+every contender trains the same model on the same data for a few unmeasured and measured steps
+(the measuring is :mod:`gradsync.bench.step`'s). Per contender: samples/s over the world, the step
+split into compute and exposed synchronization, bytes per worker per step that crossed nodes,
+speed-up over DDP, and paper 02's scaling factor T_n / (n T_1), where T_1 is the samples/s of one
+worker training alone on this machine, measured in the same run (the other ranks wait). Because
+the emulated nodes share this machine's cores, the factor against ``local`` (every worker
+computing at once, no synchronization: the best the n workers can do here) is reported too.
+
+Writes a table, ``--json`` and a PNG bar chart (``--png``, matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.bench import step as bench_step
+from gradsync.bench.world import join_world
+from gradsync.models import build_model, parameter_count
+
+DEFAULT_CONTENDERS = (
+    "local,ddp,ddp-fp16,ddp-powersgd:rank=1,ddp-powersgd:rank=4,auto,hierarchical,hitopk:density=0.01,"
+    "allgather/mstopk:density=0.01,dgc:density=0.01,powersgd:rank=4,ps+local/terngrad,ring+local/terngrad,"
+    "ps+local/onebit,ring+local/onebit"
+)
+_EMULATE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    bench_step.add_arguments(p)
+    p.set_defaults(contenders=DEFAULT_CONTENDERS, warmup=3, steps=4)
+    p.add_argument(
+        "--emulate",
+        metavar="NODESxPER_NODE",
+        help="run on an emulated cluster of this shape (root; gradsync cluster run)",
+    )
+    p.add_argument("--link", default="100mbit", help="the emulated cluster's cable rate (with --emulate)")
+    p.add_argument("--png", metavar="PATH", help="a bar chart of samples/s per contender")
+
+
+def _single_worker(base: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> float:
+    """Median step time (s) of one worker training alone: rank 0 trains, the others wait."""
+    times: list[float] = []
+    if dist.get_rank() == 0:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return float(t[0])
+
+
+def derive(rows: list[dict[str, Any]], world: int, per_node: int, batch: int, single_s: float) -> None:
+    """Add samples/s, compute ms, crossing bytes, speed-up over DDP and scaling factors to each row."""
+    by_name = {r["contender"]: r for r in rows}
+    ddp, local = by_name.get("ddp"), by_name.get("local")
+    single_rate = batch / single_s if single_s > 0 else None
+    for r in rows:
+        r["samples_per_s"] = world * batch / (r["step_ms"] / 1e3)
+        r["sync_ms"] = r["exposed_ms"] or 0.0
+        r["compute_ms"] = r["step_ms"] - r["sync_ms"]
+        if r["cable_mb"] is not None:
+            r["crossing_mb_per_worker"] = r["cable_mb"] / per_node
+        else:  # off the testbed only gradsync knows what it sent across nodes
+            r["crossing_mb_per_worker"] = r["sent_mb"].get("inter") if r["sent_mb"] else None
+        r["speedup_vs_ddp"] = ddp["step_ms"] / r["step_ms"] if ddp else None
+        r["scaling_factor"] = r["samples_per_s"] / (world * single_rate) if single_rate else None
+        r["scaling_vs_local"] = local["step_ms"] / r["step_ms"] if local else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline ratios: best gradsync contender against DDP and against the best DDP hook."""
+    ours = [r for r in rows if r["contender"] != "local" and not bench_step.is_ddp(r["contender"])]
+    hooks = [r for r in rows if r["contender"].startswith("ddp-")]
+    ddp = next((r for r in rows if r["contender"] == "ddp"), None)
+    out: dict[str, Any] = {}
+    if ours:
+        best = max(ours, key=lambda r: r["samples_per_s"])
+        out["best"] = best["contender"]
+        out["best_scaling_factor"] = best["scaling_factor"]
+        out["best_scaling_vs_local"] = best["scaling_vs_local"]
+        if ddp:
+            out["best_over_ddp"] = best["samples_per_s"] / ddp["samples_per_s"]
+        if hooks:
+            top = max(hooks, key=lambda r: r["samples_per_s"])
+            out["best_hook"] = top["contender"]
+            out["best_over_best_hook"] = best["samples_per_s"] / top["samples_per_s"]
+        auto = next((r for r in rows if r["contender"] == "auto"), None)
+        if auto and ddp:
+            out["auto_over_ddp"] = auto["samples_per_s"] / ddp["samples_per_s"]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    contenders = [bench_step._contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    torch.set_num_threads(args.threads)
+    topo = join_world(args.timeout, args.nodes, args.per_node)
+    torch.manual_seed(0)
+    base = build_model(args.model, num_classes=args.classes)
+    g = torch.Generator().manual_seed(topo.rank)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    rank0 = topo.rank == 0
+    link = os.environ.get("TB_RATE")
+    if rank0:
+        print(
+            f"gradsync bench train: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), batch "
+            f"{args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}",
+            file=sys.stderr,
+            flush=True,
+        )
+    single_s = _single_worker(base, x, y, args)
+    rows, details, local_backward = [], {}, None
+    for name in contenders:
+        row, extra = bench_step._measure(name, base, topo, x, y, args)
+        if name == "local":
+            local_backward = row.backward_ms
+        if bench_step.is_ddp(name) and local_backward is not None:
+            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
+        rows.append(asdict(row))
+        details[name] = extra
+        if rank0:
+            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    derive(rows, topo.world, topo.per_node, args.batch_size, single_s)
+    if not rank0:
+        return None
+    return {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "model": args.model,
+        "parameters": parameter_count(base),
+        "batch_size": args.batch_size,
+        "nodes": topo.nodes,
+        "per_node": topo.per_node,
+        "link": link,
+        "single_worker_step_ms": single_s * 1e3,
+        "rows": rows,
+        "summary": summarize(rows),
+        "details": details,
+    }
+
+
+COLUMNS = (
+    "contender",
+    "samples/s",
+    "step ms",
+    "compute ms",
+    "exposed sync ms",
+    "MB/worker/step across nodes",
+    "speed-up vs DDP",
+    "scaling factor",
+    "vs local",
+)
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    def f(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    return [
+        r["contender"],
+        f(r["samples_per_s"], ".1f"),
+        f(r["step_ms"], ".1f"),
+        f(r["compute_ms"], ".1f"),
+        f(r["exposed_ms"], ".1f"),
+        f(r["crossing_mb_per_worker"], ".2f"),
+        f(r["speedup_vs_ddp"], ".2f"),
+        f(r["scaling_factor"], ".2f"),
+        f(r["scaling_vs_local"], ".2f"),
+    ]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Samples/s per contender as horizontal bars (PyTorch's in grey, gradsync's in blue)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["contender"] for r in rows]
+    rates = [r["samples_per_s"] for r in rows]
+    colors = ["#999999" if bench_step.is_ddp(n) else "#cccccc" if n == "local" else "#1f77b4" for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    ax.barh(range(len(rows)), rates, color=colors)
+    ax.set_yticks(range(len(rows)), names)
+    ax.invert_yaxis()
+    for i, r in enumerate(rows):
+        if r["speedup_vs_ddp"] is not None:
+            ax.text(rates[i], i, f" {r['speedup_vs_ddp']:.2f}x DDP", va="center", fontsize=8)
+    ax.set_xlabel("samples/s (all workers)")
+    where = f"{result['nodes']} x {result['per_node']} ranks, link {result['link'] or 'unknown'}"
+    ax.set_title(f"{result['model']} ({result['parameters'] / 1e6:.1f} M parameters), {where}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _without_emulation(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--emulate", "--link"):
+            skip = True
+        elif not a.startswith(("--emulate=", "--link=")):
+            out.append(a)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "image_size", "classes", "steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 2:
+        raise ValueError(f"--warmup must be at least 2 (the PowerSGD hook's dense start), got {args.warmup}")
+    for c in args.contenders.split(","):
+        if c.strip():
+            bench_step._contender(c.strip())
+    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    if args.emulate and "RANK" not in os.environ:
+        m = _EMULATE.match(args.emulate)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"--emulate takes NODESxPER_NODE, e.g. 2x2, got {args.emulate!r}")
+        from gradsync.cluster import ClusterError, run_on_cluster
+        from gradsync.cluster.netns import parse_rate
+
+        try:
+            parse_rate(args.link)
+        except ValueError:
+            raise ValueError(f"--link must be a rate like 100mbit or 1gbit, got {args.link!r}") from None
+        argv = _without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
+        try:
+            return run_on_cluster(int(m.group(1)), int(m.group(2)), args.link, argv, args.timeout, 29500)
+        except ClusterError as e:
+            print(f"gradsync bench train: cannot emulate a cluster here: {e}", file=sys.stderr)
+            return 1
+    owned = not dist.is_initialized()
+    result = run(args)
+    if result is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(
+            title=f"training throughput, {result['model']}, {result['nodes']} x {result['per_node']} "
+            f"ranks, link {result['link']}"
+        )
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col == "contender" else "right")
+        for r in result["rows"]:
+            table.add_row(*_cells(r))
+        (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
+        s = result["summary"]
+        if "best_over_ddp" in s:
+            print(
+                f"best gradsync contender {s['best']}: {s['best_over_ddp']:.2f}x DDP's samples/s"
+                + (
+                    f", {s['best_over_best_hook']:.2f}x the best PyTorch hook's ({s['best_hook']})"
+                    if "best_hook" in s
+                    else ""
+                )
+                + f", scaling factor {s['best_scaling_factor']:.2f}"
+                + f" (vs local {s['best_scaling_vs_local']:.2f})"
+            )
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(markdown(result))
+        if args.png:
+            plot(result, args.png)
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
