@@ -13,7 +13,6 @@ codecs with the native kernels switched off) and ``compiled`` (``compile=true``:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gradsync.bench.output import save_result
 from gradsync.bench.timing import paired
 from gradsync.codecs import build_codec, codec_class, codec_names
 from gradsync.codecs.config import SparsityConfig
@@ -265,10 +265,5 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be positive, got {args.budget}")
     result = run(args)
     print_table(result)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(markdown(result))
+    save_result(result, args.json, args.markdown, markdown(result))
     return 0

@@ -18,7 +18,6 @@ effective one: dense bytes over the whole time, encode and decode included.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.bench.output import save_result
 from gradsync.bench.world import CableMeter, join_world, link_bytes_per_s
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology, allreduce, compressed_allreduce
@@ -260,12 +260,7 @@ def main(args: argparse.Namespace) -> int:
         for r in result["rows"]:
             table.add_row(*_cells(r))
         (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(markdown(result))
+        save_result(result, args.json, args.markdown, markdown(result))
     if owned and dist.is_initialized():
         dist.destroy_process_group()
     return 0

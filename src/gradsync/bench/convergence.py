@@ -17,6 +17,8 @@ import sys
 import tempfile
 from typing import Any
 
+from gradsync.bench.output import save_result
+
 # scheme label -> (scheme spec, extra train options)
 RECIPES: dict[str, tuple[str, list[str]]] = {
     "none": ("none", []),
@@ -191,10 +193,5 @@ def main(args: argparse.Namespace) -> int:
     result = run(args)
     text = markdown(result)
     print(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text)
+    save_result(result, args.json, args.markdown, text)
     return 0

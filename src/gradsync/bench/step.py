@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
+from gradsync.bench.output import save_result
 from gradsync.bench.world import CableMeter, join_world
 from gradsync.collectives import Topology
 from gradsync.models import build_model, models_for, parameter_count
@@ -311,12 +311,7 @@ def main(args: argparse.Namespace) -> int:
                 f"best gradsync scheme {b['contender']}: exposed sync {share:.1f}% of DDP's, "
                 f"step {speedup:.2f}x faster"
             )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(markdown(result))
+        save_result(result, args.json, args.markdown, markdown(result))
     if owned and dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import re
 import statistics
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.bench import step as bench_step
+from gradsync.bench.output import save_result
 from gradsync.bench.world import join_world
 from gradsync.models import build_model, parameter_count
 
@@ -290,12 +290,7 @@ def main(args: argparse.Namespace) -> int:
                 + f", scaling factor {s['best_scaling_factor']:.2f}"
                 + f" (vs local {s['best_scaling_vs_local']:.2f})"
             )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(markdown(result))
+        save_result(result, args.json, args.markdown, markdown(result))
         if args.png:
             plot(result, args.png)
     if owned and dist.is_initialized():
