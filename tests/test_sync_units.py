@@ -171,6 +171,39 @@ def test_planner_compresses_big_buckets_on_a_slow_network_and_declines_on_a_fast
     assert [(b.compress, b.dense_algorithm) for b in never.buckets] == [(False, "torus2d")] * 3
 
 
+def test_planner_fuses_neighbouring_dense_buckets_again():
+    scheme = Scheme.parse("hitopk:density=0.01")
+    # launch order: small (never compressed), a mid tensor, small, a big one, small, small
+    groups = [([0], -1), ([1], 0), ([2], -1), ([3], 0), ([4], -1), ([5], -1)]
+    nbytes = [1024, 256 << 10, 1024, 64 << 20, 2048, 4096]
+    kinds = ["f32"] * 5 + ["f16"]
+    plan = make_plan(groups, nbytes, scheme, _model(1e9, 1e9), {0: _codec(enc_per_byte=1e-8)}, "auto",
+                     "auto", 0, fuse_bytes=32 << 20, kinds=kinds)  # fmt: skip
+    # a fast network: nothing is compressed; dense neighbours fuse up to 32 MiB and never across
+    # dtypes, the 64 MiB tensor stays alone
+    assert [(b.slots, b.compress) for b in plan.buckets] == [
+        ([0, 1, 2], False),
+        ([3], False),
+        ([4], False),
+        ([5], False),
+    ]
+    fused = plan.buckets[0]
+    assert fused.dense_ms == pytest.approx(
+        1e3 * min(getattr(_model(1e9, 1e9), a)(sum(nbytes[:3])) for a in ("flat", "hierarchical", "torus2d"))
+    )
+    # a slow network: the compressed buckets split the dense ones apart
+    slow = make_plan(groups, nbytes, scheme, _model(1e9, 12.5e6), {0: _codec()}, "auto", "auto", 0,
+                     fuse_bytes=32 << 20, kinds=kinds)  # fmt: skip
+    assert [(b.slots, b.compress) for b in slow.buckets] == [
+        ([0], False),
+        ([1], True),
+        ([2], False),
+        ([3], True),
+        ([4], False),
+        ([5], False),
+    ]
+
+
 def test_plan_round_trips_through_a_tensor_and_a_state():
     scheme = Scheme.parse("hitopk:density=0.01")
     plan = make_plan([([2, 0], 0), ([1], -1)], [4096, 4, 4096], scheme, _model(1e9, 12.5e6),

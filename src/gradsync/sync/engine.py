@@ -318,8 +318,9 @@ class SyncEngine:
                         codec, [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes, reps=3
                     )
             plan = make_plan(
-                groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions
-            )
+                groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
+                fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots],
+            )  # fmt: skip
             wire = plan.to_tensor()
             size = torch.tensor([wire.numel()], dtype=torch.int64)
         else:

@@ -29,6 +29,10 @@ from gradsync.collectives.dense import ALGORITHMS, HybridPolicy
 from gradsync.sync.scheme import Scheme
 
 DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
+# compress a bucket only when the model predicts a clear win: at about 1 MiB the compressed
+# schemes took up to 2x their predicted time in the collectives benchmark (several small
+# collectives whose latency the calibrated alpha underestimates), dense all-reduces 1.0-1.1x
+COMPRESS_MARGIN = 0.8
 
 
 @dataclass
@@ -187,8 +191,15 @@ def make_plan(
     mode: str,
     dense_algorithm: str,
     partitions: int,
+    fuse_bytes: int | None = None,
+    kinds: list[object] | None = None,
 ) -> Plan:
-    """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order."""
+    """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
+
+    With ``fuse_bytes``, neighbouring buckets that both stay dense are fused again (up to that
+    many bytes, only slots of one ``kinds`` entry together: same dtype and device): the buckets
+    were cut apart by codec class and the fusion timeout for the sake of compression, and a dense
+    bucket gains nothing from the cut but pays one more collective's latency."""
     plan = Plan()
     for slots, codec_id in groups:
         size = float(sum(nbytes[s] for s in slots))
@@ -205,6 +216,35 @@ def make_plan(
                 scheme, model, size, codec_costs[codec_id], model.m, model.n, partitions
             )
             b.partitions, b.compressed_ms = k, t_comp * 1e3
-            b.compress = mode == "compress" or t_comp < t_dense
+            b.compress = mode == "compress" or t_comp < COMPRESS_MARGIN * t_dense
         plan.buckets.append(b)
+    if fuse_bytes is not None and scheme.kind != "dense":
+        plan = _fuse_dense(plan, nbytes, model, dense_algorithm, fuse_bytes, kinds or [None] * len(nbytes))
     return plan
+
+
+def _fuse_dense(
+    plan: Plan,
+    nbytes: list[int],
+    model: CostModel,
+    dense_algorithm: str,
+    fuse_bytes: int,
+    kinds: list[object],
+) -> Plan:
+    out = Plan()
+    for b in plan.buckets:
+        prev = out.buckets[-1] if out.buckets else None
+        if (
+            prev is not None
+            and not prev.compress
+            and not b.compress
+            and kinds[prev.slots[0]] == kinds[b.slots[0]]
+            and sum(nbytes[s] for s in prev.slots + b.slots) <= fuse_bytes
+        ):
+            slots = prev.slots + b.slots
+            algo, t = best_dense(model, float(sum(nbytes[s] for s in slots)), dense_algorithm)
+            # a fused bucket's codec class is only a label now (it is never compressed)
+            out.buckets[-1] = BucketPlan(slots, max(prev.codec_id, b.codec_id), False, 1, algo, t * 1e3)
+        else:
+            out.buckets.append(b)
+    return out
