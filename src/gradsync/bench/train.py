@@ -36,7 +36,7 @@ from gradsync.models import build_model, parameter_count
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,ddp-powersgd:rank=4,auto,hierarchical,hitopk:density=0.01,"
-    "allgather/mstopk:density=0.01,dgc:density=0.01,powersgd:rank=4,ps+local/terngrad,ring+local/terngrad,"
+    "allgather/mstopk:density=0.01,dgc:density=0.01,powersgd:rank=4,ring/powersgd:rank=1,ps+local/terngrad,ring+local/terngrad,"
     "ps+local/onebit,ring+local/onebit"
 )
 _EMULATE = re.compile(r"^(\d+)x(\d+)$")
