@@ -191,6 +191,11 @@ def test_planner_fuses_neighbouring_dense_buckets_again():
     assert fused.dense_ms == pytest.approx(
         1e3 * min(getattr(_model(1e9, 1e9), a)(sum(nbytes[:3])) for a in ("flat", "hierarchical", "torus2d"))
     )
+    # a dense scheme: every bucket is dense, so all of one dtype fuse by size alone (DDP-like)
+    dense = make_plan(groups, nbytes, Scheme.parse("hierarchical"), _model(1e9, 1e9), {}, "auto", "auto", 0,
+                      fuse_bytes=128 << 20, kinds=kinds)  # fmt: skip
+    assert [b.slots for b in dense.buckets] == [[0, 1, 2, 3, 4], [5]]
+    assert {b.dense_algorithm for b in dense.buckets} == {"hierarchical"}
     # a slow network: the compressed buckets split the dense ones apart
     slow = make_plan(groups, nbytes, scheme, _model(1e9, 12.5e6), {0: _codec()}, "auto", "auto", 0,
                      fuse_bytes=32 << 20, kinds=kinds)  # fmt: skip

@@ -39,7 +39,7 @@ class SyncConfig(OptionsConfig):
     bucket_timeout_ms: float = 5.0
     """A bucket also closes when the gradients it would wait for become ready more than this
     long after its first one (Horovod's 5 ms cycle, applied to the ready times measured in the
-    first step)."""
+    first step). Buckets the plan leaves dense are fused again by size alone, as DDP does."""
     min_compress_bytes: int = 64 << 10
     """Tensors smaller than this are never compressed (biases, norms: paper 04)."""
     large_codec: str | None = None
