@@ -29,56 +29,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from gradsync import train
-
-    p = sub.add_parser("train", help="train a model on local workers (or under torchrun) with gradsync")
-    train.add_arguments(p)
-    p.set_defaults(func=train.main)
-
-    from gradsync import cluster
-
-    p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (needs root)")
-    cluster.add_arguments(p)
-    p.set_defaults(func=cluster.main)
-
-    p = sub.add_parser("codecs", help="list the codecs and their options")
-    p.set_defaults(func=_cmd_codecs)
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", required=True)
+    from gradsync import cluster, train
     from gradsync.bench import codecs as bench_codecs
-
-    p = bsub.add_parser(
-        "codecs", help="encode/decode speed of every codec against the memory floor and torch.topk"
-    )
-    bench_codecs.add_arguments(p)
-    p.set_defaults(func=bench_codecs.main)
-
     from gradsync.bench import collectives as bench_collectives
-
-    p = bsub.add_parser("collectives", help="every aggregation scheme on the world it is launched in")
-    bench_collectives.add_arguments(p)
-    p.set_defaults(func=bench_collectives.main)
-
+    from gradsync.bench import convergence as bench_convergence
     from gradsync.bench import step as bench_step
-
-    p = bsub.add_parser("step", help="a training step's time split per synchronization scheme, against DDP")
-    bench_step.add_arguments(p)
-    p.set_defaults(func=bench_step.main)
-
     from gradsync.bench import train as bench_train
 
-    p = bsub.add_parser("train", help="gradsync against PyTorch DDP and its hooks: samples/s, scaling factor")
-    bench_train.add_arguments(p)
-    p.set_defaults(func=bench_train.main)
-
-    from gradsync.bench import convergence as bench_convergence
-
-    p = bsub.add_parser(
-        "convergence", help="final accuracy / perplexity of every scheme next to dense training"
-    )
-    bench_convergence.add_arguments(p)
-    p.set_defaults(func=bench_convergence.main)
+    commands = [
+        (sub, "train", train, "train a model on local workers (or under torchrun) with gradsync"),
+        (sub, "cluster", cluster, "an emulated multi-node cluster on this machine (needs root)"),
+    ]
+    p = sub.add_parser("codecs", help="list the codecs and their options")
+    p.set_defaults(func=_cmd_codecs)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    commands += [
+        (
+            bsub,
+            "codecs",
+            bench_codecs,
+            "encode/decode speed of every codec against the memory floor and torch.topk",
+        ),
+        (bsub, "collectives", bench_collectives, "every aggregation scheme on the world it is launched in"),
+        (bsub, "step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
+        (bsub, "train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
+        (bsub, "convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+    ]
+    for parent, name, module, text in commands:
+        p = parent.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
     return parser
 
 
