@@ -145,6 +145,16 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
         (["--data", "text", "--model", "resnet"], "--model 'resnet' does not fit task 'lm'"),
         (["--batch-size", "5000"], "--batch-size 5000 is larger than a worker's share"),
         (["--switch-to-dense-at", "-1"], "--switch-to-dense-at must be a number >= 0"),
+        (["--threads", "0"], "--threads must be a number >= 1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be a number >= 0"),
+        (["--warmup-epochs", "-1"], "--warmup-epochs must be a number >= 0"),
+        (["--dense-warmup", "-2"], "--dense-warmup must be a number >= 0"),
+        (["--clip-grad", "0"], "--clip-grad must be a positive number"),
+        (["--max-restarts", "-1"], "--max-restarts must be a number >= 0"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+        (["--keep-checkpoints", "0", "--checkpoint-dir", "x"], "--keep-checkpoints must be a number >= 1"),
+        (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--data", "synthetic-images:size=0"], "--data"),
     ],
 )
 def test_option_errors_come_before_any_process(extra, message, capsys, monkeypatch):
@@ -170,3 +180,20 @@ def test_language_model_with_bf16_autocast_and_powersgd(tmp_path, monkeypatch):
     assert last["val_perplexity"] == pytest.approx(math.exp(last["val_loss"]), rel=1e-6)
     assert last["val_perplexity"] < first["val_perplexity"] < 64
     assert last["compression_ratio"] > 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--schemes", "topk,warp"], "--schemes takes names from none, topk"),
+        (["--schemes", ","], "--schemes takes names from"),
+        (["--datasets", "mnist"], "--datasets takes names from digits, text"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--nodes", "0"], "--nodes must be at least 1"),
+    ],
+)
+def test_convergence_benchmark_option_errors_come_before_any_run(extra, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "convergence", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "gradsync bench convergence: digits" not in err  # no run started
