@@ -54,7 +54,7 @@ from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
 from gradsync.collectives.dense import shard_buffers
 from gradsync.collectives.program import Finisher, Program, Step, chain, run
-from gradsync.collectives.topology import Topology
+from gradsync.collectives.topology import Topology, default_topology
 
 STRATEGIES = ("allgather", "ring", "ps")
 
@@ -130,12 +130,12 @@ def compressed_allreduce(
     chunk's fixed costs, three collectives, outweigh the overlap), hence the 4 MiB minimum.
     """
     check_arguments(tensor, codec, strategy, op, pipeline)
-    topo = topology or Topology()
+    topo = topology.bind() if topology is not None else default_topology()
     if check:
         P.check_same(
-            topo.world_group, tensor.device, numel=tensor.numel(), shape=str(tuple(tensor.shape)),
-            dtype=str(tensor.dtype), codec=codec_spec(codec), strategy=strategy,
-            local_aggregation=int(local_aggregation), op=op,
+            topo.world_group, tensor.device, "compressed_allreduce", numel=tensor.numel(),
+            shape=str(tuple(tensor.shape)), dtype=str(tensor.dtype), codec=codec_spec(codec),
+            strategy=strategy, local_aggregation=int(local_aggregation), op=op,
         )  # fmt: skip
     if topo.world == 1:
         return tensor
@@ -279,6 +279,40 @@ def pipeline_chunks(nbytes: int, pipeline: int) -> int:
     """How many chunks hitopk's pipeline cuts ``nbytes`` into: ``pipeline``, but none under
     4 MiB (so at least one)."""
     return max(1, min(pipeline, nbytes // _MIN_CHUNK_BYTES))
+
+
+def encode_numels(
+    numel: int,
+    strategy: str,
+    local_aggregation: bool,
+    nodes: int,
+    per_node: int,
+    pipeline: int = 4,
+    itemsize: int = 4,
+) -> list[int]:
+    """The element counts the codec's encode calls see when :func:`compressed_program` reduces
+    a flat tensor of ``numel`` elements (so a codec can refuse a size before anything runs: a
+    fixed ``k`` above one of them). Follows the programs' own cuts; low-rank codecs excepted."""
+    world = nodes * per_node
+    if world == 1:
+        return []
+    if local_aggregation and per_node > 1:
+        if nodes == 1:
+            return []  # dense inside the node
+        shard = -(-numel // per_node)
+        if strategy != "allgather":
+            return _split_sizes(shard, nodes)
+        padded = shard * per_node
+        chunks = pipeline_chunks(padded * itemsize, pipeline)
+        per_chunk = -(-padded // chunks)
+        per_chunk = -(-per_chunk // per_node) * per_node  # as _pipelined_allgather cuts
+        return sorted({min(per_chunk, padded - start) // per_node for start in range(0, padded, per_chunk)})
+    return [numel] if strategy == "allgather" else _split_sizes(numel, world)
+
+
+def _split_sizes(numel: int, parts: int) -> list[int]:
+    """The sizes ``torch.tensor_split`` cuts ``numel`` elements into."""
+    return sorted({numel // parts + (1 if i < numel % parts else 0) for i in range(parts)})
 
 
 def _pipelined_allgather(

@@ -27,7 +27,7 @@ from gradsync.codecs import EncodeContext, build_codec
 from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program, chain, run
-from gradsync.collectives.topology import Topology
+from gradsync.collectives.topology import Topology, default_topology
 
 ALGORITHMS = ("flat", "hierarchical", "torus2d", "hybrid")
 OPS = ("sum", "mean")
@@ -78,10 +78,10 @@ def allreduce(
     check_arguments(tensor, algorithm, op, comm_dtype)
     if algorithm != "flat" and topology is None:
         raise ValueError(f"algorithm {algorithm!r} needs a topology (gradsync.Topology)")
-    topo = topology or Topology()
+    topo = topology.bind() if topology is not None else default_topology()
     if check:
         P.check_same(
-            topo.world_group, tensor.device, numel=tensor.numel(), dtype=str(tensor.dtype),
+            topo.world_group, tensor.device, "allreduce", numel=tensor.numel(), dtype=str(tensor.dtype),
             algorithm=algorithm, op=op, comm_dtype=str(comm_dtype),
         )  # fmt: skip
     if topo.world == 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -297,38 +297,65 @@ def stable_hash(text: str) -> int:
 
 
 class MismatchError(ValueError):
-    """Ranks called a collective with different arguments."""
+    """Ranks called a collective with different arguments (or different collectives)."""
+
+
+AGREEMENT_WORDS = 16  # int64 words of every agreement message, whatever is compared
 
 
 def check_same(
-    group: dist.ProcessGroup | None, device: torch.device | str = "cpu", **fields: int | str
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+    what: str = "",
+    explain: dict[str, Callable[[list[str]], str]] | None = None,
+    **fields: int | str,
 ) -> None:
     """Raise :class:`MismatchError` on every rank unless every rank passes the same ``fields``.
 
-    Strings are compared by a stable hash. One all-gather of ``len(fields)`` int64 values.
+    ``what`` names the operation (``allreduce``, ``compressed_allreduce``...). The message has
+    the same size on every rank (:data:`AGREEMENT_WORDS` int64 words: a hash of the operation
+    and of the field names, then one word per field, strings by a stable hash), so ranks that
+    call different operations get a :class:`MismatchError` naming them, never a transport
+    error. Only when something differs, every rank (they all see the same table) gathers the
+    texts to show them; ``explain`` turns the ranks' texts of a string field into a sentence.
     """
     p = size(group)
     if p == 1:
         return
     names = list(fields)
-    values = [stable_hash(v) if isinstance(v, str) else int(v) for v in fields.values()]
+    if len(names) > AGREEMENT_WORDS - 1:
+        raise ValueError(f"check_same compares at most {AGREEMENT_WORDS - 1} fields, got {len(names)}")
+    signature = f"{what}({', '.join(names)})"
+    values = [stable_hash(signature)]
+    values += [stable_hash(v) if isinstance(v, str) else int(v) for v in fields.values()]
+    values += [0] * (AGREEMENT_WORDS - len(values))
     mine = torch.tensor(values, dtype=torch.int64, device=device)
-    table = torch.empty(p * len(values), dtype=torch.int64, device=device)
+    table = torch.empty(p * AGREEMENT_WORDS, dtype=torch.int64, device=device)
     _all_gather_single(table, mine, group=group)
-    rows = table.view(p, len(values)).tolist()
+    rows = table.view(p, AGREEMENT_WORDS).tolist()
+
+    def texts(text: str) -> list[str]:
+        raw = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+        return [bytes(b.tolist()).decode(errors="replace") for b in all_gather_bytes(raw, group, "world")]
+
+    def ranks(shown: list[str]) -> str:
+        return ", ".join(f"rank {global_rank(group, r)}={v}" for r, v in enumerate(shown))
+
+    if len({row[0] for row in rows}) > 1:
+        raise MismatchError("ranks called different operations: " + ranks(texts(signature)))
     bad = []
-    for i, name in enumerate(names):
+    for i, name in enumerate(names, start=1):
         if len({row[i] for row in rows}) == 1:
             continue
-        if isinstance(fields[name], str):
-            # every rank sees the same table, so all of them take this branch together
-            raw = torch.tensor(list(str(fields[name]).encode()), dtype=torch.uint8, device=device)
-            shown = [
-                repr(bytes(b.tolist()).decode(errors="replace"))
-                for b in all_gather_bytes(raw, group, "world")
-            ]
+        value = fields[name]
+        if isinstance(value, str):
+            every = texts(value)
+            if explain and name in explain:
+                bad.append(f"{name}: {explain[name](every)}")
+                continue
+            shown = [repr(v) for v in every]
         else:
             shown = [str(row[i]) for row in rows]
-        bad.append(f"{name}: " + ", ".join(f"rank {global_rank(group, r)}={v}" for r, v in enumerate(shown)))
+        bad.append(f"{name}: " + ranks(shown))
     if bad:
         raise MismatchError("ranks disagree on " + "; ".join(bad))

@@ -2,14 +2,26 @@
 
 A :class:`Topology` is ``nodes`` x ``per_node`` ranks, numbered contiguously per node (rank
 ``r`` is local rank ``r % per_node`` of node ``r // per_node``), which is how torchrun numbers
-them. It owns the sub-process-groups the hierarchical algorithms use:
+them. It owns every process group gradsync communicates on:
 
+- ``world_group``: all ranks. gradsync's own group, not the default one: DDP (its bucket
+  all-reduces, the unused-parameter bitmap of ``find_unused_parameters``, buffer broadcasts)
+  and the user's code issue their collectives on the default group, and a collective on one
+  group can never pair with one on another. gradsync's communication thread uses it;
+- ``control_group``: all ranks, for the few collectives gradsync issues from the training
+  thread (start-up agreement, the plan broadcast, calibration, ``Join``), so they never
+  interleave with what the communication thread has in flight;
 - ``intra``: the ranks of this rank's node (one group per node);
 - ``inter``: the ranks with this rank's local index on every node (one group per local index).
 
-Every rank creates every group in the same order (torch.distributed requires it), and the layout
-is checked on every rank from a gathered tensor, so a bad layout fails everywhere with the same
+Every rank creates every group in the same order (torch.distributed requires it), with the
+default group's timeout (``new_group`` would otherwise give them 30 minutes), and the layout is
+checked on every rank from a gathered tensor, so a bad layout fails everywhere with the same
 message instead of hanging some ranks.
+
+A topology made before ``init_process_group`` is the trivial one-rank layout; code that is
+handed one later calls :meth:`Topology.bind`, which builds it for the process group that now
+exists, so nothing made before the process group freezes a world size.
 """
 
 from __future__ import annotations
@@ -27,13 +39,37 @@ class TopologyError(ValueError):
     """The ranks do not form ``nodes`` equal, contiguous groups."""
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (None when it cannot be read)."""
+    try:
+        world = dist.group.WORLD
+        assert world is not None
+        backend = world._get_backend(backend_device(dist.get_backend()))
+        timeout = backend.options._timeout
+    except Exception:  # private API: fall back to torch's own default
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a backend's tensors must be on: the current GPU for NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Topology:
     """Nodes x ranks-per-node over the default process group.
 
     ``Topology()`` reads the layout from torchrun's environment (``LOCAL_WORLD_SIZE`` and
     ``GROUP_RANK`` or ``NODE_RANK``); ``Topology(nodes=2, per_node=2)`` imposes one, for example
     to emulate two nodes on one machine. Without a process group (or with one rank) it is the
-    trivial topology and creates no groups.
+    trivial topology and creates no groups. ``timeout`` bounds gradsync's collectives (default:
+    the default process group's timeout).
     """
 
     def __init__(
@@ -42,31 +78,46 @@ class Topology:
         per_node: int | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        initialized = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size() if initialized else 1
-        self.rank = dist.get_rank() if initialized else 0
         if (nodes is None) != (per_node is None):
             raise TopologyError("give both nodes and per_node, or neither (to read torchrun's environment)")
         for name, v in (("nodes", nodes), ("per_node", per_node)):
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise TopologyError(f"{name} must be a positive integer, got {v!r}")
+        self._asked = (nodes, per_node, timeout)
+        # scratch buffers of the algorithms run on this topology (large CPU allocations page-fault)
+        self.workspace = Workspace()
+        self._build()
+
+    def _build(self) -> None:
+        nodes, per_node, timeout = self._asked
+        initialized = _initialized()
+        self._pg = dist.group.WORLD if initialized else None  # the process group this was built for
+        self.world = dist.get_world_size() if initialized else 1
+        self.rank = dist.get_rank() if initialized else 0
+        self.backend = dist.get_backend() if initialized else "gloo"
+        self.comm_device = backend_device(self.backend) if initialized else torch.device("cpu")
+        """Where the tensors of gradsync's collectives live: the current GPU under NCCL, else the CPU."""
         if nodes is None:
             nodes, per_node, node_rank, local_rank = self._from_env()
         else:
             assert per_node is not None
             node_rank, local_rank = self.rank // per_node, self.rank % per_node
         self.nodes, self.per_node = nodes, per_node
+        self.world_group: dist.ProcessGroup | None = None
+        self.control_group: dist.ProcessGroup | None = None
+        self.intra_group: dist.ProcessGroup | None = None
+        self.inter_group: dist.ProcessGroup | None = None
+        kw: dict[str, datetime.timedelta] = {}
+        if initialized and self.world > 1:
+            limit = timeout if timeout is not None else default_timeout()
+            kw = {"timeout": limit} if limit is not None else {}
+            # every rank creates every group, in the same order
+            self.world_group = dist.new_group(list(range(self.world)), **kw)
+            self.control_group = dist.new_group(list(range(self.world)), **kw)
         self._check_layout(node_rank, local_rank, initialized)
         self.node = self.rank // per_node
         self.local_rank = self.rank % per_node
-        # scratch buffers of the algorithms run on this topology (large CPU allocations page-fault)
-        self.workspace = Workspace()
-        self.world_group: dist.ProcessGroup | None = dist.group.WORLD if initialized else None
-        self.intra_group: dist.ProcessGroup | None = None
-        self.inter_group: dist.ProcessGroup | None = None
         if initialized and self.world > 1:
-            kw = {"timeout": timeout} if timeout is not None else {}
-            # every rank creates every group, in the same order
             for i in range(nodes):
                 g = dist.new_group(self.node_ranks(i), **kw)
                 if i == self.node:
@@ -75,6 +126,28 @@ class Topology:
                 g = dist.new_group(self.local_index_ranks(j), **kw)
                 if j == self.local_rank:
                     self.inter_group = g
+
+    def bind(self) -> Topology:
+        """Make sure this topology describes the process group that exists now.
+
+        A topology made before ``init_process_group`` is rebuilt for the current group (every
+        rank must call this at the same point, as it creates groups); one made for a process
+        group that has since been destroyed raises :class:`TopologyError`. Returns ``self``."""
+        current = dist.group.WORLD if _initialized() else None
+        if current is self._pg:
+            return self
+        if self._pg is not None:
+            raise TopologyError(
+                "this Topology was made for a process group that has been destroyed since; "
+                "make a new Topology (and wrap or hook) after init_process_group"
+            )
+        self._build()
+        return self
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether this topology was made for the process group that exists now."""
+        return (dist.group.WORLD if _initialized() else None) is self._pg
 
     # ------------------------------------------------------------------ layout
     def _from_env(self) -> tuple[int, int, int, int]:
@@ -92,11 +165,9 @@ class Topology:
         # reaches the same verdict and raises together
         mine = [node_rank, local_rank, self.nodes, self.per_node]
         if initialized and self.world > 1:
-            t = torch.tensor(mine, dtype=torch.int64)
-            if dist.get_backend() == "nccl":
-                t = t.cuda()
+            t = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
             out = [torch.empty_like(t) for _ in range(self.world)]
-            dist.all_gather(out, t)
+            dist.all_gather(out, t, group=self.control_group)
             table = [o.cpu().tolist() for o in out]
         else:
             table = [mine]
@@ -135,3 +206,16 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"Topology(nodes={self.nodes}, per_node={self.per_node}, rank={self.rank})"
+
+
+_default: tuple[object, Topology] | None = None  # a cache, not state: one topology per process group
+
+
+def default_topology() -> Topology:
+    """The torchrun-layout topology of the current process group, made once per group (for the
+    functional collectives called without a topology: making groups on every call would leak)."""
+    global _default
+    current = dist.group.WORLD if _initialized() else None
+    if _default is None or _default[0] is not current:
+        _default = (current, Topology())
+    return _default[1]
