@@ -17,8 +17,13 @@ momentum are kept in the current scale's units for speed and rescaled when it ch
 payload and leaves every piece of state untouched, so the step a GradScaler skips never leaks
 into the residual.
 
-Half-precision gradients are accumulated in float32 (the residual, and so the payload and its
-decode, are float32).
+Half-precision gradients are accumulated in float32 (the residual and momentum are float32),
+and what is compressed is that sum rounded back to the gradient's dtype: the payload is in the
+gradient's dtype, as every receiver expects (it sizes payloads by the tensor it reduces), and
+costs half-precision bytes on the wire. The rounding error is not lost: the residual keeps
+``sum - decode(payload)`` in float32, so the invariant above still holds exactly. A float16 sum
+beyond float16's range becomes inf, which flags the payload like an overflowing gradient (the
+GradScaler lowers its scale, which shrinks the residual with it).
 
 Local clipping (``clip``): before accumulation the gradient is scaled so that its L2 norm
 (unscaled) is at most ``clip``. Paper 04 clips with the global threshold divided by sqrt(world
@@ -110,7 +115,8 @@ class ErrorFeedback:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
         v = self.accumulate(grad, ctx.key, loss_scale)
-        payload = self.codec.encode(v.view(grad.shape), ctx, out=out)
+        wire = v if v.dtype == grad.dtype else v.to(grad.dtype)  # see "Half-precision" above
+        payload = self.codec.encode(wire.view(grad.shape), ctx, out=out)
         if payload.nonfinite:
             self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
             return payload
