@@ -13,9 +13,19 @@ stable across DDP's bucket rebuild. The first ``dense_warmup_steps`` iterations 
 which covers DDP's rebuild) are dense, and buckets smaller than ``min_compress_bytes`` always
 are. What the hook does not do, compared with ``wrap``, is plan: every other bucket is
 compressed (``plan="dense"`` turns compression off).
+
+The hook may be made before ``init_process_group`` (Lightning's ``DDPStrategy`` takes it as an
+argument before it starts the process group): it then binds to the process group at its first
+call, with the same start-up agreement ``wrap`` has. Its collectives run on gradsync's own
+process groups (see :class:`~gradsync.collectives.Topology`), so they never pair with DDP's
+(the unused-parameter bitmap of ``find_unused_parameters``, buffer broadcasts) or the user's.
+Each iteration starts with the step check of :mod:`gradsync.sync.sequence` (with ``model``
+given, forward passes are counted too). Under ``Join`` DDP runs the hook on zero buckets for a
+rank out of data; the hook recognizes them (they run outside any backward pass).
 """
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
@@ -24,33 +34,74 @@ from torch import nn
 
 from gradsync.codecs import ErrorFeedback
 from gradsync.codecs.ops import Workspace
-from gradsync.collectives.compressed import compressed_program, is_lowrank
+from gradsync.collectives.compressed import compressed_program, encode_numels, is_lowrank
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
-from gradsync.collectives.topology import Topology
-from gradsync.integrate.agreement import agreed, comm_device
-from gradsync.integrate.wrap import build_config, model_fingerprint
+from gradsync.collectives.topology import Topology, TopologyError
+from gradsync.integrate.agreement import agreed
+from gradsync.integrate.checks import check_model
+from gradsync.integrate.wrap import build_config
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
+from gradsync.sync.sequence import sequence_program
 from gradsync.sync.tasks import TaskManager
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (DDP's Join runs
+    the hook outside one, on zero buckets, for a rank that has no data left)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is None or current() != -1
 
 
 class HookState:
     """What the hook keeps between calls. ``step`` counts DDP iterations (buckets marked last)."""
 
     def __init__(
-        self, config: SyncConfig, topology: Topology, model: nn.Module | None, loss_scale: float = 1.0
-    ):
+        self,
+        config: SyncConfig,
+        topology: Topology | None,
+        model: nn.Module | None,
+        loss_scale: float = 1.0,
+    ) -> None:
         self.config = config
-        self.topo = topology
-        self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
-        self.codec = self.scheme.build(config.error_feedback)
+        self.model = model
+        self.codec = Scheme.parse(config.scheme).build(config.error_feedback)
         self.manager = TaskManager("gradsync-ddp")
         self.step = 0
+        self.forwards = 0  # training-mode forward passes of ``model`` (for the step check)
         self.loss_scale = loss_scale  # set it each step under GradScaler (error feedback's units)
+        # bound to the process group by bind() (at construction when one exists, else at the first call)
+        self.topo: Topology | None = None
+        self.scheme: Scheme | None = None
+        self._topology = topology
         # parameter names, for state keys that match wrap()'s (internal)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._workspaces: dict[str, Workspace] = {}
+        self._refused: dict[str, str] = {}  # bucket key -> why the codec cannot compress it
+        self._counting = model.register_forward_pre_hook(self._count_forward) if model is not None else None
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and module.training:
+            self.forwards += 1
+
+    def bind(self) -> Topology:
+        """Bind to the process group that exists now (once; every rank at the same point)."""
+        if self.topo is not None:
+            if not self.topo.is_bound:
+                raise TopologyError(
+                    "gradsync: the process group this DDP hook was bound to has been destroyed; make a "
+                    "new hook for the new process group"
+                )
+            return self.topo
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("gradsync: the DDP hook ran without a process group")
+        topo = self._topology.bind() if self._topology is not None else Topology()
+        if topo.world > 1:
+            agreed(topo, lambda: self.config, lambda c: c.spec(), self.model)
+        self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
+        self.topo = topo
+        return topo
 
     def key(self, bucket: dist.GradBucket) -> str:
         params = bucket.parameters()
@@ -60,15 +111,39 @@ class HookState:
         shapes = ";".join(str(tuple(p.shape)) for p in params)
         return f"ddp-bucket:{hashlib.blake2b(shapes.encode(), digest_size=6).hexdigest()}"
 
-    def compresses(self, buffer: torch.Tensor) -> bool:
+    def compresses(self, buffer: torch.Tensor, key: str = "") -> bool:
         c = self.config
         dense_step = self.step < c.dense_warmup_steps or (
             c.dense_from_step is not None and self.step >= c.dense_from_step
         )
-        return (
-            self.codec is not None and not dense_step and c.plan != "dense"
-            and buffer.numel() * buffer.element_size() >= c.min_compress_bytes
+        if (
+            self.codec is None or dense_step or c.plan == "dense"
+            or buffer.numel() * buffer.element_size() < c.min_compress_bytes
+        ):  # fmt: skip
+            return False
+        return self._fits(buffer, key)
+
+    def _fits(self, buffer: torch.Tensor, key: str) -> bool:
+        """Whether the codec can take the sizes its encode calls would see (else the bucket
+        goes dense, with one warning per bucket on every rank)."""
+        if key in self._refused:
+            return False
+        assert self.codec is not None and self.scheme is not None and self.topo is not None
+        plain = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec
+        if is_lowrank(plain):
+            return True
+        sizes = encode_numels(
+            buffer.numel(), self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
+            self.topo.per_node, itemsize=buffer.element_size(),
         )  # fmt: skip
+        try:
+            for n in sizes:
+                plain.check_numel(n)
+        except ValueError as e:
+            self._refused[key] = str(e)
+            warnings.warn(f"gradsync: DDP bucket {key!r} is sent dense: {e}", RuntimeWarning, stacklevel=3)
+            return False
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "codec": None if self.codec is None else self.codec.state_dict()}
@@ -78,15 +153,23 @@ class HookState:
         if self.codec is not None and state.get("codec") is not None:
             self.codec.load_state_dict(state["codec"])
 
+    def close(self) -> None:
+        """Stop the threads and stop counting forward passes."""
+        if self._counting is not None:
+            self._counting.remove()
+            self._counting = None
+        self.manager.close()
+
 
 def _program(state: HookState, bucket: dist.GradBucket, key: str) -> Program:
     buf = bucket.buffer()
     ws = state._workspaces.setdefault(key, Workspace())
-    scheme = state.scheme
-    if not state.compresses(buf):
+    scheme, topo = state.scheme, state.topo
+    assert scheme is not None and topo is not None
+    if not state.compresses(buf, key):
         algo = scheme.algorithm if scheme.kind == "dense" else "hybrid"
         comm_dtype = scheme.comm_dtype if scheme.kind == "dense" else None
-        return (yield from allreduce_program(buf, state.topo, algo, "mean", comm_dtype, None, ws))
+        return (yield from allreduce_program(buf, topo, algo, "mean", comm_dtype, None, ws))
     codec = state.codec
     assert codec is not None
     plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
@@ -99,7 +182,7 @@ def _program(state: HookState, bucket: dist.GradBucket, key: str) -> Program:
         ]
     return (
         yield from compressed_program(
-            buf, state.topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key,
+            buf, topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key,
             state.loss_scale, 4, ws, parts,
         )
     )  # fmt: skip
@@ -107,8 +190,14 @@ def _program(state: HookState, bucket: dist.GradBucket, key: str) -> Program:
 
 def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: synchronize the bucket on gradsync's threads."""
+    topo = state.bind()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     buf = bucket.buffer()
+    if buf.layout != torch.strided:
+        raise ValueError(
+            "gradsync: DDP handed the hook a sparse gradient bucket; gradsync synchronizes dense "
+            "gradients only (build embeddings with sparse=False)"
+        )
     key = state.key(bucket)
     last = bucket.is_last()
 
@@ -117,6 +206,13 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             state.step += 1
         fut.set_result(buf)
 
+    if bucket.index() == 0 and state.config.check_steps and topo.world > 1:
+        # the first bucket of an iteration: check that every rank is at the same step first
+        joined = not _in_backward()  # DDP's Join mirrors a step on zero buckets outside backward
+        forwards = None if joined or state.model is None else state.forwards
+        state.manager.submit(
+            sequence_program(topo, state.step, forwards), "step check", None, fut.set_exception
+        )
     state.manager.submit(
         _program(state, bucket, key), f"ddp bucket {bucket.index()}", done, fut.set_exception
     )
@@ -134,14 +230,11 @@ def ddp_comm_hook(
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     ``scheme`` and ``options`` as for :func:`gradsync.wrap`. Pass the wrapped ``model`` so that
-    compression state is keyed by parameter names. Checked to be identical on every rank."""
-    topo = topology or Topology()
-    fingerprint = model_fingerprint(model) if model is not None else ""
-    if topo.world > 1:
-        cfg = agreed(
-            topo, lambda: build_config(scheme, config, options), lambda c: c.spec(),
-            fingerprint, comm_device(),
-        )  # fmt: skip
-    else:
-        cfg = build_config(scheme, config, options)
-    return HookState(cfg, topo, model), gradsync_hook
+    compression state is keyed by parameter names and forward passes are counted for the step
+    check. Options are checked here; with a process group the hook binds to it here too (and
+    checks that every rank passed the same), else at its first call."""
+    check_model(model)
+    state = HookState(build_config(scheme, config, options), topology, model)
+    if dist.is_available() and dist.is_initialized():
+        state.bind()
+    return state, gradsync_hook

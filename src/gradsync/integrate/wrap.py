@@ -18,9 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from gradsync.collectives.topology import Topology
-from gradsync.integrate.agreement import agreed, comm_device
+from gradsync.integrate.agreement import agreed
+from gradsync.integrate.checks import check_model
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.engine import SyncEngine
 from gradsync.sync.stats import StepStats
@@ -39,34 +41,45 @@ def build_config(scheme: str | SyncConfig, config: SyncConfig | None, options: d
     return SyncConfig.from_options({"scheme": scheme, **options})
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    return ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters())
-
-
-class GradSync(nn.Module):
+class GradSync(nn.Module, Joinable):
     """A model whose gradients gradsync synchronizes (built by :func:`wrap`).
 
     ``forward`` is the wrapped module's. ``state_dict()`` is the usual module state (with a
     ``module.`` prefix, like DDP; ``.module.state_dict()`` gives the bare one); the engine's
     compression state is :meth:`sync_state_dict`.
+
+    Like DDP it is a :class:`~torch.distributed.algorithms.Joinable`: inside
+    ``with Join([model]):`` ranks may have different numbers of batches. A rank that runs out
+    takes part in the other ranks' steps with zero gradients, and when all are done every rank
+    gets the parameters of the rank that trained longest. As with DDP, the mean divides by the
+    whole world size unless ``Join([model], divide_by_initial_world_size=False)``.
     """
 
     def __init__(self, module: nn.Module, engine: SyncEngine) -> None:
         super().__init__()
+        Joinable.__init__(self)
         self.module = module
         self.engine = engine
         self._callback_queued = False
         self._handles = []
-        if engine.active:
-            for slot in engine.slots:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._hook(slot.index)))
+        for slot in engine.slots:
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._hook(slot.index)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine.active and engine.enabled and torch.is_grad_enabled() and self.module.training:
+            engine.forwards += 1  # the step check compares these across ranks
+            work = Join.notify_join_context(self)
+            if work is not None:
+                engine.join_work = work
         return self.module(*args, **kwargs)
 
     def _hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
             engine = self.engine
+            if not engine.active:
+                _check_not_stale(engine)
+                return
             if not engine.enabled:
                 return
             if not self._callback_queued:
@@ -120,6 +133,60 @@ class GradSync(nn.Module):
         self._handles.clear()
         self.engine.close()
 
+    # ------------------------------------------------------------------ Join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For :class:`~torch.distributed.algorithms.Join` (takes ``divide_by_initial_world_size``)."""
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise ValueError(
+                f"gradsync: Join options must be divide_by_initial_world_size, got {sorted(unknown)}"
+            )
+        return _JoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.engine.topo.comm_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.engine.topo.control_group
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters and buffers of the last rank to join (it trained on
+        every step; the others mirrored the last steps without updating)."""
+        topo = self.engine.topo
+        if topo.world == 1:
+            return
+        src = torch.tensor([topo.rank if is_last_joiner else -1], device=topo.comm_device)
+        dist.all_reduce(src, op=dist.ReduceOp.MAX, group=topo.control_group)
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t.data, int(src.item()), group=topo.control_group)
+
+
+class _JoinHook(JoinHook):
+    def __init__(self, model: GradSync, divide_by_initial_world_size: bool) -> None:
+        self.model = model
+        model.engine.join_divide_by_world = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """A rank out of data mirrors one step of the others with zero gradients."""
+        self.model.engine.shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.model._sync_final_model(is_last_joiner)
+
+
+def _check_not_stale(engine: SyncEngine) -> None:
+    """A one-rank engine while a multi-rank process group exists: wrap() ran before
+    init_process_group, and training would go on without synchronizing, silently."""
+    if not engine.topo.is_bound and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "gradsync: this model was wrapped before torch.distributed.init_process_group(), so it "
+            f"was built for one process, but the world now has {dist.get_world_size()}: its "
+            "gradients would not be synchronized. Call gradsync.wrap() after init_process_group()"
+        )
+
 
 def wrap(
     model: nn.Module,
@@ -142,19 +209,17 @@ def wrap(
     (one tiny all-gather) and a difference raises on every rank, naming the ranks. With world
     size 1 nothing is communicated and the gradients are left as they are.
     """
-    topo = topology or Topology()
-    if topo.world > 1:
-        cfg = agreed(
-            topo, lambda: build_config(scheme, config, options), lambda c: c.spec(),
-            model_fingerprint(model), comm_device(),
-        )  # fmt: skip
-    else:
-        cfg = build_config(scheme, config, options)
-    if topo.world > 1 and cfg.broadcast_parameters:
+    check_model(model)
+    topo = topology.bind() if topology is not None else Topology()
+
+    def build() -> SyncEngine:
+        return SyncEngine(model.named_parameters(), topo, build_config(scheme, config, options), grad_scaler)
+
+    engine = agreed(topo, build, lambda e: e.config.spec(), model)
+    if topo.world > 1 and engine.config.broadcast_parameters:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
-    engine = SyncEngine(model.named_parameters(), topo, cfg, grad_scaler)
+                dist.broadcast(t.data, src=0, group=topo.control_group)
     return GradSync(model, engine)
 
 

@@ -149,6 +149,11 @@ class Bucket:
             if g is None:
                 self.view(j).zero_()
                 self.missing.append(j)
+            elif g.layout != torch.strided:
+                raise ValueError(
+                    f"gradsync: the gradient of {s.name!r} is a {g.layout} tensor; gradsync synchronizes "
+                    "dense gradients only (build embeddings with sparse=False)"
+                )
             else:
                 self.view(j).copy_(g)
 

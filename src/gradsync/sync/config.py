@@ -62,6 +62,12 @@ class SyncConfig(OptionsConfig):
     check_overflow: bool | None = None
     """All-reduce an inf/NaN flag every step so that every rank's GradScaler skips together, and
     roll back error-feedback residuals on such steps. None: on when a GradScaler is attached."""
+    check_steps: bool = True
+    """Start every synchronized step with one tiny all-reduce that checks that every rank is at
+    the same step and ran as many forward passes (a rank that skipped a backward pass would
+    otherwise average its gradients with another step's, silently); runs during the backward
+    pass. Off only for programs that legitimately run different numbers of training-mode forward
+    passes on different ranks."""
     calibrate: bool = True
     """Measure alpha/beta of each link level after the first step (else use ``alpha``/``beta`` defaults)."""
     timeout_s: float = 300.0

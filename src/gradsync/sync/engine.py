@@ -20,11 +20,12 @@ order, the same on every rank, and the task manager issues their collectives in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,21 +33,27 @@ import torch.distributed as dist
 
 from gradsync.codecs import Codec, ErrorFeedback
 from gradsync.collectives import primitives as P
-from gradsync.collectives.compressed import codec_spec, compressed_program, is_lowrank
+from gradsync.collectives.compressed import codec_spec, compressed_program, encode_numels, is_lowrank
 from gradsync.collectives.cost import CostModel, CostParams, Link, calibrate, measure_codec
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups
 from gradsync.sync.config import SyncConfig
+from gradsync.sync.explain import PlanReport, explain_plan
 from gradsync.sync.planner import Plan, encode_sizes, make_plan
 from gradsync.sync.scheme import Scheme
+from gradsync.sync.sequence import UNEVEN_HINT, sequence_program
 from gradsync.sync.stats import StepStats
-from gradsync.sync.tasks import Task, TaskManager
+from gradsync.sync.tasks import Task, TaskError, TaskManager
 
 log = logging.getLogger("gradsync")
 
 STATE_FORMAT = "gradsync.sync/1"
+
+
+class SyncError(RuntimeError):
+    """Synchronization failed (a peer stopped, timed out, or the engine failed before)."""
 
 
 class SyncEngine:
@@ -97,6 +104,16 @@ class SyncEngine:
         self._backward_end_at = 0.0
         self._nonfinite = False
         self._loss_scale = 1.0
+        self._shadow = False  # this step is taken without data (a joined rank under Join)
+        self.forwards = 0
+        """Forward passes that built a graph (train mode, gradients on): the step check compares
+        them across ranks. :class:`~gradsync.integrate.GradSync` counts them."""
+        self.join_work: Any = None  # Join's all-reduce of the ranks still training, this step
+        self.join_divide_by_world = True
+        self._error: BaseException | None = None  # the first failure; every later call re-raises it
+        self.report: PlanReport | None = None
+        if self.active:
+            self._check_codecs_fit()
 
     # ------------------------------------------------------------------ layout
     def _set_buckets(self, groups: list[tuple[list[int], int]], plan: Plan | None) -> None:
@@ -119,6 +136,39 @@ class SyncEngine:
         order = [s.index for s in reversed(self.slots)]
         return build_groups(self.slots, order, None, [-1] * len(self.slots), self.config.bucket_bytes, 0.0)
 
+    def _check_codecs_fit(self) -> None:
+        """Refuse, before anything communicates, a codec that could not compress even the
+        largest bucket this model can form (e.g. ``topk:k=100000`` on tensors that hold fewer
+        elements); smaller buckets it cannot take are left dense by the plan, which says so."""
+        for cid, codec in enumerate(self.codecs):
+            plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+            if is_lowrank(plain):
+                continue
+            kinds: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+            for s in self.slots:
+                if self.codec_class(s) == cid:
+                    kinds.setdefault(s.group, []).append(s)
+            for members in kinds.values():
+                itemsize = members[0].param.element_size()
+                total = sum(s.numel for s in members)
+                # a bucket closes once it holds bucket_bytes, so none exceeds this
+                cap = (self.config.bucket_bytes - 1) // itemsize + max(s.numel for s in members)
+                largest = min(total, cap)
+                sizes = encode_numels(
+                    largest, self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
+                    self.topo.per_node, itemsize=itemsize,
+                )  # fmt: skip
+                try:
+                    for n in sizes[-1:]:
+                        plain.check_numel(n)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{e}: the largest bucket of this model's compressible {members[0].param.dtype} "
+                        f"tensors ({len(members)} tensors, {largest} elements) gives the codec at most {n} "
+                        f"elements per encode under {self.scheme.name} on {self.topo.nodes} x "
+                        f"{self.topo.per_node}; use a density instead of k"
+                    ) from None
+
     def codec_class(self, slot: Slot) -> int:
         """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
         if (
@@ -136,7 +186,7 @@ class SyncEngine:
         """Slot ``index``'s gradient is final for this backward pass (called from its hook)."""
         if not self.active or not self.enabled:
             return
-        with self._lock:
+        with self._lock, self._failing():
             if not self._in_step:
                 self._begin_step()
             if self._ready_at[index] is not None:
@@ -161,7 +211,7 @@ class SyncEngine:
         """Launch what is left, wait for every bucket and make ``.grad`` final. Idempotent."""
         if not self.active or not self.enabled:
             return None
-        with self._lock:
+        with self._lock, self._failing():
             if not self._in_step:
                 return None
             if not self._backward_end_at:
@@ -170,22 +220,80 @@ class SyncEngine:
             while self._next < len(self._buckets):
                 self._launch(self._next)
             flags = self._flags_task()
-        self.manager.wait(self._tasks, timeout=self.config.timeout_s)
-        overflow = False
-        if flags is not None:
-            overflow = self._apply_flags(flags)
-        stats = self._stats(in_backward, overflow)
-        self.history.append(stats)
-        if len(self.history) > 1000:
-            del self.history[:-1000]
-        self.step += 1
-        self._in_step = False
-        if self.plan is None:
-            self._make_plan()
+        return self._complete(in_backward, flags)
+
+    def shadow_step(self) -> StepStats | None:
+        """Take part in one step's synchronization without data: every gradient counts as zero
+        and no ``.grad`` is written (a rank that ran out of inputs, under
+        ``torch.distributed.algorithms.Join``, mirrors the collectives of the others' step)."""
+        if not self.active:
+            return None
+        with self._lock, self._failing():
+            if self._in_step:
+                raise RuntimeError("gradsync: a rank cannot join while its own step is unfinished")
+            self._begin_step(shadow=True)
+            self._backward_end_at = time.perf_counter()
+            for b in self._buckets:
+                b.pending = 0
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+            flags = self._flags_task()
+        return self._complete(0, flags)
+
+    def _complete(self, in_backward: int, flags: torch.Tensor | None) -> StepStats:
+        with self._failing():
+            self.manager.wait(self._tasks, timeout=self.config.timeout_s)
+            overflow = False
+            if flags is not None:
+                overflow = self._apply_flags(flags)
+            if self.join_work is not None:
+                self._rescale_for_join()
+            stats = self._stats(in_backward, overflow)
+            self.history.append(stats)
+            if len(self.history) > 1000:
+                del self.history[:-1000]
+            self.step += 1
+            self._in_step = False
+            self._shadow = False
+            if self.plan is None:
+                self._make_plan()
         return stats
 
-    def _begin_step(self) -> None:
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Re-raise an earlier failure; record a new one (with a message that names its likely
+        cause) and leave the engine out of its step, so every later call reports it too."""
+        if self._error is not None:
+            raise SyncError(
+                f"gradsync: synchronization failed earlier on rank {self.topo.rank} "
+                f"({type(self._error).__name__}: {self._error}); the ranks' collectives may no longer "
+                "pair, so this engine cannot continue (restart from a checkpoint)"
+            ) from self._error
+        try:
+            yield
+        except BaseException as e:
+            self._in_step = False
+            self._shadow = False
+            self._error = self._explained(e)
+            if self._error is e:
+                raise
+            raise self._error from e
+
+    def _explained(self, e: BaseException) -> BaseException:
+        root = e.__cause__ if isinstance(e, TaskError) and e.__cause__ is not None else e
+        if isinstance(root, (ValueError, TypeError, KeyboardInterrupt)) or not isinstance(root, Exception):
+            return root  # a configuration error or a mismatch, already named; or an interrupt
+        if isinstance(root, RuntimeError) and "gradsync:" in str(root):
+            return root
+        return SyncError(
+            f"gradsync: rank {self.topo.rank} could not synchronize step {self.step} "
+            f"({type(root).__name__}: {root}). Another rank stopped synchronizing: it failed, was "
+            f"killed, or ran out of data; {UNEVEN_HINT}"
+        )
+
+    def _begin_step(self, shadow: bool = False) -> None:
         self._in_step = True
+        self._shadow = shadow
         self._next = 0
         self._tasks = []
         self._ready_at = [None] * len(self.slots)
@@ -207,6 +315,9 @@ class SyncEngine:
         for codec in self.codecs:
             if isinstance(codec, ErrorFeedback):
                 codec.begin_round()
+        if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
+            program = sequence_program(self.topo, self.step, None if shadow else self.forwards)
+            self._tasks.append(self.manager.submit(program, "step check"))
 
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
@@ -220,16 +331,21 @@ class SyncEngine:
         self._next = b + 1
 
     def _unpacker(self, bucket: Bucket) -> Callable[[], None]:
+        shadow = self._shadow
+
         def done() -> None:  # on the compute thread, after each part's finisher
             bucket.parts_left -= 1
-            if bucket.parts_left == 0:
+            if bucket.parts_left == 0 and not shadow:
                 bucket.unpack()
 
         return done
 
     def _program(self, bucket: Bucket, part: int, parts: int, compress: bool) -> Program:
         if part == 0:
-            bucket.pack()
+            if self._shadow:
+                bucket.flat.zero_()
+            else:
+                bucket.pack()
             if self.check_overflow and not bool(torch.isfinite(bucket.flat).all()):
                 self._nonfinite = True
         lo, hi = bucket.part_range(part, parts)
@@ -264,6 +380,7 @@ class SyncEngine:
         if not (self.check_overflow or unused):
             return None
         flags = torch.zeros(1 + (len(self.slots) if unused else 0), dtype=torch.float32)
+        out = flags.to(self.topo.comm_device)
 
         def program() -> Program:
             # runs after every bucket's packing (tasks run their first segments in order)
@@ -271,8 +388,9 @@ class SyncEngine:
             if unused:
                 for i, t in enumerate(self._ready_at):
                     flags[1 + i] = float(t is not None)
-            yield lambda: P.all_reduce(flags, self.topo.world_group, "world", op=dist.ReduceOp.MAX)
-            return None
+            out.copy_(flags)
+            yield lambda: P.all_reduce(out, self.topo.world_group, "world", op=dist.ReduceOp.MAX)
+            return lambda: flags.copy_(out)
 
         self._tasks.append(self.manager.submit(program(), "step flags"))
         return flags
@@ -294,52 +412,112 @@ class SyncEngine:
                     s.param.grad = None  # no rank used it: leave it as DDP would
         return overflow
 
+    def _rescale_for_join(self) -> None:
+        """Under ``Join(..., divide_by_initial_world_size=False)``: a mean over the ranks that
+        still train, not over the whole world (the joined ranks contributed zeros)."""
+        work, self.join_work = self.join_work, None
+        work.wait()
+        if self.join_divide_by_world or self._shadow:
+            return
+        active = int(work.result()[0].item())
+        if 0 < active < self.topo.world:
+            for s in self.slots:
+                if s.param.grad is not None:
+                    s.param.grad.mul_(self.topo.world / active)
+
     # ------------------------------------------------------------------ plan
     def _make_plan(self) -> None:
-        """After the first step: measure, decide on rank 0, broadcast, rebuild the buckets."""
+        """After the first step: measure, decide on rank 0, broadcast, rebuild the buckets.
+
+        Rank 0 plans alone, so a failure there is sent to every rank in place of the plan (the
+        others would otherwise wait in the broadcast): every rank raises it."""
         cfg = self.config
         t0 = time.perf_counter()
         params = calibrate(self.topo, reps=3) if cfg.calibrate else _DEFAULT_PARAMS
-        model = CostModel(params, self.topo.nodes, self.topo.per_node)
+        error: Exception | None = None
         if self.topo.rank == 0:
-            groups = self._groups_from_step0()
-            nbytes = [s.nbytes for s in self.slots]
-            costs = {}
-            for cid, codec in enumerate(self.codecs):
-                sizes = sorted(
-                    {
-                        max(int(encode_sizes(self.scheme, sum(nbytes[i] for i in m), self.topo.nodes,
-                                             self.topo.per_node)), 4)
-                        for m, c in groups if c == cid
-                    }
-                )  # fmt: skip
-                if sizes:
-                    costs[cid] = measure_codec(
-                        codec, [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes, reps=3
-                    )
-            plan = make_plan(
-                groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
-                fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots],
-            )  # fmt: skip
-            wire = plan.to_tensor()
-            size = torch.tensor([wire.numel()], dtype=torch.int64)
+            try:
+                wire = self._plan_on_rank0(params).to_tensor()
+            except Exception as e:
+                error = e
+                wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64)
+            head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dev = _comm_device(self.topo)
-        size = size.to(dev)
-        dist.broadcast(size, 0)
+            head = torch.zeros(2, dtype=torch.int64)
+        dev, group = self.topo.comm_device, self.topo.control_group
+        head = head.to(dev)
+        dist.broadcast(head, 0, group=group)
+        size, failed = head.tolist()
         if self.topo.rank != 0:
-            wire = torch.zeros(int(size), dtype=torch.int64)
+            wire = torch.zeros(size, dtype=torch.int64)
         wire = wire.to(dev)
-        dist.broadcast(wire, 0)
-        plan = Plan.from_tensor(wire.cpu())
-        self._install_plan(plan)
-        if cfg.log_plan and self.topo.rank == 0:
-            log.info(
-                "gradsync plan (%s on %d x %d, made in %.2f s):\n%s",
-                self.scheme.name, self.topo.nodes, self.topo.per_node, time.perf_counter() - t0,
-                self.plan_table(),
+        dist.broadcast(wire, 0, group=group)
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"gradsync: making the plan failed on rank 0: {bytes(wire.tolist()).decode()}")
+        self._install_plan(Plan.from_tensor(wire.cpu()))
+        self._report_plan(time.perf_counter() - t0)
+
+    def _plan_on_rank0(self, params: CostParams) -> Plan:
+        cfg = self.config
+        model = CostModel(params, self.topo.nodes, self.topo.per_node)
+        groups = self._groups_from_step0()
+        nbytes = [s.nbytes for s in self.slots]
+        costs = {}
+        for cid, codec in enumerate(self.codecs):
+            sizes = sorted(
+                {
+                    max(int(encode_sizes(self.scheme, sum(nbytes[i] for i in m), self.topo.nodes,
+                                         self.topo.per_node)), 4)
+                    for m, c in groups if c == cid
+                }
             )  # fmt: skip
+            if sizes:
+                costs[cid] = measure_codec(codec, [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes, reps=3)
+        return make_plan(
+            groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
+            fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.codec_rejects,
+        )  # fmt: skip
+
+    def codec_rejects(self, codec_id: int, slots: list[int], parts: int) -> str | None:
+        """Why codec ``codec_id`` cannot compress a bucket of ``slots`` in ``parts`` parts (None
+        when it can): the element counts its encode calls would see, checked by the codec."""
+        codec = self.codecs[codec_id]
+        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+        if is_lowrank(plain):
+            return None  # PowerSGD sends what it cannot factor dense, tensor by tensor (reported)
+        numel = sum(self.slots[i].numel for i in slots)
+        itemsize = self.slots[slots[0]].param.element_size()
+        for part in range(parts):
+            n = numel * (part + 1) // parts - numel * part // parts
+            for m in encode_numels(
+                n, self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
+                self.topo.per_node, itemsize=itemsize,
+            ):  # fmt: skip
+                try:
+                    plain.check_numel(m)
+                except ValueError as e:
+                    return str(e)
+        return None
+
+    def _report_plan(self, seconds: float) -> None:
+        """Say what the plan compresses and why the rest is not: one line on rank 0 (logger
+        ``gradsync``) and, on every rank, a warning where a compressed scheme compresses nothing
+        or the user's ``plan="compress"`` cannot be honoured for some tensors."""
+        assert self.plan is not None
+        self.report = explain_plan(
+            self.plan, self.slots, [self.codec_class(s) for s in self.slots], self.scheme, self.config,
+            self.codecs, self.topo.nodes, self.codec_rejects,
+        )  # fmt: skip
+        if self.config.log_plan and self.topo.rank == 0:
+            log.info(
+                "gradsync plan (%s on %d x %d, made in %.2f s): %s", self.scheme.name, self.topo.nodes,
+                self.topo.per_node, seconds, self.report.summary,
+            )  # fmt: skip
+            log.debug("gradsync plan, bucket by bucket:\n%s", self.plan_table())
+        for text in self.report.warnings:
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
 
     def _groups_from_step0(self) -> list[tuple[list[int], int]]:
         order = list(self._order)
@@ -458,20 +636,13 @@ class SyncEngine:
         self.step = int(state["step"])
         if state["plan"] is not None:
             self._install_plan(Plan.from_state(state["plan"]))
+            self._report_plan(0.0)
 
     def close(self) -> None:
         self.manager.close()
 
 
 _DEFAULT_PARAMS = CostParams(Link(50e-6, 1 / 10e9), Link(50e-6, 8 / 10e9), 1e-10)
-
-
-def _comm_device(topo: Topology) -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
 
 
 def _short(v: object) -> str:

@@ -36,6 +36,12 @@ DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
 COMPRESS_MARGIN = 0.5
 
 
+DENSE_REASONS = ("", "cost", "plan", "codec")
+"""Why a bucket whose tensors may be compressed is synchronized densely: not at all (""),
+the cost model predicts dense faster (``cost``), ``plan="dense"`` (``plan``), or the codec
+cannot take the sizes its encode calls would see, e.g. ``k`` above them (``codec``)."""
+
+
 @dataclass
 class BucketPlan:
     """One bucket of the plan: its parameters (engine slot indices) and how it is synchronized."""
@@ -47,6 +53,7 @@ class BucketPlan:
     dense_algorithm: str = "hybrid"
     dense_ms: float | None = None  # predictions, for the log
     compressed_ms: float | None = None
+    dense_reason: str = ""  # one of DENSE_REASONS
 
 
 @dataclass
@@ -59,7 +66,7 @@ class Plan:
         for b in self.buckets:
             words += [
                 len(b.slots), b.codec_id, int(b.compress), b.partitions, ALGORITHMS.index(b.dense_algorithm),
-                _us(b.dense_ms), _us(b.compressed_ms), *b.slots,
+                _us(b.dense_ms), _us(b.compressed_ms), DENSE_REASONS.index(b.dense_reason), *b.slots,
             ]  # fmt: skip
         return torch.tensor(words, dtype=torch.int64)
 
@@ -68,12 +75,12 @@ class Plan:
         w = t.tolist()
         pos, buckets = 1, []
         for _ in range(w[0]):
-            n, codec_id, compress, parts, algo, dense_us, comp_us = w[pos : pos + 7]
-            pos += 7
+            n, codec_id, compress, parts, algo, dense_us, comp_us, reason = w[pos : pos + 8]
+            pos += 8
             buckets.append(
                 BucketPlan(
                     w[pos : pos + n], codec_id, bool(compress), parts, ALGORITHMS[algo],
-                    _ms(dense_us), _ms(comp_us),
+                    _ms(dense_us), _ms(comp_us), DENSE_REASONS[reason],
                 )
             )  # fmt: skip
             pos += n
@@ -194,6 +201,7 @@ def make_plan(
     partitions: int,
     fuse_bytes: int | None = None,
     kinds: list[object] | None = None,
+    rejects: Callable[[int, list[int], int], str | None] | None = None,
 ) -> Plan:
     """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
 
@@ -202,7 +210,10 @@ def make_plan(
     by size alone: the buckets were cut apart by codec class and by the fusion timeout for the
     sake of compression, and a dense bucket gains little from the cut but pays one more
     collective's latency (measured: 11 dense buckets of a 0.7 MB ResNet took 1.24x DDP's step at
-    1 Gbit/s)."""
+    1 Gbit/s).
+
+    ``rejects(codec_id, slots, partitions)`` says why the codec cannot compress a bucket (None
+    when it can); such a bucket stays dense with ``dense_reason="codec"``, in every mode."""
     plan = Plan()
     for slots, codec_id in groups:
         size = float(sum(nbytes[s] for s in slots))
@@ -214,12 +225,17 @@ def make_plan(
             continue
         algo, t_dense = best_dense(model, size, dense_algorithm)
         b = BucketPlan(slots, codec_id, False, 1, algo, t_dense * 1e3)
-        if codec_id >= 0 and mode != "dense":
+        if codec_id >= 0 and mode == "dense":
+            b.dense_reason = "plan"
+        elif codec_id >= 0:
             k, t_comp = best_partitions(
                 scheme, model, size, codec_costs[codec_id], model.m, model.n, partitions
             )
             b.partitions, b.compressed_ms = k, t_comp * 1e3
             b.compress = mode == "compress" or t_comp < COMPRESS_MARGIN * t_dense
+            b.dense_reason = "" if b.compress else "cost"
+            if b.compress and rejects is not None and rejects(codec_id, slots, k) is not None:
+                b.compress, b.partitions, b.dense_reason = False, 1, "codec"
         plan.buckets.append(b)
     if fuse_bytes is not None:
 
@@ -247,12 +263,17 @@ def _fuse_dense(
             and not prev.compress
             and not b.compress
             and kinds[prev.slots[0]] == kinds[b.slots[0]]
+            and (not prev.dense_reason or not b.dense_reason or prev.dense_reason == b.dense_reason)
             and sum(nbytes[s] for s in prev.slots + b.slots) <= fuse_bytes
         ):
             slots = prev.slots + b.slots
             algo, t = dense_cost(float(sum(nbytes[s] for s in slots)))
-            # a fused bucket's codec class is only a label now (it is never compressed)
-            out.buckets[-1] = BucketPlan(slots, max(prev.codec_id, b.codec_id), False, 1, algo, t * 1e3)
+            # a fused bucket's codec class is only a label now (it is never compressed); the
+            # report reads why each of its tensors is dense from the buckets before fusion
+            reason = prev.dense_reason or b.dense_reason
+            out.buckets[-1] = BucketPlan(
+                slots, max(prev.codec_id, b.codec_id), False, 1, algo, t * 1e3, dense_reason=reason
+            )
         else:
             out.buckets.append(b)
     return out
