@@ -546,7 +546,7 @@ def _lowrank_rounds(
         m = v.view(matrix_shape(x.shape)).float()
         stream = codec.stream(key)
         p = codec.project(m, stream)  # type: ignore[attr-defined]
-        mats.append((x, key, m, stream, p.shape))
+        mats.append((x, key, m, stream, p.shape, stream.p))  # stream.p: restored if the sums overflow
         first_parts.append(p.reshape(-1))
     if not first_parts:
         return None
@@ -554,7 +554,7 @@ def _lowrank_rounds(
     yield partial(P.all_reduce, first, group, level)
     pos = sum(x.numel() for x in dense)
     q_locals = []
-    for _, _, m, stream, shape in mats:
+    for _, _, m, stream, shape, _ in mats:
         n = shape.numel()
         q_locals.append(codec.reproject(m, first[pos : pos + n].view(shape), stream).contiguous())  # type: ignore[attr-defined]
         pos += n
@@ -570,7 +570,7 @@ def _lowrank_rounds(
             x.copy_(first[pos : pos + x.numel()].view(x.shape))
             pos += x.numel()
         qpos = 0
-        for (x, key, _, stream, _), q_local in zip(mats, q_locals, strict=True):
+        for (x, key, _, stream, _, old_p), q_local in zip(mats, q_locals, strict=True):
             q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
             qpos += q_local.numel()
             if ef is not None:
@@ -578,7 +578,8 @@ def _lowrank_rounds(
                     ef.commit(key, dense=(stream.p @ q_local.T).reshape(-1))
                 else:
                     ef.discard(key)
-            if not finite:  # keep the warm start finite; the NaN result makes the step skip
+            if not finite:  # keep the factors finite (a skipped step); the NaN result makes it skip
+                stream.p = old_p
                 x.fill_(float("nan"))
                 continue
             out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None

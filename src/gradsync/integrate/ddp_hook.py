@@ -97,8 +97,10 @@ class HookState:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("gradsync: the DDP hook ran without a process group")
         topo = self._topology.bind() if self._topology is not None else Topology()
-        if topo.world > 1:
-            agreed(topo, lambda: self.config, lambda c: c.spec(), self.model)
+        agreed(topo, lambda: self.config, lambda c: c.spec(), self.model)
+        return self._bound_to(topo)
+
+    def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
         return topo
@@ -234,7 +236,11 @@ def ddp_comm_hook(
     check. Options are checked here; with a process group the hook binds to it here too (and
     checks that every rank passed the same), else at its first call."""
     check_model(model)
-    state = HookState(build_config(scheme, config, options), topology, model)
-    if dist.is_available() and dist.is_initialized():
-        state.bind()
+    if not (dist.is_available() and dist.is_initialized()):
+        return HookState(build_config(scheme, config, options), topology, model), gradsync_hook
+    # with a process group, a bad option on one rank must fail on every rank: agree first
+    topo = topology.bind() if topology is not None else Topology()
+    cfg = agreed(topo, lambda: build_config(scheme, config, options), lambda c: c.spec(), model)
+    state = HookState(cfg, topo, model)
+    state._bound_to(topo)
     return state, gradsync_hook
