@@ -10,7 +10,7 @@ from gradsync.codecs import (
     codec_names,
 )
 from gradsync.collectives import Topology
-from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, wrap
+from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, register_comm_hook, wrap
 from gradsync.sync import StepStats, SyncConfig
 
 __version__ = "0.1.0"
@@ -30,5 +30,6 @@ __all__ = [
     "build_codec",
     "codec_names",
     "ddp_comm_hook",
+    "register_comm_hook",
     "wrap",
 ]

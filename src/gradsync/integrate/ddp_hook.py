@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.codecs import ErrorFeedback
 from gradsync.codecs.ops import Workspace
@@ -244,3 +245,25 @@ def ddp_comm_hook(
     state = HookState(cfg, topo, model)
     state._bound_to(topo)
     return state, gradsync_hook
+
+
+def register_comm_hook(
+    ddp_model: DistributedDataParallel,
+    scheme: str | SyncConfig = "auto",
+    topology: Topology | None = None,
+    *,
+    config: SyncConfig | None = None,
+    **options: Any,
+) -> HookState:
+    """Register gradsync's hook on a DDP model (after ``init_process_group``) and return its
+    state: the one call for models that a framework wrapped in DDP (Accelerate's
+    ``prepare``, Lightning's strategy). Compression state is keyed by the parameter names of
+    ``ddp_model.module``, and its forward passes are counted for the step check."""
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            "gradsync: register_comm_hook needs a DistributedDataParallel model, "
+            f"got {type(ddp_model).__name__}"
+        )
+    state, hook = ddp_comm_hook(scheme, topology, model=ddp_model.module, config=config, **options)
+    ddp_model.register_comm_hook(state, hook)
+    return state

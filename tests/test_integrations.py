@@ -1,0 +1,173 @@
+"""gradsync inside the frameworks that wrap DDP for their users: PyTorch Lightning (through
+``gradsync.lightning.Strategy``) and Hugging Face Accelerate (the documented recipe:
+``accelerator.prepare(model)``, then ``gradsync.register_comm_hook``). Two CPU ranks on loopback,
+each framework run as its users run it, against the same framework with plain DDP.
+
+The worlds look like torchrun's to the frameworks (``TORCHELASTIC_RUN_ID``, ranks in the
+environment) and their process group already exists (FileStore), so neither starts processes or
+listens on a port of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gradsync
+from worlds import run_world
+
+pytestmark = pytest.mark.timeout(600)
+
+TORCHRUN_ENV = {
+    "TORCHELASTIC_RUN_ID": "gradsync-test",
+    "LOCAL_RANK": "{rank}",
+    "GROUP_RANK": "0",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1",  # never used: the process group exists before the framework looks
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def dataset(n=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 20, generator=g)
+    return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 2))
+
+
+def params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def same_on_every_rank(tensors, what):
+    flat = torch.cat([t.double().reshape(-1) for t in tensors])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    assert torch.equal(flat, ref), what
+
+
+# ------------------------------------------------------------------------------------ Lightning
+def lightning_world(tmp):
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import gradsync.lightning
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.losses.append(float(loss))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+    def fit(strategy, steps=24, ckpt_path=None, **trainer_kw):
+        torch.manual_seed(0)
+        module = Classifier()
+        module.losses = []
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            deterministic=True, **trainer_kw,
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(dataset(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+        return trainer, module
+
+    # 1. scheme "none" is Lightning's own DDP, bit for bit (on CPU, where DDPStrategy ignores hooks)
+    _, ref = fit(DDPStrategy())
+    strategy = gradsync.lightning.Strategy("none")
+    _, ours = fit(strategy)
+    assert strategy.hook_state is not None and strategy.hook_state.step == 24  # it did synchronize
+    for a, b in zip(params(ref), params(ours), strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    # 2. a compressed scheme trains, the same model on every rank, with Lightning's accumulation
+    strategy = gradsync.lightning.Strategy(
+        "topk:density=0.05", sync_options={"min_compress_bytes": 0}, find_unused_parameters=True
+    )
+    trainer, model = fit(strategy, steps=40, accumulate_grad_batches=2)
+    same_on_every_rank(params(model), "lightning topk")
+    assert sum(model.losses[-5:]) < sum(model.losses[:5]), model.losses
+    # 3. its compression state survives a Lightning checkpoint, per rank
+    path = os.path.join(tmp, "last.ckpt")
+    trainer.save_checkpoint(path)
+    assert os.path.isfile(f"{path}.gradsync-rank{dist.get_rank()}.pt")
+    resumed = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0},
+                                          find_unused_parameters=True)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "starts afresh" warning
+        fit(resumed, steps=44, ckpt_path=path, accumulate_grad_batches=2)
+    assert resumed.hook_state is not None and resumed.hook_state.step == 44  # 40 restored, 4 more
+    # 4. options are checked before anything starts
+    with pytest.raises(ValueError, match="sync: plan must be one of auto, compress, dense"):
+        gradsync.lightning.Strategy("none", sync_options={"plan": "always"})
+    with pytest.raises(ValueError, match="registers its own DDP comm hook"):
+        gradsync.lightning.Strategy("none", ddp_comm_hook=lambda s, b: None)
+
+
+def test_lightning_strategy(tmp_path):
+    pytest.importorskip("lightning")
+    run_world(2, lightning_world, str(tmp_path), env=TORCHRUN_ENV)
+
+
+# ----------------------------------------------------------------------------------- Accelerate
+def accelerate_world():
+    from accelerate import Accelerator
+
+    def train(scheme, steps=20, accumulate=1):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+        torch.manual_seed(0)
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        loader = DataLoader(dataset(), batch_size=8, shuffle=True)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        state = None
+        if scheme is not None:  # the recipe: one call after prepare()
+            state = gradsync.register_comm_hook(model, scheme, min_compress_bytes=0)
+        losses, done = [], 0
+        while done < steps:
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    accelerator.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                losses.append(float(loss))
+                done += 1
+                if done == steps:
+                    break
+        if state is not None:
+            state.close()
+        return accelerator.unwrap_model(model), losses
+
+    ref, _ = train(None)
+    ours, _ = train("none")
+    for a, b in zip(params(ref), params(ours), strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    model, losses = train("powersgd:rank=2", steps=40, accumulate=2)
+    same_on_every_rank(params(model), "accelerate powersgd")
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+
+
+def test_accelerate_recipe():
+    pytest.importorskip("accelerate")
+    run_world(2, accelerate_world, env=TORCHRUN_ENV)
