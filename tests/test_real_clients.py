@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import re
 import traceback
 import warnings
 
@@ -328,6 +329,26 @@ def check_every_scheme_on_half_precision_models():
     assert not problems, "\n".join(problems)
 
 
+def check_hooks_on_half_precision_models():
+    rank = dist.get_rank()
+    for label, make in half_models().items():
+        for spec in ("topk:density=0.05", "powersgd:rank=2", "hitopk:density=0.1", "ps/onebit", "fp16"):
+            inner = make()
+            model = DDP(inner, bucket_cap_mb=0.01)
+            opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
+            state = gradsync.register_comm_hook(model, spec, **opts)
+            for step in range(3):
+                torch.manual_seed(100 * step + rank)
+                model.zero_grad()
+                model(
+                    torch.randn(8, 16).to(next(inner.parameters()).dtype)
+                ).float().square().mean().backward()
+            grads = [p.grad for p in inner.parameters()]
+            assert all(g.dtype == p.dtype for g, p in zip(grads, inner.parameters(), strict=True))
+            same_on_every_rank(grads, f"hook {label} {spec}")
+            state.close()
+
+
 def check_half_precision_trains_like_fp32_ddp():
     """Loose: bf16 training with compression reaches where fp32 DDP gets in the same steps."""
     rank = dist.get_rank()
@@ -373,7 +394,11 @@ def check_half_precision_trains_like_fp32_ddp():
 
 
 def half_world():
-    run_checks(check_every_scheme_on_half_precision_models, check_half_precision_trains_like_fp32_ddp)
+    run_checks(
+        check_every_scheme_on_half_precision_models,
+        check_hooks_on_half_precision_models,
+        check_half_precision_trains_like_fp32_ddp,
+    )
 
 
 def test_half_precision_models_with_every_scheme():
@@ -508,6 +533,42 @@ def check_compression_never_silently_off():
         assert len(logs) == 1 and "compressing 4 of 4 tensors" in logs[0] and "topk:density=0.1+ef" in logs[0]
 
 
+def check_hook_says_what_it_compresses():
+    """The DDP hook reports after its first compressed iteration, like wrap's plan."""
+    rank = dist.get_rank()
+    for spec, opts, expect in (
+        ("topk:density=0.1", {}, "compresses nothing"),  # every bucket below min_compress_bytes
+        ("allgather/topk:k=6000", {"min_compress_bytes": 0}, "topk: k=6000 exceeds the tensor's"),
+        ("topk:density=0.1", {"min_compress_bytes": 0}, None),
+    ):
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger = logging.getLogger("gradsync")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                inner = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+                model = DDP(inner, bucket_cap_mb=0.01)
+                state = gradsync.register_comm_hook(model, spec, **opts)
+                for _ in range(3):
+                    model(torch.randn(8, 16)).square().mean().backward()
+                state.close()
+        finally:
+            logger.removeHandler(handler)
+        said = [str(w.message) for w in caught if "gradsync" in str(w.message)]
+        if expect is None:
+            assert not said, said
+        else:
+            assert any(expect in w for w in said), (spec, said)
+        lines = [r.getMessage() for r in records if r.getMessage().startswith("gradsync DDP hook")]
+        assert len(lines) == (1 if rank == 0 else 0), lines
+        if rank == 0 and expect is None:
+            assert re.search(r"compressing (\d+) of \1 DDP buckets", lines[0]), lines
+
+
 def check_powersgd_reports_what_it_sends_dense():
     torch.manual_seed(0)
     model_fn = lambda: nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))  # noqa: E731
@@ -553,6 +614,7 @@ def errors_world():
         check_model_mismatch_names_the_parameter,
         check_bad_input_fails_on_every_rank_before_any_collective,
         check_compression_never_silently_off,
+        check_hook_says_what_it_compresses,
         check_powersgd_reports_what_it_sends_dense,
         check_powersgd_factors_stay_finite_after_an_overflow,
     )

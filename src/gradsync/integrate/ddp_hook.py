@@ -25,6 +25,7 @@ rank out of data; the hook recognizes them (they run outside any backward pass).
 """
 
 import hashlib
+import logging
 import warnings
 from typing import Any
 
@@ -46,6 +47,8 @@ from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import sequence_program
 from gradsync.sync.tasks import TaskManager
+
+log = logging.getLogger("gradsync")
 
 
 def _in_backward() -> bool:
@@ -80,6 +83,8 @@ class HookState:
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._workspaces: dict[str, Workspace] = {}
         self._refused: dict[str, str] = {}  # bucket key -> why the codec cannot compress it
+        self._seen: dict[str, tuple[int, str | None, int]] = {}  # first compressed iteration's buckets
+        self._reported = False
         self._counting = model.register_forward_pre_hook(self._count_forward) if model is not None else None
 
     def _count_forward(self, module: nn.Module, args: Any) -> None:
@@ -114,27 +119,36 @@ class HookState:
         shapes = ";".join(str(tuple(p.shape)) for p in params)
         return f"ddp-bucket:{hashlib.blake2b(shapes.encode(), digest_size=6).hexdigest()}"
 
-    def compresses(self, buffer: torch.Tensor, key: str = "") -> bool:
+    def dense_step(self) -> bool:
+        """Whether this iteration is dense for everyone (warm-up, or the switch to dense)."""
         c = self.config
-        dense_step = self.step < c.dense_warmup_steps or (
+        return self.step < c.dense_warmup_steps or (
             c.dense_from_step is not None and self.step >= c.dense_from_step
         )
-        if (
-            self.codec is None or dense_step or c.plan == "dense"
-            or buffer.numel() * buffer.element_size() < c.min_compress_bytes
-        ):  # fmt: skip
-            return False
-        return self._fits(buffer, key)
 
-    def _fits(self, buffer: torch.Tensor, key: str) -> bool:
-        """Whether the codec can take the sizes its encode calls would see (else the bucket
-        goes dense, with one warning per bucket on every rank)."""
+    def why_dense(self, buffer: torch.Tensor, key: str = "") -> str | None:
+        """Why a bucket is synchronized densely this iteration; None when it is compressed."""
+        c = self.config
+        if self.codec is None:
+            return "dense scheme"
+        if self.dense_step():
+            return "dense step"
+        if c.plan == "dense":
+            return "plan='dense'"
+        if buffer.numel() * buffer.element_size() < c.min_compress_bytes:
+            return f"smaller than min_compress_bytes={c.min_compress_bytes}"
+        return self._codec_refuses(buffer, key)
+
+    def _codec_refuses(self, buffer: torch.Tensor, key: str) -> str | None:
+        """Why the codec cannot take the sizes its encode calls would see (None: it can)."""
         if key in self._refused:
-            return False
+            return self._refused[key]
         assert self.codec is not None and self.scheme is not None and self.topo is not None
+        if self.scheme.local and self.topo.nodes == 1:
+            return "one node: nothing crosses a node, so it is reduced densely inside it"
         plain = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec
         if is_lowrank(plain):
-            return True
+            return None
         sizes = encode_numels(
             buffer.numel(), self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
             self.topo.per_node, itemsize=buffer.element_size(),
@@ -143,10 +157,45 @@ class HookState:
             for n in sizes:
                 plain.check_numel(n)
         except ValueError as e:
-            self._refused[key] = str(e)
-            warnings.warn(f"gradsync: DDP bucket {key!r} is sent dense: {e}", RuntimeWarning, stacklevel=3)
-            return False
-        return True
+            self._refused[key] = f"{e}"
+            return self._refused[key]
+        return None
+
+    def note(self, key: str, nbytes: int, why: str | None, lowrank_dense: int) -> None:
+        """Remember how a bucket went in the first compressed iteration (for :meth:`report`)."""
+        if self.codec is not None and not self._reported and not self.dense_step():
+            self._seen[key] = (nbytes, why, lowrank_dense)
+
+    def report(self) -> None:
+        """After the first compressed iteration: rank 0 logs what is compressed and why the rest
+        is not; every rank warns when nothing is (as wrap's plan report does)."""
+        if self._reported or not self._seen or self.topo is None:
+            return
+        self._reported = True
+        done = {k: v for k, v in self._seen.items() if v[1] is None}
+        dense: dict[str, list[int]] = {}
+        for nbytes, why, _ in self._seen.values():
+            if why is not None:
+                dense.setdefault(why, []).append(nbytes)
+        squeezed = sum(v[2] for v in done.values())
+        mb_done = sum(v[0] for v in done.values()) / 1e6
+        mb_all = sum(v[0] for v in self._seen.values()) / 1e6
+        text = (
+            f"compressing {len(done)} of {len(self._seen)} DDP buckets ({mb_done:.3f} of {mb_all:.3f} MB) "
+            f"with {self.scheme.name if self.scheme else self.config.scheme}"
+        )
+        if squeezed:
+            text += f" ({squeezed} tensors in them go dense: 1-D, or too small for PowerSGD's rank)"
+        for why, sizes in dense.items():
+            text += f"; dense: {len(sizes)} ({sum(sizes) / 1e6:.3f} MB): {why}"
+        if self.topo.rank == 0 and self.config.log_plan:
+            log.info("gradsync DDP hook: %s", text)
+        refused = sorted({why for why in dense if why in self._refused.values()})
+        if not done or refused:
+            what = "compresses nothing in this DDP model" if not done else "cannot compress some DDP buckets"
+            warnings.warn(
+                f"gradsync: the scheme {self.config.scheme!r} {what} ({text})", RuntimeWarning, stacklevel=2
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "codec": None if self.codec is None else self.codec.state_dict()}
@@ -164,12 +213,12 @@ class HookState:
         self.manager.close()
 
 
-def _program(state: HookState, bucket: dist.GradBucket, key: str) -> Program:
+def _program(state: HookState, bucket: dist.GradBucket, key: str, compress: bool) -> Program:
     buf = bucket.buffer()
     ws = state._workspaces.setdefault(key, Workspace())
     scheme, topo = state.scheme, state.topo
     assert scheme is not None and topo is not None
-    if not state.compresses(buf, key):
+    if not compress:
         algo = scheme.algorithm if scheme.kind == "dense" else "hybrid"
         comm_dtype = scheme.comm_dtype if scheme.kind == "dense" else None
         return (yield from allreduce_program(buf, topo, algo, "mean", comm_dtype, None, ws))
@@ -203,6 +252,14 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         )
     key = state.key(bucket)
     last = bucket.is_last()
+    why = state.why_dense(buf, key)
+    plain = state.codec.codec if isinstance(state.codec, ErrorFeedback) else state.codec
+    factored_dense = 0
+    if why is None and plain is not None and is_lowrank(plain):
+        factored_dense = sum(not plain.compresses(p.shape) for p in bucket.parameters())  # type: ignore[attr-defined]
+    state.note(key, buf.numel() * buf.element_size(), why, factored_dense)
+    if last:
+        state.report()
 
     def done() -> None:
         if last:
@@ -217,7 +274,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             sequence_program(topo, state.step, forwards), "step check", None, fut.set_exception
         )
     state.manager.submit(
-        _program(state, bucket, key), f"ddp bucket {bucket.index()}", done, fut.set_exception
+        _program(state, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fut.set_exception
     )
     return fut
 
