@@ -229,15 +229,16 @@ class CostModel:
 
 
 # -------------------------------------------------------------------------------- calibration
-def _time_collective(fn: Callable[[], None], reps: int) -> float:
-    """Median over reps of the slowest rank's time (all ranks take part in the max)."""
+def _time_collective(topo: Topology, fn: Callable[[], None], reps: int) -> float:
+    """Median over reps of the slowest rank's time (all ranks take part in the max, on the
+    topology's control group: gradsync never touches the default group)."""
     times = []
     for _ in range(reps):
-        dist.barrier()
+        dist.barrier(group=topo.control_group)
         t0 = time.perf_counter()
         fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=topo.comm_device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=topo.control_group)
         times.append(float(dt))
     return statistics.median(times)
 
@@ -250,9 +251,11 @@ def _fit_ring(
     noisy machine where a least-squares intercept is not)."""
     times = []
     for s in sizes:
-        buf = torch.zeros(max(s // 4, 1))
+        buf = torch.zeros(max(s // 4, 1), device=topo.comm_device)
         times.append(
-            _time_collective(lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps)
+            _time_collective(
+                topo, lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps
+            )
         )
     alpha = times[0] / (2 * (p - 1))
     span = sizes[-1] - sizes[0]
@@ -282,9 +285,9 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     for _ in range(10):
         a.add_(b)
     gamma = (time.perf_counter() - t0) / 10 / (4 << 20)
-    g = torch.tensor([gamma], dtype=torch.float64)
+    g = torch.tensor([gamma], dtype=torch.float64, device=topo.comm_device)
     if topo.world > 1:
-        dist.all_reduce(g, op=dist.ReduceOp.MAX)
+        dist.all_reduce(g, op=dist.ReduceOp.MAX, group=topo.control_group)
     fallback = Link(0.0, 0.0)
     return CostParams(intra or inter or fallback, inter or intra or fallback, float(g))
 
