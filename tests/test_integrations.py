@@ -117,7 +117,15 @@ def lightning_world(tmp):
         warnings.simplefilter("error", RuntimeWarning)  # no "starts afresh" warning
         fit(resumed, steps=44, ckpt_path=path, accumulate_grad_batches=2)
     assert resumed.hook_state is not None and resumed.hook_state.step == 44  # 40 restored, 4 more
-    # 4. options are checked before anything starts
+    # 4. under a GradScaler (16-mixed) error feedback is told the loss scale every step
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    strategy = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0})
+    _, model = fit(strategy, steps=8, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert strategy.hook_state.loss_scale == scaler.get_scale() != 1.0
+    same_on_every_rank(params(model), "lightning 16-mixed topk")
+    # 5. options are checked before anything starts
     with pytest.raises(ValueError, match="sync: plan must be one of auto, compress, dense"):
         gradsync.lightning.Strategy("none", sync_options={"plan": "always"})
     with pytest.raises(ValueError, match="registers its own DDP comm hook"):

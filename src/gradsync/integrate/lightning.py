@@ -81,6 +81,14 @@ class Strategy(DDPStrategy):
             self._restore(self._pending)
             self._pending = None
 
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Under a GradScaler (``precision="16-mixed"``) error feedback must know the scale the
+        gradients carry, to keep its residuals in unscaled units."""
+        super().pre_backward(closure_loss)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if self.hook_state is not None and scaler is not None and scaler.is_enabled():
+            self.hook_state.loss_scale = float(scaler.get_scale())
+
     # ------------------------------------------------------------------ checkpoints
     def _signature(self) -> dict[str, Any]:
         world = dist.get_world_size() if dist.is_initialized() else 1
