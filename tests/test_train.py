@@ -4,13 +4,18 @@ worker), and every option error, reported before any process starts."""
 
 import json
 import math
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gradsync.cli import main
 from gradsync.train import checkpoint
+from gradsync.train.loop import Trainer, TrainingDiverged
+from worlds import run_world
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -122,6 +127,102 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
     assert main(other) == 1
     assert "saved by a different run (batch_size: saved 48, now 32)" in capfd.readouterr().err
 
+    # 5. a damaged checkpoint: rank 1's file has 256 garbage bytes. Both ranks refuse it before
+    # loading anything, naming the file (rank 0 passes on rank 1's reason), and the run fails
+    damaged = checkpoint.latest(tmp_path / "a") / "rank-1.pt"
+    data = bytearray(damaged.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 256] = bytes(b ^ 0xFF for b in data[mid : mid + 256])
+    damaged.write_bytes(bytes(data))
+    assert main([*BASE, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "a"), "--resume"]) == 1
+    err = capfd.readouterr().err
+    reason = f"{damaged} is damaged: its SHA-256 digest does not match the manifest"
+    assert f"gradsync: error: {reason}" in err  # rank 1
+    assert f"gradsync: error: rank 1 cannot use its checkpoint: {reason}" in err  # rank 0
+    assert "resumed from" not in err
+
+
+def test_diverging_loss_fails_every_rank(tmp_path, monkeypatch, capfd):
+    """A learning rate far too high: the loss turns non-finite within a few steps. Every rank stops
+    with exit code 1, the message says where, and no checkpoint holds the diverged model (one
+    every 2 steps: the verdict on an odd step comes a step later, on an even one at once)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ckpt = tmp_path / "ckpt"
+    argv = [*BASE, "--epochs", "1", "--lr", "1e6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    found = re.search(
+        r"gradsync train: the (?:training loss|model's parameters) became "
+        r"(?:nan|inf|non-finite \(nan or inf\)) at epoch 1, step (\d+) \(batch \d+ of 14\).*; "
+        r"lower --lr, add --clip-grad, or check the data",
+        err,
+    )
+    assert found, err
+    step = int(found.group(1))
+    assert 2 < step < 13  # found within a step, not at the epoch's end
+    folder = checkpoint.latest(ckpt)
+    assert folder is not None and folder.name == f"step-{2 * ((step - 1) // 2):08d}"  # the last before
+    model, _ = checkpoint.load(folder, 0)
+    assert all(bool(torch.isfinite(v).all()) for v in model["model"].values())
+    assert "exitcode  : 1" in err  # torchrun's failure report: the workers' own exit code
+
+
+def _fake_trainer(world, rank):
+    """What Trainer._check_finite reads, without data, model building or a launcher."""
+    return SimpleNamespace(world=world, rank=rank, net=torch.nn.Linear(3, 2), epoch=1, global_step=0, batch=0,
+                           steps_per_epoch=10, device=torch.device("cpu"), _unchecked=None)  # fmt: skip
+
+
+def _advance(t, loss, now=False):
+    t.global_step += 1
+    t.batch += 1
+    Trainer._check_finite(t, loss, now)
+
+
+def test_non_finite_loss_or_parameters_stop_training():
+    t = _fake_trainer(1, 0)
+    _advance(t, 0.5, now=True)  # finite: nothing happens
+    with pytest.raises(TrainingDiverged) as err:
+        _advance(t, float("inf"))
+    assert str(err.value) == (
+        "the training loss became inf at epoch 2, step 2 (batch 2 of 10) on rank 0; "
+        "lower --lr, add --clip-grad, or check the data"
+    )
+    t = _fake_trainer(1, 0)
+    with torch.no_grad():
+        t.net.weight[1, 2] = float("nan")
+    _advance(t, 0.5)  # parameters are looked at only before a checkpoint and at an epoch's end
+    with pytest.raises(
+        TrainingDiverged, match=r"parameters became non-finite \(nan or inf\) at epoch 2, step 2"
+    ):
+        _advance(t, 0.5, now=True)
+
+
+def _one_rank_diverges():
+    """Only rank 1's loss is NaN, at step 3: both ranks stop at the same call (the next step's,
+    as the verdict comes a step later), naming step 3 and rank 1."""
+    rank = dist.get_rank()
+    t = _fake_trainer(2, rank)
+    _advance(t, 1.0)
+    _advance(t, 0.9)
+    _advance(t, float("nan") if rank == 1 else 0.8)
+    with pytest.raises(
+        TrainingDiverged, match=r"loss became nan at epoch 2, step 3 \(batch 3 of 10\) on rank 1;"
+    ):
+        _advance(t, 0.7)
+    # the same again, decided at once (a checkpoint step): both stop at step 2 already
+    t = _fake_trainer(2, rank)
+    _advance(t, 1.0)
+    with pytest.raises(
+        TrainingDiverged, match=r"loss became inf at epoch 2, step 2 \(batch 2 of 10\) on ranks 0 to 1"
+    ):
+        _advance(t, float("inf"), now=True)
+
+
+def test_ranks_agree_on_a_diverged_loss():
+    run_world(2, _one_rank_diverges)
+
 
 @pytest.mark.parametrize(
     ("extra", "message"),
@@ -154,6 +255,19 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
         (["--timeout", "0"], "--timeout must be a positive number of seconds"),
         (["--keep-checkpoints", "0", "--checkpoint-dir", "x"], "--keep-checkpoints must be a number >= 1"),
         (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (
+            ["--checkpoint-every", "0", "--checkpoint-dir", "x"],
+            "--checkpoint-every must be a positive number of steps (omit it to save only at epoch ends), "
+            "got 0",
+        ),
+        (["--checkpoint-every", "-3", "--checkpoint-dir", "x"], "--checkpoint-every must be a positive"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be a positive"),
+        (["--checkpoint-dir", __file__], "--checkpoint-dir must be a folder"),
+        (["--json", "no-such-folder/x.json"], "--json must be a file path in an existing folder"),
+        (["--seq-len", "0"], "--seq-len must be a number >= 1"),
+        (["--batch-size", "-4"], "--batch-size must be a number >= 1"),
+        (["--nproc", "0"], "--nproc must be a number >= 1"),
+        (["--nodes", "0", "--per-node", "2"], "--nodes must be a number >= 1"),
         (["--data", "synthetic-images:size=0"], "--data"),
     ],
 )

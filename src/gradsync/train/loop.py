@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import signal
 import sys
@@ -35,6 +36,39 @@ from gradsync.train.optim import build_optimizer, build_scheduler
 from gradsync.train.options import sync_config
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss (or the parameters) stopped being finite; raised on every rank at the
+    same step."""
+
+
+# one step's finiteness flags: the all-reduce (None in a world of one), its tensor (lowest and
+# highest rank with a non-finite loss, whether it was NaN, lowest rank with non-finite
+# parameters; ranks encoded so that MAX combines them), and where the step was
+_Flags = tuple[Any, torch.Tensor, str]
+
+_HINT = "lower --lr, add --clip-grad, or check the data"
+
+
+def _verdict(flags: _Flags, world: int, quiet: bool = False) -> None:
+    """Wait for one step's flags and raise :class:`TrainingDiverged` if they say so."""
+    work, t, where = flags
+    if work is not None:
+        work.wait()
+    if quiet:
+        return
+    low_loss, high_loss, nan, low_params = t.tolist()
+    if low_loss > 0:
+        lowest, highest = world - int(low_loss), int(high_loss) - 1
+        ranks = f"rank {lowest}" if lowest == highest else f"ranks {lowest} to {highest}"
+        kind = "nan" if nan > 0 else "inf"
+        raise TrainingDiverged(f"the training loss became {kind} {where} on {ranks}; {_HINT}")
+    if low_params > 0:
+        raise TrainingDiverged(
+            f"the model's parameters became non-finite (nan or inf) {where}, first seen on rank "
+            f"{world - int(low_params)}; {_HINT}"
+        )
 
 
 def default_model(task: str) -> str:
@@ -82,6 +116,7 @@ class Trainer:
         self.epoch, self.batch, self.global_step = 0, 0, 0
         self.meter = EpochMeter()
         self.history: list[dict[str, Any]] = []
+        self._unchecked: _Flags | None = None  # the last step's finiteness flags, in flight
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.checkpoint_dir and (args.resume or restarted):
             self._resume()
@@ -211,6 +246,44 @@ class Trainer:
         self.scheduler.step()
         return float(loss.detach())
 
+    def _check_finite(self, loss: float, now: bool) -> None:
+        """Stop every rank at the same step once any rank's loss is NaN or infinite.
+
+        Each step's flags travel in one small all-reduce on the default group (gradsync's engine
+        communicates on its own groups). It is started without waiting and read after the next
+        step, so its latency hides behind that step's compute; every rank reads it at the same
+        point, so all of them stop together, one step after the bad one. With ``now`` (before a
+        checkpoint is saved, at an epoch's end) the parameters are checked too and the verdict
+        is awaited at once: no checkpoint keeps a diverged model. A step that a GradScaler
+        skipped for an overflowing gradient leaves the loss finite and passes."""
+        bad_loss = not math.isfinite(loss)
+        bad_params = False
+        if now:
+            finite = [torch.isfinite(p).all() for p in self.net.parameters()]
+            bad_params = bool(finite) and not bool(torch.stack(finite).all())
+        up = self.world - self.rank  # under MAX the largest value marks the lowest rank
+        t = torch.tensor(
+            [up * bad_loss, (self.rank + 1) * bad_loss, float(math.isnan(loss)), up * bad_params],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True) if self.world > 1 else None
+        where = (
+            f"at epoch {self.epoch + 1}, step {self.global_step} "
+            f"(batch {self.batch} of {self.steps_per_epoch})"
+        )
+        mine: _Flags = (work, t, where)
+        earlier, self._unchecked = self._unchecked, mine
+        if earlier is not None:
+            try:
+                _verdict(earlier, self.world)
+            except TrainingDiverged:
+                _verdict((work, t, ""), self.world, quiet=True)  # leave no collective in flight
+                raise
+        if now or work is None:
+            self._unchecked = None
+            _verdict(mine, self.world)
+
     def _maybe_crash(self) -> None:
         a = self.args
         first_try = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -282,15 +355,21 @@ class Trainer:
                     t0 = time.perf_counter()
                     loss = self._step(x, y)
                     dt = time.perf_counter() - t0
-                    self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
                     self.batch += 1
                     self.global_step += 1
-                    bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
-                    if (
-                        a.checkpoint_every
+                    save_now = bool(
+                        a.checkpoint_dir
+                        and a.checkpoint_every
                         and self.global_step % a.checkpoint_every == 0
-                        and (self.batch < self.steps_per_epoch)
-                    ):
+                        and self.batch < self.steps_per_epoch
+                    )
+                    # the parameters are checked where they matter: before a checkpoint keeps
+                    # them and at the epoch's end (the next loss would show them anyway), and
+                    # there the verdict is awaited at once; elsewhere it comes one step later
+                    self._check_finite(loss, save_now or self.batch == self.steps_per_epoch)
+                    self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
+                    if save_now:
                         self._save()
                     self._maybe_crash()
             record = {"epoch": self.epoch + 1}
@@ -359,10 +438,17 @@ def _epoch_line(r: dict[str, Any]) -> str:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """The worker's entry point: train, print the summary on rank 0, write ``--json``."""
-    trainer = Trainer(args)
+    """The worker's entry point: train, print the summary on rank 0, write ``--json``. A run
+    whose loss diverged returns 1 on every rank (the message is printed once per machine)."""
     try:
-        summary = trainer.run()
+        trainer = Trainer(args)
+        try:
+            summary = trainer.run()
+        except TrainingDiverged as e:
+            trainer.model.close()
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per machine
+                print(f"gradsync train: {e}", file=sys.stderr, flush=True)
+            return 1
         if summary is not None:
             from gradsync.train.progress import print_summary
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from gradsync.sync import Scheme, SyncConfig
@@ -114,9 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--checkpoint-every",
         type=int,
-        default=0,
+        default=None,
         metavar="STEPS",
-        help="also save every STEPS optimizer steps (0: only at epoch ends)",
+        help="also save every STEPS optimizer steps (default: only at epoch ends)",
     )
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
     g.add_argument(
@@ -172,7 +173,11 @@ def validate(args: argparse.Namespace) -> None:
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
         raise ValueError(f"--clip-grad must be a positive number, got {args.clip_grad!r}")
     _at_least("--max-restarts", args.max_restarts, 0)
-    _at_least("--checkpoint-every", args.checkpoint_every, 0)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ValueError(
+            "--checkpoint-every must be a positive number of steps (omit it to save only at epoch "
+            f"ends), got {args.checkpoint_every}"
+        )
     _at_least("--keep-checkpoints", args.keep_checkpoints, 1)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
@@ -189,8 +194,16 @@ def validate(args: argparse.Namespace) -> None:
             )
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if args.checkpoint_every and not args.checkpoint_dir:
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise ValueError(f"--checkpoint-dir must be a folder, {args.checkpoint_dir!r} is a file")
+    if args.json and os.environ.get("RANK", "0") == "0":
+        # checked now rather than when the summary is written after the whole run (by rank 0,
+        # whose machine is the one that needs the folder)
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder):
+            raise ValueError(f"--json must be a file path in an existing folder, got {args.json!r}")
     Scheme.parse(args.scheme)
     sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
 
