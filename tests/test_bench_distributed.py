@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from gradsync.bench import train as bench_train
 from gradsync.cli import main
 from worlds import run_world
 
@@ -107,6 +108,51 @@ def train_bench(tmp):
     assert len(Path(tm).read_text().splitlines()) == 2 + len(rows)
 
 
+def _row(contender, step_ms, exposed_ms, sent_mb):
+    """A measured row as ``bench step`` produces it (the fields derive() reads)."""
+    return {"contender": contender, "step_ms": step_ms, "forward_ms": 1.0, "backward_ms": 2.0,
+            "optimizer_ms": 0.5, "exposed_ms": exposed_ms, "compress_ms": None, "comm_ms": None,
+            "sent_mb": sent_mb, "cable_mb": None, "compressed_buckets": "", "steps": 2}  # fmt: skip
+
+
+def test_train_benchmark_summary_without_local():
+    """``--contenders ddp,auto``: every figure that needs ``local`` is null in JSON and "n/a" in
+    the table and the headline; the others are still computed. Hand-made rows, no run."""
+    rows = [_row("ddp", 100.0, 20.0, {}), _row("auto", 80.0, 5.0, {"inter": 1.5})]
+    # 2 workers x 4 samples; one worker alone takes 100 ms per step of 4 samples = 40 samples/s
+    bench_train.derive(rows, world=2, per_node=1, batch=4, single_s=0.1)
+    ddp, auto = rows
+    assert ddp["samples_per_s"] == pytest.approx(80.0) and auto["samples_per_s"] == pytest.approx(100.0)
+    assert auto["speedup_vs_ddp"] == pytest.approx(1.25)
+    assert auto["scaling_factor"] == pytest.approx(100.0 / (2 * 40.0))
+    assert ddp["scaling_vs_local"] is None and auto["scaling_vs_local"] is None
+    summary = bench_train.summarize(rows)
+    assert summary["best"] == "auto" and summary["best_over_ddp"] == pytest.approx(1.25)
+    result = {"rows": rows, "summary": summary}
+    again = json.loads(json.dumps(result))
+    assert again["summary"]["best_scaling_vs_local"] is None
+    assert [r["scaling_vs_local"] for r in again["rows"]] == [None, None]
+    assert bench_train.headline(summary) == (
+        "best gradsync contender auto: 1.25x DDP's samples/s, scaling factor 1.25 (vs local n/a)"
+    )
+    lines = bench_train.markdown(result).splitlines()
+    assert len(lines) == 4
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    split = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    cells = {row[0]: row for row in split}
+    assert cells["auto"][header.index("vs local")] == "n/a"
+    assert cells["auto"][header.index("scaling factor")] == "1.25"
+    assert cells["ddp"][header.index("MB/worker/step across nodes")] == "n/a"  # DDP off the testbed
+    assert cells["auto"][header.index("MB/worker/step across nodes")] == "1.50"
+    # without DDP and without local, the headline keeps what it has
+    alone = [_row("auto", 80.0, 5.0, {})]
+    bench_train.derive(alone, world=2, per_node=1, batch=4, single_s=0.0)
+    assert bench_train.headline(bench_train.summarize(alone)) == (
+        "best gradsync contender auto: scaling factor n/a (vs local n/a)"
+    )
+    assert bench_train.headline(bench_train.summarize([_row("ddp", 1.0, 0.0, {})])) is None
+
+
 def test_train_benchmark_against_ddp_hooks_on_two_ranks(tmp_path):
     run_world(2, train_bench, str(tmp_path))
 
@@ -136,6 +182,13 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         (["bench", "train", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
         (["bench", "train", "--emulate", "2x2", "--link", "fast"], "--link must be a rate like 100mbit"),
         (["bench", "collectives", "--sizes-mb", "0"], "--sizes-mb must be positive"),
+        (["bench", "train", "--contenders", ","], "--contenders must name at least one contender"),
+        (["bench", "train", "--contenders", "ddp,auto,ddp"], "--contenders names 'ddp' more than once"),
+        (["bench", "train", "--timeout", "0"], "--timeout must be a positive number of seconds"),
+        (["bench", "train", "--timeout", "nan"], "--timeout must be a positive number of seconds"),
+        (["bench", "train", "--nodes", "2"], "--nodes and --per-node go together"),
+        (["bench", "train", "--nodes", "0", "--per-node", "2"], "--nodes must be at least 1"),
+        (["bench", "train", "--steps", "0"], "--steps must be at least 1"),
     ],
 )
 def test_benchmark_argument_errors_come_before_any_process_group(argv, message, capsys, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import re
 import statistics
@@ -175,9 +176,14 @@ COLUMNS = (
 )
 
 
+def _num(v: float | None, fmt: str) -> str:
+    """A figure for the table, or "n/a" where it could not be measured (a ratio to a contender
+    that was not run, the crossing bytes of DDP off the testbed)."""
+    return "n/a" if v is None else format(v, fmt)
+
+
 def _cells(r: dict[str, Any]) -> list[str]:
-    def f(v: float | None, fmt: str) -> str:
-        return "" if v is None else format(v, fmt)
+    f = _num
 
     return [
         r["contender"],
@@ -190,6 +196,24 @@ def _cells(r: dict[str, Any]) -> list[str]:
         f(r["scaling_factor"], ".2f"),
         f(r["scaling_vs_local"], ".2f"),
     ]
+
+
+def headline(summary: dict[str, Any]) -> str | None:
+    """The summary as one line (None when no gradsync contender ran); a ratio whose reference
+    (``ddp``, a DDP hook, ``local``) was not among the contenders is left out or shown "n/a"."""
+    if "best" not in summary:
+        return None
+    parts = [f"best gradsync contender {summary['best']}:"]
+    if "best_over_ddp" in summary:
+        parts.append(f"{summary['best_over_ddp']:.2f}x DDP's samples/s,")
+    if "best_hook" in summary:
+        hook = summary["best_hook"]
+        parts.append(f"{summary['best_over_best_hook']:.2f}x the best PyTorch hook's ({hook}),")
+    parts.append(
+        f"scaling factor {_num(summary['best_scaling_factor'], '.2f')} "
+        f"(vs local {_num(summary['best_scaling_vs_local'], '.2f')})"
+    )
+    return " ".join(parts)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -242,9 +266,20 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 2:
         raise ValueError(f"--warmup must be at least 2 (the PowerSGD hook's dense start), got {args.warmup}")
-    for c in args.contenders.split(","):
-        if c.strip():
-            bench_step._contender(c.strip())
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if not names:
+        raise ValueError(f"--contenders must name at least one contender, got {args.contenders!r}")
+    for c in names:
+        bench_step._contender(c)
+        if names.count(c) > 1:
+            raise ValueError(f"--contenders names {c!r} more than once")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    for name in ("nodes", "per_node"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
     if args.emulate and "RANK" not in os.environ:
         m = _EMULATE.match(args.emulate)
@@ -278,18 +313,9 @@ def main(args: argparse.Namespace) -> int:
         for r in result["rows"]:
             table.add_row(*_cells(r))
         (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
-        s = result["summary"]
-        if "best_over_ddp" in s:
-            print(
-                f"best gradsync contender {s['best']}: {s['best_over_ddp']:.2f}x DDP's samples/s"
-                + (
-                    f", {s['best_over_best_hook']:.2f}x the best PyTorch hook's ({s['best_hook']})"
-                    if "best_hook" in s
-                    else ""
-                )
-                + f", scaling factor {s['best_scaling_factor']:.2f}"
-                + f" (vs local {s['best_scaling_vs_local']:.2f})"
-            )
+        line = headline(result["summary"])
+        if line is not None:
+            print(line)
         save_result(result, args.json, args.markdown, markdown(result))
         if args.png:
             plot(result, args.png)
