@@ -69,6 +69,8 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
     last = s["history"][-1]
     # the large tensors travel as 5 % top-k: far fewer bytes than a dense ring all-reduce
     assert last["compression_ratio"] > 3
+    # and the summary says what was compressed and why the rest was not
+    assert s["plan_summary"].startswith("compressing ") and "min_compress_bytes" in s["plan_summary"]
     assert last["val_accuracy"] > 0.5  # 2 epochs already learn digits (10 classes: chance is 0.1)
     reference = _final_model(tmp_path / "a")
 

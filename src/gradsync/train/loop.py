@@ -411,6 +411,7 @@ class Trainer:
             "scheme": a.scheme,
             "plan": a.plan,
             "plan_table": self.model.plan_table(),
+            "plan_summary": self.model.engine.report.summary if self.model.engine.report else "",
             "world": self.world,
             "nodes": self.topo.nodes,
             "per_node": self.topo.per_node,

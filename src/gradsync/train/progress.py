@@ -92,3 +92,5 @@ def print_summary(summary: dict[str, Any]) -> None:
     (Console() if sys.stdout.isatty() else Console(width=160)).print(table)
     if summary.get("plan_table"):
         print("synchronization plan:\n" + summary["plan_table"])
+    if summary.get("plan_summary"):
+        print(summary["plan_summary"])
