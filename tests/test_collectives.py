@@ -204,6 +204,44 @@ def check_pipelined_hitopk(topo):
     torch.testing.assert_close(t, ref[:n])
 
 
+def recording_codec(spec):
+    """A codec whose encode calls note the element count they were given."""
+    codec, seen = gradsync.build_codec(spec), []
+    plain_encode = codec.encode
+
+    def encode(x, ctx=None, **kw):
+        seen.append(x.numel())
+        return plain_encode(x, ctx, **kw)
+
+    codec.encode = encode
+    return codec, seen
+
+
+def check_encode_numels_are_what_the_programs_encode(topo):
+    """encode_numels (which wrap and the hook use to refuse a codec before anything runs) lists
+    exactly the sizes the strategies hand the codec."""
+    import gradsync.collectives.compressed as compressed
+
+    old, compressed._MIN_CHUNK_BYTES = compressed._MIN_CHUNK_BYTES, 64  # pipelining at these sizes
+    try:
+        for n in (7, 1001, 4099):
+            for strategy, local in (("allgather", False), ("ring", False), ("ps", False), ("allgather", True),
+                                    ("ring", True), ("ps", True)):  # fmt: skip
+                codec, seen = recording_codec("topk:density=0.3")
+                compressed_allreduce(torch.randn(n), topo, codec, strategy, local, pipeline=3)
+                want = compressed.encode_numels(n, strategy, local, topo.nodes, topo.per_node, pipeline=3)
+                # ring and ps also encode merged aggregates (of the same sizes) and empty pieces
+                assert sorted({m for m in seen if m}) == [m for m in want if m], (
+                    n,
+                    strategy,
+                    local,
+                    seen,
+                    want,
+                )
+    finally:
+        compressed._MIN_CHUNK_BYTES = old
+
+
 def ring_reference(xs, k):
     """The CaSync ring on p simulated ranks with an exact top-k "codec"."""
     p = len(xs)
@@ -362,6 +400,7 @@ def world_checks():
         check_bad_peer_index(topo)
         check_naive_and_hitopk(topo)
         check_pipelined_hitopk(topo)
+        check_encode_numels_are_what_the_programs_encode(topo)
         check_ring_and_ps(topo)
         check_lowrank(topo)
         check_error_feedback_is_conserved(topo)
