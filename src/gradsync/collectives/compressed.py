@@ -310,6 +310,29 @@ def encode_numels(
     return [numel] if strategy == "allgather" else _split_sizes(numel, world)
 
 
+def codec_refusal(
+    codec: Codec | ErrorFeedback,
+    numel: int,
+    strategy: str,
+    local_aggregation: bool,
+    nodes: int,
+    per_node: int,
+    itemsize: int = 4,
+) -> str | None:
+    """Why ``codec`` cannot take the sizes its encode calls would see when a tensor of ``numel``
+    elements is reduced this way (the codec's own words, e.g. a ``k`` above one of them), or
+    None when it can. Low-rank codecs take any size (what they cannot factor goes dense)."""
+    plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+    if is_lowrank(plain):
+        return None
+    for n in encode_numels(numel, strategy, local_aggregation, nodes, per_node, itemsize=itemsize):
+        try:
+            plain.check_numel(n)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def _split_sizes(numel: int, parts: int) -> list[int]:
     """The sizes ``torch.tensor_split`` cuts ``numel`` elements into."""
     return sorted({numel // parts + (1 if i < numel % parts else 0) for i in range(parts)})

@@ -61,16 +61,14 @@ def agreed(
     build: Callable[[], T],
     describe: Callable[[T], str],
     model: nn.Module | None,
-    check: Callable[[T], None] | None = None,
 ) -> T:
-    """``build()`` (then ``check(value)``) on every rank, then check that every rank built the
-    same thing for the same model (``describe`` renders it). Raises the local error if every
-    rank failed the same way, else :class:`~gradsync.collectives.MismatchError`."""
+    """``build()`` on every rank (it may raise ``ValueError``/``TypeError`` for bad input), then
+    check that every rank built the same thing for the same model (``describe`` renders it).
+    Raises the local error if every rank failed the same way, else
+    :class:`~gradsync.collectives.MismatchError`."""
     error: Exception | None = None
     try:
         value = build()
-        if check is not None:
-            check(value)
         text = describe(value)
     except (ValueError, TypeError) as e:
         error, text = e, f"invalid: {e}"

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.codecs import ErrorFeedback
 from gradsync.codecs.ops import Workspace
-from gradsync.collectives.compressed import compressed_program, encode_numels, is_lowrank
+from gradsync.collectives.compressed import codec_refusal, compressed_program, is_lowrank
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology, TopologyError
@@ -82,7 +82,7 @@ class HookState:
         # parameter names, for state keys that match wrap()'s (internal)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._workspaces: dict[str, Workspace] = {}
-        self._refused: dict[str, str] = {}  # bucket key -> why the codec cannot compress it
+        self._refusals: dict[str, str | None] = {}  # bucket key -> why the codec cannot take it
         self._seen: dict[str, tuple[int, str | None, int]] = {}  # first compressed iteration's buckets
         self._reported = False
         self._counting = model.register_forward_pre_hook(self._count_forward) if model is not None else None
@@ -140,31 +140,30 @@ class HookState:
         return self._codec_refuses(buffer, key)
 
     def _codec_refuses(self, buffer: torch.Tensor, key: str) -> str | None:
-        """Why the codec cannot take the sizes its encode calls would see (None: it can)."""
-        if key in self._refused:
-            return self._refused[key]
+        """Why the codec cannot take this bucket (None: it can); worked out once per bucket
+        (its key names the same parameters every time)."""
         assert self.codec is not None and self.scheme is not None and self.topo is not None
-        if self.scheme.local and self.topo.nodes == 1:
+        s, t = self.scheme, self.topo
+        if s.local and t.nodes == 1:
             return "one node: nothing crosses a node, so it is reduced densely inside it"
-        plain = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec
-        if is_lowrank(plain):
-            return None
-        sizes = encode_numels(
-            buffer.numel(), self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
-            self.topo.per_node, itemsize=buffer.element_size(),
-        )  # fmt: skip
-        try:
-            for n in sizes:
-                plain.check_numel(n)
-        except ValueError as e:
-            self._refused[key] = f"{e}"
-            return self._refused[key]
-        return None
+        if key not in self._refusals:
+            self._refusals[key] = codec_refusal(
+                self.codec, buffer.numel(), s.strategy or "allgather", bool(s.local), t.nodes, t.per_node,
+                buffer.element_size(),
+            )  # fmt: skip
+        return self._refusals[key]
 
-    def note(self, key: str, nbytes: int, why: str | None, lowrank_dense: int) -> None:
-        """Remember how a bucket went in the first compressed iteration (for :meth:`report`)."""
-        if self.codec is not None and not self._reported and not self.dense_step():
-            self._seen[key] = (nbytes, why, lowrank_dense)
+    def note(self, key: str, bucket: dist.GradBucket, why: str | None) -> None:
+        """Remember how a bucket went in the first compressed iteration (for :meth:`report`);
+        a no-op once that iteration is over."""
+        if self.codec is None or self._reported or self.dense_step():
+            return
+        plain = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec
+        factored_dense = 0  # tensors of a compressed bucket that PowerSGD sends dense
+        if why is None and is_lowrank(plain):
+            factored_dense = sum(not plain.compresses(p.shape) for p in bucket.parameters())  # type: ignore[attr-defined]
+        buf = bucket.buffer()
+        self._seen[key] = (buf.numel() * buf.element_size(), why, factored_dense)
 
     def report(self) -> None:
         """After the first compressed iteration: rank 0 logs what is compressed and why the rest
@@ -190,7 +189,7 @@ class HookState:
             text += f"; dense: {len(sizes)} ({sum(sizes) / 1e6:.3f} MB): {why}"
         if self.topo.rank == 0 and self.config.log_plan:
             log.info("gradsync DDP hook: %s", text)
-        refused = sorted({why for why in dense if why in self._refused.values()})
+        refused = sorted({why for why in dense if why in self._refusals.values()})
         if not done or refused:
             what = "compresses nothing in this DDP model" if not done else "cannot compress some DDP buckets"
             warnings.warn(
@@ -253,11 +252,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     key = state.key(bucket)
     last = bucket.is_last()
     why = state.why_dense(buf, key)
-    plain = state.codec.codec if isinstance(state.codec, ErrorFeedback) else state.codec
-    factored_dense = 0
-    if why is None and plain is not None and is_lowrank(plain):
-        factored_dense = sum(not plain.compresses(p.shape) for p in bucket.parameters())  # type: ignore[attr-defined]
-    state.note(key, buf.numel() * buf.element_size(), why, factored_dense)
+    state.note(key, bucket, why)
     if last:
         state.report()
 

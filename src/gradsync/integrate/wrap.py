@@ -135,12 +135,8 @@ class GradSync(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ Join
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For :class:`~torch.distributed.algorithms.Join` (takes ``divide_by_initial_world_size``)."""
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise ValueError(
-                f"gradsync: Join options must be divide_by_initial_world_size, got {sorted(unknown)}"
-            )
+        """For :class:`~torch.distributed.algorithms.Join`: reads ``divide_by_initial_world_size``
+        and, like DDP's, ignores options meant for the context's other joinables."""
         return _JoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
 
     @property

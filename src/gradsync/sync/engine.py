@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from gradsync.codecs import Codec, ErrorFeedback
 from gradsync.collectives import primitives as P
-from gradsync.collectives.compressed import codec_spec, compressed_program, encode_numels, is_lowrank
+from gradsync.collectives.compressed import codec_refusal, codec_spec, compressed_program, is_lowrank
 from gradsync.collectives.cost import CostModel, CostParams, Link, calibrate, measure_codec
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
@@ -141,9 +141,6 @@ class SyncEngine:
         largest bucket this model can form (e.g. ``topk:k=100000`` on tensors that hold fewer
         elements); smaller buckets it cannot take are left dense by the plan, which says so."""
         for cid, codec in enumerate(self.codecs):
-            plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
-            if is_lowrank(plain):
-                continue
             kinds: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
             for s in self.slots:
                 if self.codec_class(s) == cid:
@@ -154,20 +151,14 @@ class SyncEngine:
                 # a bucket closes once it holds bucket_bytes, so none exceeds this
                 cap = (self.config.bucket_bytes - 1) // itemsize + max(s.numel for s in members)
                 largest = min(total, cap)
-                sizes = encode_numels(
-                    largest, self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
-                    self.topo.per_node, itemsize=itemsize,
-                )  # fmt: skip
-                try:
-                    for n in sizes[-1:]:
-                        plain.check_numel(n)
-                except ValueError as e:
+                why = self._refusal(codec, largest, itemsize)
+                if why is not None:
                     raise ValueError(
-                        f"{e}: the largest bucket of this model's compressible {members[0].param.dtype} "
-                        f"tensors ({len(members)} tensors, {largest} elements) gives the codec at most {n} "
-                        f"elements per encode under {self.scheme.name} on {self.topo.nodes} x "
-                        f"{self.topo.per_node}; use a density instead of k"
-                    ) from None
+                        f"{why}: the largest bucket of this model's compressible {members[0].param.dtype} "
+                        f"tensors ({len(members)} tensors, {largest} elements) is too small for it under "
+                        f"{self.scheme.name} on {self.topo.nodes} x {self.topo.per_node}; use a density "
+                        "instead of k"
+                    )
 
     def codec_class(self, slot: Slot) -> int:
         """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
@@ -190,7 +181,7 @@ class SyncEngine:
             if not self._in_step:
                 self._begin_step()
             if self._ready_at[index] is not None:
-                raise RuntimeError(
+                raise SyncError(
                     f"gradsync: the gradient of {self.slots[index].name!r} became ready twice in one "
                     "synchronized backward pass (backward called twice without finish_sync()? "
                     "use no_sync() for gradient accumulation)"
@@ -230,7 +221,7 @@ class SyncEngine:
             return None
         with self._lock, self._failing():
             if self._in_step:
-                raise RuntimeError("gradsync: a rank cannot join while its own step is unfinished")
+                raise SyncError("gradsync: a rank cannot join while its own step is unfinished")
             self._begin_step(shadow=True)
             self._backward_end_at = time.perf_counter()
             for b in self._buckets:
@@ -281,10 +272,8 @@ class SyncEngine:
 
     def _explained(self, e: BaseException) -> BaseException:
         root = e.__cause__ if isinstance(e, TaskError) and e.__cause__ is not None else e
-        if isinstance(root, (ValueError, TypeError, KeyboardInterrupt)) or not isinstance(root, Exception):
-            return root  # a configuration error or a mismatch, already named; or an interrupt
-        if isinstance(root, RuntimeError) and "gradsync:" in str(root):
-            return root
+        if isinstance(root, (ValueError, TypeError, SyncError)) or not isinstance(root, Exception):
+            return root  # a configuration error, a mismatch or misuse, already named; or an interrupt
         return SyncError(
             f"gradsync: rank {self.topo.rank} could not synchronize step {self.step} "
             f"({type(root).__name__}: {root}). Another rank stopped synchronizing: it failed, was "
@@ -483,23 +472,19 @@ class SyncEngine:
     def codec_rejects(self, codec_id: int, slots: list[int], parts: int) -> str | None:
         """Why codec ``codec_id`` cannot compress a bucket of ``slots`` in ``parts`` parts (None
         when it can): the element counts its encode calls would see, checked by the codec."""
-        codec = self.codecs[codec_id]
-        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
-        if is_lowrank(plain):
-            return None  # PowerSGD sends what it cannot factor dense, tensor by tensor (reported)
         numel = sum(self.slots[i].numel for i in slots)
-        itemsize = self.slots[slots[0]].param.element_size()
         for part in range(parts):
-            n = numel * (part + 1) // parts - numel * part // parts
-            for m in encode_numels(
-                n, self.scheme.strategy or "allgather", bool(self.scheme.local), self.topo.nodes,
-                self.topo.per_node, itemsize=itemsize,
-            ):  # fmt: skip
-                try:
-                    plain.check_numel(m)
-                except ValueError as e:
-                    return str(e)
+            why = self._refusal(self.codecs[codec_id], numel * (part + 1) // parts - numel * part // parts,
+                                self.slots[slots[0]].param.element_size())  # fmt: skip
+            if why is not None:
+                return why
         return None
+
+    def _refusal(self, codec: Codec | ErrorFeedback, numel: int, itemsize: int) -> str | None:
+        s, t = self.scheme, self.topo
+        return codec_refusal(
+            codec, numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node, itemsize
+        )
 
     def _report_plan(self, seconds: float) -> None:
         """Say what the plan compresses and why the rest is not: one line on rank 0 (logger
