@@ -428,6 +428,12 @@ def test_bad_topologies_fail_on_every_rank():
     run_world(4, bad_layouts, env={"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "{rank}", "LOCAL_RANK": "{rank}"})
 
 
+def test_topology_sizes_must_be_positive_integers():
+    for nodes, per_node in ((0, 1), (True, 1), (1, 2.0), (-1, 1)):
+        with pytest.raises(TopologyError, match="must be a positive integer"):
+            Topology(nodes=nodes, per_node=per_node)
+
+
 def test_trivial_topology_without_a_process_group():
     topo = Topology()
     assert (topo.nodes, topo.per_node, topo.world, topo.rank) == (1, 1, 1, 0)
