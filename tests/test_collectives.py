@@ -177,19 +177,19 @@ def check_naive_and_hitopk(topo):
 
 def check_pipelined_hitopk(topo):
     """hitopk in chunks: top-k applies per chunk of every node's shard."""
-    import gradsync.collectives.compressed as compressed
+    import gradsync.collectives.hitopk_pipeline as pipeline
 
     if topo.nodes < 2 or topo.per_node < 2:  # (with one rank per node there is no local aggregation)
         return
     rank, world, per = topo.rank, topo.world, topo.per_node
     n = 1001
     xs = inputs(world, n, seed=13, integer=False)
-    old, compressed._MIN_CHUNK_BYTES = compressed._MIN_CHUNK_BYTES, 16
+    old, pipeline._MIN_CHUNK_BYTES = pipeline._MIN_CHUNK_BYTES, 16
     try:
         t = xs[rank].clone()
         hitopk(t, topo, gradsync.build_codec("topk:density=0.05"), op="sum", key="pipe", pipeline=3)
     finally:
-        compressed._MIN_CHUNK_BYTES = old
+        pipeline._MIN_CHUNK_BYTES = old
     total = -(-n // per) * per
     per_chunk = math.ceil(math.ceil(total / 3) / per) * per
     ref = torch.zeros(total)
@@ -221,8 +221,9 @@ def check_encode_numels_are_what_the_programs_encode(topo):
     """encode_numels (which wrap and the hook use to refuse a codec before anything runs) lists
     exactly the sizes the strategies hand the codec."""
     import gradsync.collectives.compressed as compressed
+    import gradsync.collectives.hitopk_pipeline as pipeline
 
-    old, compressed._MIN_CHUNK_BYTES = compressed._MIN_CHUNK_BYTES, 64  # pipelining at these sizes
+    old, pipeline._MIN_CHUNK_BYTES = pipeline._MIN_CHUNK_BYTES, 64  # pipelining at these sizes
     try:
         for n in (7, 1001, 4099):
             for strategy, local in (("allgather", False), ("ring", False), ("ps", False), ("allgather", True),
@@ -239,7 +240,7 @@ def check_encode_numels_are_what_the_programs_encode(topo):
                     want,
                 )
     finally:
-        compressed._MIN_CHUNK_BYTES = old
+        pipeline._MIN_CHUNK_BYTES = old
 
 
 def ring_reference(xs, k):
@@ -445,7 +446,9 @@ def test_trivial_topology_without_a_process_group():
 
 
 def test_result_pieces_round_trip_and_reject_corruption():
-    from gradsync.collectives.compressed import _pack, _Piece, _unpack
+    from gradsync.collectives.pieces import Piece as _Piece
+    from gradsync.collectives.pieces import pack_pieces as _pack
+    from gradsync.collectives.pieces import unpack_pieces as _unpack
 
     codec = gradsync.build_codec("topk:k=3")
     a, b = codec.encode(torch.randn(10)), codec.encode(torch.randn(6))

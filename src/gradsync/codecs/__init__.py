@@ -8,6 +8,7 @@
 """
 
 from gradsync.codecs.base import Codec, EncodeContext, Stream
+from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig, OptionsConfig, SparsityConfig
 from gradsync.codecs.feedback import ErrorFeedback, FeedbackConfig
 from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Payload
@@ -17,6 +18,7 @@ __all__ = [
     "HEADER_BYTES",
     "Codec",
     "CodecConfig",
+    "Compressor",
     "EncodeContext",
     "ErrorFeedback",
     "FeedbackConfig",

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig
 from gradsync.codecs.ops.backend import backend
 from gradsync.codecs.ops.random import make_generator
@@ -59,23 +60,13 @@ class Stream:
     generator: torch.Generator | None = None
 
 
-class Codec(abc.ABC):
+class Codec(Compressor):
     """Base class: input checks, streams, state, payload plumbing, the operator backend."""
 
-    name: ClassVar[str]
     Config: ClassVar[type[CodecConfig]]
     StreamType: ClassVar[type[Stream]] = Stream
-    aggregatable: ClassVar[bool] = False
-    """Payloads (their value section) can be summed without decoding: decode(sum) == sum(decode)."""
-    sparse: ClassVar[bool] = False
-    """The payload is (indices, values): the codec transmits a subset of the elements."""
-    lossless: ClassVar[bool] = False
-    randomized: ClassVar[bool] = False
-    """Encoding draws random numbers (from the stream's generator)."""
-    summable: ClassVar[bool] = False
-    """Payloads have a value section (:meth:`values`) that adds up across ranks in one round."""
-    agreed_scale: ClassVar[bool] = False
-    """Payloads only sum when encoded with the same ``EncodeContext.amax`` on every rank."""
+    # traits (see gradsync.codecs.compressor): subclasses set sparse, lossless, randomized,
+    # summable, agreed_scale, lowrank and biased as class attributes
 
     def __init__(self, config: CodecConfig) -> None:
         if not isinstance(config, self.Config):
@@ -87,10 +78,26 @@ class Codec(abc.ABC):
         self._backend = "compiled" if config.compile else None
 
     # ------------------------------------------------------------------ public API
+    @property
+    def plain(self) -> Codec:
+        return self
+
+    def spec(self) -> str:
+        return self.config.spec()
+
+    def fresh(self) -> Codec:
+        return type(self)(self.config)
+
     def encode(
-        self, x: torch.Tensor, ctx: EncodeContext | None = None, *, out: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ctx: EncodeContext | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
     ) -> Payload:
-        """Compress ``x``. ``out`` (uint8, at least :meth:`max_nbytes`) avoids an allocation."""
+        """Compress ``x``. ``out`` (uint8, at least :meth:`max_nbytes`) avoids an allocation.
+        ``loss_scale`` is unused: a codec's state does not depend on the gradient's scale."""
         ctx = ctx or EncodeContext()
         flat = self._flatten(x)
         self.check_numel(flat.numel())
@@ -153,7 +160,7 @@ class Codec(abc.ABC):
         """An upper bound of the payload size (the capacity an ``out`` buffer needs)."""
         return self._max_nbytes(numel, _shape(numel, shape), dtype)
 
-    def check_numel(self, numel: int) -> None:  # noqa: B027 - a hook with a no-op default
+    def check_numel(self, numel: int) -> None:
         """Raise ``ValueError`` if this codec's config cannot be applied to ``numel`` elements."""
 
     def payload_from_bytes(
@@ -176,11 +183,6 @@ class Codec(abc.ABC):
         """The section of a payload that can be summed across ranks in place (single-round
         summable codecs: none, fp16, bf16); None for every other codec."""
         return None
-
-    def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
-        """Indices (into the flattened tensor) a sparse payload carries; ``None`` for dense codecs."""
-        sent = self.transmitted(payload)
-        return None if sent is None else sent[0]
 
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(indices, decoded values)`` of a sparse payload (distinct indices); None for dense codecs.
@@ -278,9 +280,6 @@ class Codec(abc.ABC):
         write_header(data, header)
         payload._header = header
         return payload
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config.spec()!r})"
 
 
 def _shape(numel: int, shape: torch.Size | tuple[int, ...] | None) -> torch.Size:

@@ -40,9 +40,9 @@ class NoCompression(Codec):
 
     name = "none"
     Config = NoneConfig
-    aggregatable = True
     summable = True
     lossless = True
+    biased = False
 
     def _flatten(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -109,9 +109,9 @@ class CastStream(Stream):
 class _HalfCodec(Codec):
     """Shared by fp16 and bf16."""
 
-    aggregatable = True
     summable = True
     agreed_scale = True
+    biased = False  # round to nearest: too small an error to accumulate
     StreamType = CastStream
     fmt: ClassVar[torch.dtype]
     config: HalfConfig

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsync.codecs.base import Codec, EncodeContext
+from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import OptionsConfig, check_range
 from gradsync.codecs.payload import Payload
 
@@ -80,13 +81,20 @@ def _buffer(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return spare
 
 
-class ErrorFeedback:
-    """Wrap a codec with error feedback; same encode/decode interface as the codec."""
+class ErrorFeedback(Compressor):
+    """Wrap a codec with error feedback; the same :class:`Compressor` protocol as the codec,
+    with the codec's traits."""
+
+    error_feedback = True
 
     def __init__(self, codec: Codec, config: FeedbackConfig | None = None) -> None:
         config = config or FeedbackConfig()
-        if isinstance(codec, ErrorFeedback):
-            raise ValueError("error feedback is already applied to this codec")
+        if not isinstance(codec, Codec):
+            raise ValueError(
+                "error feedback wraps a codec"
+                + (" (it is already applied to this one)" if isinstance(codec, Compressor) else "")
+                + f", got {type(codec).__name__}"
+            )
         if config.momentum > 0 and not codec.sparse:
             raise ValueError(
                 "ef: momentum correction needs a sparsifying codec (topk, mstopk, dgc, ...), "
@@ -95,14 +103,19 @@ class ErrorFeedback:
         self.codec = codec
         self.config = config
         self.name = codec.name
+        for trait in ("sparse", "lossless", "randomized", "summable", "agreed_scale", "lowrank", "biased"):
+            setattr(self, trait, getattr(codec, trait))
         self._streams: dict[str, FeedbackStream] = {}
 
-    aggregatable = property(lambda self: self.codec.aggregatable)
-    sparse = property(lambda self: self.codec.sparse)
-    lossless = property(lambda self: self.codec.lossless)
+    @property
+    def plain(self) -> Codec:
+        return self.codec
 
     def spec(self) -> str:
         return f"{self.codec.config.spec()}+{self.config.spec()}"
+
+    def fresh(self) -> ErrorFeedback:
+        return ErrorFeedback(self.codec.fresh(), self.config)
 
     def encode(
         self,
@@ -245,17 +258,35 @@ class ErrorFeedback:
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.codec.transmitted(payload)
 
-    def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
-        return self.codec.transmitted_indices(payload)
+    def check_numel(self, numel: int) -> None:
+        self.codec.check_numel(numel)
 
-    def estimate_nbytes(self, numel: int, shape: Any = None, dtype: torch.dtype = torch.float32) -> int:
+    def estimate_nbytes(
+        self,
+        numel: int,
+        shape: torch.Size | tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
         return self.codec.estimate_nbytes(numel, shape, dtype)
 
-    def max_nbytes(self, numel: int, shape: Any = None, dtype: torch.dtype = torch.float32) -> int:
+    def max_nbytes(
+        self,
+        numel: int,
+        shape: torch.Size | tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
         return self.codec.max_nbytes(numel, shape, dtype)
 
-    def payload_from_bytes(self, data: torch.Tensor, shape: Any, dtype: torch.dtype) -> Payload:
+    def payload_from_bytes(
+        self, data: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype
+    ) -> Payload:
         return self.codec.payload_from_bytes(data, shape, dtype)
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        return self.codec.payload_nbytes(payload)
+
+    def values(self, payload: Payload) -> torch.Tensor | None:
+        return self.codec.values(payload)
 
     def residual(self, key: str = "") -> torch.Tensor | None:
         """The unscaled residual of a stream (a copy), or None before its first encode."""
@@ -289,6 +320,3 @@ class ErrorFeedback:
             )
             for key, v in state["streams"].items()
         }
-
-    def __repr__(self) -> str:
-        return f"ErrorFeedback({self.spec()!r})"

@@ -5,7 +5,7 @@ The gradient is viewed as a matrix M (first dimension by the rest). One step com
 stream and reused as the starting point of the next call (warm start), which is what makes a
 single iteration accurate over time.
 
-Across workers the steps are linear in M, so their factors can be summed (``aggregatable``):
+Across workers the steps are linear in M, so their factors can be summed (the ``lowrank`` trait):
 :meth:`PowerSGD.project` gives ``P_i = M_i Q`` (sum them), :meth:`PowerSGD.reproject` takes the
 summed P and gives ``Q_i = M_i^T orth(sum P)`` (sum them), and :meth:`PowerSGD.reconstruct`
 turns the summed Q into ``orth(sum P) (sum Q)^T = approx(sum M)``. Every worker must start from
@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig, check_range
 from gradsync.codecs.ops import orthogonalize_, tensor_stats
 from gradsync.codecs.payload import Flag, Header, Layout, Payload
@@ -62,7 +63,7 @@ class PowerSGD(Codec):
     name = "powersgd"
     Config = PowersgdConfig
     StreamType = PowersgdStream
-    aggregatable = True
+    lowrank = True
     randomized = True
     config: PowersgdConfig
 
@@ -167,3 +168,11 @@ class PowerSGD(Codec):
             out.view(rows, cols).addmm_(p, q.T)
         else:
             torch.mm(p, q.T, out=out.view(rows, cols))
+
+
+def lowrank_codec(compressor: Compressor) -> PowerSGD:
+    """The low-rank codec inside a compressor whose ``lowrank`` trait is set."""
+    codec = compressor.plain
+    if not isinstance(codec, PowerSGD):
+        raise TypeError(f"{compressor.spec()!r} is not a low-rank codec")
+    return codec

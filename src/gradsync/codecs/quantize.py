@@ -149,6 +149,7 @@ class TernGrad(Codec):
     name = "terngrad"
     Config = TerngradConfig
     randomized = True
+    biased = False  # stochastic rounding: E[decode(encode(x))] = x
 
     @property
     def levels(self) -> int:

@@ -8,7 +8,7 @@ from gradsync.codecs.config import CodecConfig, split_spec
 
 if TYPE_CHECKING:
     from gradsync.codecs.base import Codec
-    from gradsync.codecs.feedback import ErrorFeedback
+    from gradsync.codecs.compressor import Compressor
 
 _CODECS: dict[str, type[Codec]] = {}
 
@@ -38,7 +38,7 @@ def codec_class(name: str) -> type[Codec]:
         raise ValueError(f"unknown codec {name!r}; available codecs: {', '.join(sorted(_CODECS))}") from None
 
 
-def build_codec(spec: str | CodecConfig) -> Codec | ErrorFeedback:
+def build_codec(spec: str | CodecConfig) -> Compressor:
     """Build a codec from a spec string (``"topk:density=0.01"``, ``"dgc+ef:momentum=0.9"``) or a config.
 
     Wrappers follow ``+``: ``ef`` adds error feedback (:class:`~gradsync.codecs.feedback.ErrorFeedback`).
@@ -48,16 +48,17 @@ def build_codec(spec: str | CodecConfig) -> Codec | ErrorFeedback:
     parts = split_spec(spec)
     (name, options), wrappers = parts[0], parts[1:]
     cls = codec_class(name)
-    codec: Codec | ErrorFeedback = cls(cls.Config.from_options(options))
-    for wname, woptions in wrappers:
+    codec = cls(cls.Config.from_options(options))
+    for wname, _ in wrappers:
         if wname != "ef":
             raise ValueError(f"unknown wrapper {wname!r} in spec {spec!r}; available wrappers: ef")
-        from gradsync.codecs.feedback import ErrorFeedback, FeedbackConfig
+    if not wrappers:
+        return codec
+    if len(wrappers) > 1:
+        raise ValueError(f"spec {spec!r} applies error feedback twice")
+    from gradsync.codecs.feedback import ErrorFeedback, FeedbackConfig
 
-        if isinstance(codec, ErrorFeedback):
-            raise ValueError(f"spec {spec!r} applies error feedback twice")
-        codec = ErrorFeedback(codec, FeedbackConfig.from_options(woptions))
-    return codec
+    return ErrorFeedback(codec, FeedbackConfig.from_options(wrappers[0][1]))
 
 
 def _load() -> None:

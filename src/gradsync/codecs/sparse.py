@@ -280,6 +280,11 @@ class RandomK(SparseCodec):
     name = "randomk"
     Config = RandomkConfig
     randomized = True
+    config: RandomkConfig
+
+    def __init__(self, config: RandomkConfig) -> None:
+        super().__init__(config)
+        self.biased = not config.unbiased
 
     def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
         assert stream.generator is not None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gradsync.codecs import Codec, ErrorFeedback
+from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
 
@@ -235,8 +235,10 @@ def _time_collective(topo: Topology, fn: Callable[[], None], reps: int) -> float
     times = []
     for _ in range(reps):
         dist.barrier(group=topo.control_group)
+        synchronize(topo.comm_device)
         t0 = time.perf_counter()
         fn()
+        synchronize(topo.comm_device)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=topo.comm_device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=topo.control_group)
         times.append(float(dt))
@@ -280,10 +282,15 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
         intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, sizes, reps)
     if topo.world > 1 and topo.nodes > 1:
         inter = _fit_ring(topo, topo.inter_group, topo.nodes, topo.local_rank == 0, sizes, reps)
-    a, b = torch.zeros(1 << 20), torch.zeros(1 << 20)
+    # reductions run where the collectives' tensors are: time the adds there
+    a = torch.zeros(1 << 20, device=topo.comm_device)
+    b = torch.zeros_like(a)
+    a.add_(b)
+    synchronize(topo.comm_device)
     t0 = time.perf_counter()
     for _ in range(10):
         a.add_(b)
+    synchronize(topo.comm_device)
     gamma = (time.perf_counter() - t0) / 10 / (4 << 20)
     g = torch.tensor([gamma], dtype=torch.float64, device=topo.comm_device)
     if topo.world > 1:
@@ -292,28 +299,49 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     return CostParams(intra or inter or fallback, inter or intra or fallback, float(g))
 
 
-def measure_codec(codec: Codec | ErrorFeedback, sizes: list[int], reps: int = 5) -> CodecCost:
-    """Time encode and decode of a float32 tensor of each size (bytes) on this rank; fit lines."""
-    plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU runs kernels asynchronously: a timer read
+    without this measures the launch, not the work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_codec(
+    codec: Compressor,
+    sizes: list[int],
+    reps: int = 5,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> CodecCost:
+    """Time encode and decode of a ``dtype`` tensor of each size (bytes) on ``device`` (default:
+    the CPU; the sync engine passes its gradients' device) and fit lines.
+
+    The timing runs on a fresh copy of the codec (same configuration, no state): the codec in
+    use keeps its streams, scratch buffers and random generators untouched."""
+    plain = codec.plain.fresh()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     enc, dec, pay = [], [], []
     gen = torch.Generator().manual_seed(0)
     for s in sizes:
-        n = max(s // 4, 1)
+        n = max(s // itemsize, 1)
         side = 2 ** (int(math.log2(n)) // 2)
-        x = (
-            torch.randn(n, generator=gen).view(side, n // side)
-            if n % side == 0
-            else torch.randn(n, generator=gen)
-        )
+        x = torch.randn(n, generator=gen).to(device=dev, dtype=dtype)
+        if n % side == 0:
+            x = x.view(side, n // side)
         out = torch.empty_like(x)
-        payload = plain.encode(x)
+        payload = plain.encode(x)  # warm-up (first-call allocations, compiled kernels)
+        plain.decode(payload, out=out)
         te, td = [], []
         for _ in range(reps):
+            synchronize(dev)
             t0 = time.perf_counter()
             payload = plain.encode(x)
+            synchronize(dev)
             te.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             plain.decode(payload, out=out)
+            synchronize(dev)
             td.append(time.perf_counter() - t0)
         enc.append(statistics.median(te))
         dec.append(statistics.median(td))
@@ -321,5 +349,5 @@ def measure_codec(codec: Codec | ErrorFeedback, sizes: list[int], reps: int = 5)
     xs = [float(s) for s in sizes]
     return CodecCost(
         Linear.fit(xs, enc), Linear.fit(xs, dec), Linear.fit(xs, pay), summable=plain.summable,
-        lowrank=hasattr(plain, "project"),
+        lowrank=plain.lowrank,
     )  # fmt: skip

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any
 
+import torch
+
 Step = Callable[[], Any]
 """One communication step: issue the collective(s), return what the program needs back."""
 
@@ -57,5 +59,16 @@ def chain(*finishers: Finisher | None) -> Finisher | None:
     def finish() -> None:
         for f in todo:
             f()
+
+    return finish
+
+
+def scaled(flat: torch.Tensor, scale: float) -> Finisher | None:
+    """A finisher that multiplies ``flat`` by ``scale`` in place (``None`` when the scale is 1)."""
+    if scale == 1.0:
+        return None
+
+    def finish() -> None:
+        flat.mul_(scale)
 
     return finish

@@ -199,6 +199,15 @@ class Topology:
         """Global ranks with a given local index, one per node."""
         return list(range(local_rank, self.world, self.per_node))
 
+    def level_of(self, group: dist.ProcessGroup | None) -> str:
+        """The traffic level of a collective on ``group`` (``intra``, ``inter`` or ``world``): a
+        world group counts as intra-node on one node and as inter-node with one rank per node."""
+        if group is self.intra_group or self.nodes == 1:
+            return "intra"
+        if group is self.inter_group or self.per_node == 1:
+            return "inter"
+        return "world"
+
     @property
     def leader(self) -> int:
         """Global rank of this node's first rank."""

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.codecs import ErrorFeedback
+from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.codecs.ops import Workspace
-from gradsync.collectives.compressed import codec_refusal, compressed_program, is_lowrank
+from gradsync.collectives.compressed import codec_refusal, compressed_program
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology, TopologyError
@@ -158,10 +158,10 @@ class HookState:
         a no-op once that iteration is over."""
         if self.codec is None or self._reported or self.dense_step():
             return
-        plain = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec
         factored_dense = 0  # tensors of a compressed bucket that PowerSGD sends dense
-        if why is None and is_lowrank(plain):
-            factored_dense = sum(not plain.compresses(p.shape) for p in bucket.parameters())  # type: ignore[attr-defined]
+        if why is None and self.codec.lowrank:
+            lowrank = lowrank_codec(self.codec)
+            factored_dense = sum(not lowrank.compresses(p.shape) for p in bucket.parameters())
         buf = bucket.buffer()
         self._seen[key] = (buf.numel() * buf.element_size(), why, factored_dense)
 
@@ -223,9 +223,8 @@ def _program(state: HookState, bucket: dist.GradBucket, key: str, compress: bool
         return (yield from allreduce_program(buf, topo, algo, "mean", comm_dtype, None, ws))
     codec = state.codec
     assert codec is not None
-    plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
     parts = None
-    if is_lowrank(plain):
+    if codec.lowrank:
         names = [state._names.get(id(p)) for p in bucket.parameters()]
         parts = [
             (g.view(p.shape), n if n is not None else f"{key}/{i}")

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.codecs import Codec, ErrorFeedback
+from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
-from gradsync.collectives.compressed import codec_refusal, codec_spec, compressed_program, is_lowrank
+from gradsync.collectives.compressed import codec_refusal, compressed_program
 from gradsync.collectives.cost import CostModel, CostParams, Link, calibrate, measure_codec
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
@@ -70,7 +70,7 @@ class SyncEngine:
         self.topo = topology
         self.grad_scaler = grad_scaler
         self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
-        self.codecs: list[Codec | ErrorFeedback] = []
+        self.codecs: list[Compressor] = []
         main = self.scheme.build(config.error_feedback)
         if main is not None:
             self.codecs.append(main)
@@ -302,8 +302,7 @@ class SyncEngine:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             self._loss_scale = float(self.grad_scaler.get_scale())
         for codec in self.codecs:
-            if isinstance(codec, ErrorFeedback):
-                codec.begin_round()
+            codec.begin_round()
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
             program = sequence_program(self.topo, self.step, None if shadow else self.forwards)
             self._tasks.append(self.manager.submit(program, "step check"))
@@ -350,9 +349,8 @@ class SyncEngine:
             return (yield from allreduce_program(view, self.topo, algo, "mean", comm_dtype, None, ws))
         codec_id = self.plan.buckets[bucket.index].codec_id if self.plan else 0
         codec = self.codecs[codec_id]
-        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
         lowrank_parts = None
-        if is_lowrank(plain):
+        if codec.lowrank:
             lowrank_parts = [(bucket.view(j), s.name) for j, s in enumerate(bucket.slots)]
         key = bucket.key if parts == 1 else f"{bucket.key}#{part}"
         return (
@@ -393,8 +391,7 @@ class SyncEngine:
                 if s.param.grad is not None:
                     s.param.grad.fill_(float("nan"))
             for codec in self.codecs:
-                if isinstance(codec, ErrorFeedback):
-                    codec.rollback_round()
+                codec.rollback_round()
         if self.config.find_unused_parameters:
             for i, s in enumerate(self.slots):
                 if flags[1 + i] == 0:
@@ -480,7 +477,7 @@ class SyncEngine:
                 return why
         return None
 
-    def _refusal(self, codec: Codec | ErrorFeedback, numel: int, itemsize: int) -> str | None:
+    def _refusal(self, codec: Compressor, numel: int, itemsize: int) -> str | None:
         s, t = self.scheme, self.topo
         return codec_refusal(
             codec, numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node, itemsize
@@ -530,7 +527,7 @@ class SyncEngine:
             return ""
         return self.plan.table(
             [s.name for s in self.slots], [s.nbytes for s in self.slots], self.scheme,
-            [codec_spec(c) for c in self.codecs],
+            [c.spec() for c in self.codecs],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ stats
@@ -570,7 +567,7 @@ class SyncEngine:
             "nodes": self.topo.nodes,
             "per_node": self.topo.per_node,
             "scheme": self.scheme.name,
-            "codecs": [codec_spec(c) for c in self.codecs],
+            "codecs": [c.spec() for c in self.codecs],
             "params": [f"{s.name}:{tuple(s.param.shape)}" for s in self.slots],
         }
 

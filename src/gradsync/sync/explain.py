@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradsync.codecs import Codec, ErrorFeedback
-from gradsync.collectives.compressed import codec_spec, is_lowrank
+from gradsync.codecs import Compressor
+from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.sync.buckets import Slot
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.planner import Plan
@@ -57,7 +57,7 @@ def explain_plan(
     classes: list[int],
     scheme: Scheme,
     config: SyncConfig,
-    codecs: list[Codec | ErrorFeedback],
+    codecs: list[Compressor],
     nodes: int,
     rejects: Callable[[int, list[int], int], str | None],
 ) -> PlanReport:
@@ -100,7 +100,7 @@ def explain_plan(
                 report.compressed.append(s.name)
                 report.compressed_bytes += s.nbytes
     total = report.compressed_bytes + report.dense_bytes
-    codec_text = ", ".join(codec_spec(c) for c in codecs)
+    codec_text = ", ".join(c.spec() for c in codecs)
     parts = [
         f"compressing {len(report.compressed)} of {len(slots)} tensors "
         f"({report.compressed_bytes / 1e6:.3f} of {total / 1e6:.3f} MB) with {scheme.strategy}"
@@ -126,17 +126,12 @@ def explain_plan(
     return report
 
 
-def _plain(codec: Codec | ErrorFeedback) -> Codec:
-    return codec.codec if isinstance(codec, ErrorFeedback) else codec
+def _factored_dense(codec: Compressor, shape: torch.Size) -> bool:
+    return codec.lowrank and not lowrank_codec(codec).compresses(shape)
 
 
-def _factored_dense(codec: Codec | ErrorFeedback, shape: torch.Size) -> bool:
-    plain = _plain(codec)
-    return is_lowrank(plain) and not plain.compresses(shape)  # type: ignore[attr-defined]
-
-
-def _lowrank_reason(codec: Codec | ErrorFeedback, shape: torch.Size) -> str:
-    rank = getattr(_plain(codec).config, "rank", "?")
+def _lowrank_reason(codec: Compressor, shape: torch.Size) -> str:
+    rank = lowrank_codec(codec).config.rank
     if len(shape) < 2:
         return "PowerSGD sends 1-D tensors dense"
     return f"PowerSGD rank {rank} gains nothing on a {tuple(shape)} matrix (rank x (rows + cols) >= its size)"

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from gradsync.collectives.compressed import pipeline_chunks
 from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.collectives.dense import ALGORITHMS, HybridPolicy
+from gradsync.collectives.hitopk_pipeline import pipeline_chunks
 from gradsync.sync.scheme import Scheme
 
 DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")

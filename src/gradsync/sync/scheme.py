@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gradsync.codecs import Codec, ErrorFeedback, build_codec
+from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.codecs.config import split_spec
-from gradsync.collectives.compressed import STRATEGIES, is_lowrank
 from gradsync.collectives.dense import ALGORITHMS
+from gradsync.collectives.strategies import STRATEGIES
 
 DEFAULT_CODEC = "mstopk:density=0.01"
 
@@ -98,8 +98,7 @@ class Scheme:
             return self
         hierarchy = nodes > 1 and per_node > 1
         codec = build_codec(self.codec or DEFAULT_CODEC)
-        plain = codec.codec if isinstance(codec, ErrorFeedback) else codec
-        strategy = "allgather" if codec.sparse or is_lowrank(plain) else "ps"
+        strategy = "allgather" if codec.sparse or codec.lowrank else "ps"
         return replace(
             self, strategy=self.strategy or strategy, local=hierarchy if self.local is None else self.local
         )
@@ -112,7 +111,7 @@ class Scheme:
         strategy = self.strategy or "?"
         return f"{strategy}{'+local' if self.local else ''}/{self.codec}"
 
-    def build(self, error_feedback: bool | None = None) -> Codec | ErrorFeedback | None:
+    def build(self, error_feedback: bool | None = None) -> Compressor | None:
         """The codec of a compressed scheme (None for dense ones).
 
         ``error_feedback``: None adds ``+ef`` to codecs whose compression is biased (it is what
@@ -122,17 +121,10 @@ class Scheme:
         if self.kind == "dense":
             return None
         codec = build_codec(self.codec or DEFAULT_CODEC)
-        if isinstance(codec, ErrorFeedback) or error_feedback is False:
+        if codec.error_feedback or error_feedback is False:
             return codec
-        if error_feedback is None and not needs_error_feedback(codec):
+        if error_feedback is None and not codec.biased:
             return codec
         if codec.lossless:
             raise ValueError(f"error_feedback=True makes no sense with the lossless codec {codec.name!r}")
-        return ErrorFeedback(codec)
-
-
-def needs_error_feedback(codec: Codec) -> bool:
-    """Whether a codec's error is biased, so that dropping it would bias training."""
-    if codec.lossless or codec.name in ("fp16", "bf16", "terngrad"):
-        return False
-    return not (codec.name == "randomk" and getattr(codec.config, "unbiased", False))
+        return ErrorFeedback(codec.plain)

@@ -1,0 +1,67 @@
+"""hitopk's pipeline (paper 01, Algorithm 2, with paper 05's partitioning).
+
+Inside hitopk, each node first reduce-scatters the tensor over its fast links, every rank
+compresses its shard, and the shards cross the nodes in a packed all-gather. Cut into chunks,
+the inter-node all-gather of one chunk (the slow network) overlaps the reduce-scatter and the
+compression of the next (the node's own links and the CPU). Each chunk holds at least 4 MiB:
+below that a chunk's fixed costs (three collectives) outweigh what the overlap saves.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from gradsync.codecs.ops import Workspace
+from gradsync.collectives import primitives as P
+from gradsync.collectives.pieces import Piece, trimmed
+from gradsync.collectives.strategies import Coder, Pieces
+from gradsync.collectives.topology import Topology
+
+_MIN_CHUNK_BYTES = 4 << 20
+
+
+def pipeline_chunks(nbytes: int, pipeline: int) -> int:
+    """How many chunks hitopk's pipeline cuts ``nbytes`` into: ``pipeline``, but none under
+    4 MiB (so at least one)."""
+    return max(1, min(pipeline, nbytes // _MIN_CHUNK_BYTES))
+
+
+def pipelined_allgather(
+    padded: torch.Tensor, topo: Topology, coder: Coder, pipeline: int, scratch: torch.Tensor, ws: Workspace
+) -> Pieces:
+    """hitopk's inner part, cut into :func:`pipeline_chunks` chunks so that the
+    inter-node all-gather of one chunk (network) overlaps the reduce-scatter and compression of
+    the next (CPU and the node's own links). Pieces carry offsets into ``padded``."""
+    n = topo.per_node
+    total = padded.numel()
+    chunks = pipeline_chunks(total * padded.element_size(), pipeline)
+    per_chunk = -(-total // chunks)
+    per_chunk = -(-per_chunk // n) * n  # a multiple of per_node
+    codec = coder.plain
+    pending = []
+    for start in range(0, total, per_chunk):
+        chunk = padded[start : start + per_chunk]
+        sub = chunk.numel() // n
+        shard = ws.get("pipeline_shard", sub, padded.dtype, padded.device)
+        yield partial(P.reduce_scatter, shard, chunk, topo.intra_group, "intra", scratch)
+        payload = coder.encode(shard, f"allgather@{start}")
+        capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
+        offset = start + topo.local_rank * sub
+        if capacity > 2 * max(codec.estimate_nbytes(sub, (sub,), padded.dtype), 1024):
+            # a variable-size codec with a loose bound: exchange the sizes instead (no overlap)
+            bufs = yield partial(P.all_gather_bytes, payload.data, topo.inter_group, "inter")
+            pending.append((offset, sub, None, bufs))
+        else:
+            gather = yield partial(
+                P.start_all_gather_fixed, payload.data, capacity, topo.inter_group, "inter"
+            )
+            pending.append((offset, sub, gather, None))
+    pieces = []
+    for offset, sub, gather, bufs in pending:
+        if gather is not None:
+            bufs = yield gather.wait
+        for buf in bufs:
+            pieces.append(Piece(offset, trimmed(codec, buf, sub, padded.dtype)))
+    return pieces

@@ -1,0 +1,156 @@
+"""The compressed strategies over one group: packed all-gather, CaSync-Ring and CaSync-PS.
+
+Each runs on the flat tensor of one rank over a group of p ranks and returns the result as
+:class:`~gradsync.collectives.pieces.Piece` objects, which every rank decodes in the same order:
+
+- ``allgather`` (paper 04's packed sparse all-gather when the codec sparsifies): every rank
+  encodes once; the payloads (header, indices and values in one buffer; sizes may differ) are
+  all-gathered, and every rank decodes all p of them.
+- ``ring`` (paper 05's CaSync-Ring): the tensor is cut into p chunks. Reduce-scatter phase: p-1
+  steps, each sending one encoded chunk to the right neighbour and merging the one received from
+  the left (decode, add, encode again; ``summable`` codecs add the payloads' values directly). The
+  owner of each fully reduced chunk then encodes it once and the all-gather phase passes these
+  payloads around the ring.
+- ``ps`` (paper 05's CaSync-PS, aggregators co-located on the workers): the tensor is cut into p
+  partitions, partition j owned by group rank j. Every partition is encoded and sent to its owner
+  (all-to-all); owners decode and sum (or add values), encode the aggregate, and all-gather it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.codecs import Codec, Compressor, EncodeContext, Payload
+from gradsync.codecs.ops import abs_max
+from gradsync.collectives import primitives as P
+from gradsync.collectives.pieces import Piece
+from gradsync.collectives.program import Step
+
+STRATEGIES = ("allgather", "ring", "ps")
+
+Pieces = Generator[Step, Any, "list[Piece]"]
+
+
+@dataclass
+class Coder:
+    """Encodes for one tensor (its state keyed by ``key`` plus the role of each encode, so every
+    lossy encode a rank performs keeps its own residual) and rebuilds payloads from peers' bytes."""
+
+    codec: Compressor
+    key: str
+    loss_scale: float
+
+    @property
+    def plain(self) -> Codec:
+        return self.codec.plain
+
+    def encode(self, x: torch.Tensor, role: str, ctx: EncodeContext | None = None) -> Payload:
+        c = ctx or EncodeContext()
+        c = EncodeContext(key=f"{self.key}/{role}", rank=c.rank, summands=c.summands, amax=c.amax)
+        return self.codec.encode(x, c, loss_scale=self.loss_scale)
+
+    def received(self, data: torch.Tensor, like: torch.Tensor) -> Payload:
+        return self.plain.payload_from_bytes(data, like.shape, like.dtype)
+
+
+def run_strategy(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, strategy: str, rank: int
+) -> Pieces:
+    """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result."""
+    if strategy == "allgather":
+        return (yield from _allgather(x, group, level, coder))
+    if strategy == "ring":
+        return (yield from _ring(x, group, level, coder, rank))
+    return (yield from _ps(x, group, level, coder, rank))
+
+
+def _agreed(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int
+) -> Generator[Step, Any, EncodeContext]:
+    """The context for summable encodes: the group's max |x| (if the codec scales) and its size."""
+    p = P.size(group)
+    amax = None
+    if coder.plain.agreed_scale:
+        t = torch.tensor([abs_max(x)[0]], dtype=torch.float32, device=x.device)
+        yield partial(P.all_reduce, t, group, level, op=dist.ReduceOp.MAX)
+        amax = float(t)
+    return EncodeContext(rank=rank, summands=p, amax=amax)
+
+
+def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder) -> Pieces:
+    payload = coder.encode(x, "allgather")
+    datas = yield partial(P.all_gather_bytes, payload.data, group, level)
+    return [Piece(0, coder.received(d, x)) for d in datas]  # checks every header against its size
+
+
+def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+    p, g = P.size(group), P.group_rank(group)
+    right, left = P.global_rank(group, (g + 1) % p), P.global_rank(group, (g - 1) % p)
+    chunks = list(torch.tensor_split(x, p))
+    offsets = [0]
+    for c in chunks[:-1]:
+        offsets.append(offsets[-1] + c.numel())
+    owned = (g + 1) % p  # the chunk this rank holds fully reduced after the first phase
+    codec = coder.plain
+    exchange = partial(P.send_recv_bytes, dst=right, src=left, group=group, level=level)
+    if codec.summable:  # add the payloads' values, no decoding
+        ctx = yield from _agreed(x, group, level, coder, rank)
+        payloads = [coder.encode(c, f"ring{i}", ctx) for i, c in enumerate(chunks)]
+        send = payloads[g]
+        for s in range(p - 1):
+            idx = (g - s - 1) % p
+            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
+            codec.values(payloads[idx]).add_(codec.values(incoming))
+            send = payloads[idx]
+        final = payloads[owned]
+    else:
+        send = coder.encode(chunks[g], f"ring{g}")
+        for s in range(p - 1):
+            idx = (g - s - 1) % p
+            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
+            work = chunks[idx].clone()
+            codec.decode(incoming, out=work, accumulate=True)
+            send = coder.encode(work, f"ring{idx}")  # the last one is the owned chunk's final payload
+        final = send
+    # all-gather phase: pass the final payloads around the ring
+    pieces = [Piece(offsets[owned], final)]
+    current, idx = final, owned
+    for _ in range(p - 1):
+        data = yield partial(exchange, current.data)
+        idx = (idx - 1) % p
+        current = coder.received(data, chunks[idx])
+        pieces.append(Piece(offsets[idx], current))
+    return pieces
+
+
+def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+    p, g = P.size(group), P.group_rank(group)
+    parts = list(torch.tensor_split(x, p))
+    codec = coder.plain
+    summable = codec.summable
+    ctx = (yield from _agreed(x, group, level, coder, rank)) if summable else None
+    payloads = [coder.encode(part, f"ps{j}", ctx) for j, part in enumerate(parts)]
+    datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
+    received = [coder.received(d, parts[g]) for d in datas]
+    if summable:
+        agg = received[0]
+        total = codec.values(agg).clone()
+        for q in received[1:]:
+            total.add_(codec.values(q))
+        codec.values(agg).copy_(total)
+    else:
+        work = torch.zeros_like(parts[g])
+        for q in received:
+            codec.decode(q, out=work, accumulate=True)
+        agg = coder.encode(work, "ps-aggregate")
+    pieces, offset = [], 0
+    for j, data in enumerate((yield partial(P.all_gather_bytes, agg.data, group, level))):
+        pieces.append(Piece(offset, coder.received(data, parts[j])))
+        offset += parts[j].numel()
+    return pieces
