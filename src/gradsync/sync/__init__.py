@@ -3,7 +3,7 @@ into overlapped gradient synchronization (paper 05's CaSync, paper 03's fusion).
 
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.engine import SyncEngine
-from gradsync.sync.planner import BucketPlan, Plan
+from gradsync.sync.plan import BucketPlan, Plan
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 from gradsync.sync.tasks import Task, TaskError, TaskManager

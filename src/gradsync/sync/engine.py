@@ -34,14 +34,14 @@ import torch.distributed as dist
 from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.compressed import codec_refusal, compressed_program
-from gradsync.collectives.cost import CostModel, CostParams, Link, calibrate, measure_codec
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.explain import PlanReport, explain_plan
-from gradsync.sync.planner import Plan, encode_sizes, make_plan
+from gradsync.sync.plan import Plan
+from gradsync.sync.planner import FirstStep, plan_after_first_step
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import UNEVEN_HINT, sequence_program
 from gradsync.sync.stats import StepStats
@@ -413,58 +413,15 @@ class SyncEngine:
 
     # ------------------------------------------------------------------ plan
     def _make_plan(self) -> None:
-        """After the first step: measure, decide on rank 0, broadcast, rebuild the buckets.
-
-        Rank 0 plans alone, so a failure there is sent to every rank in place of the plan (the
-        others would otherwise wait in the broadcast): every rank raises it."""
-        cfg = self.config
+        """After the first step: measure, decide on rank 0, broadcast, rebuild the buckets."""
         t0 = time.perf_counter()
-        params = calibrate(self.topo, reps=3) if cfg.calibrate else _DEFAULT_PARAMS
-        error: Exception | None = None
-        if self.topo.rank == 0:
-            try:
-                wire = self._plan_on_rank0(params).to_tensor()
-            except Exception as e:
-                error = e
-                wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64)
-            head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64)
-        else:
-            head = torch.zeros(2, dtype=torch.int64)
-        dev, group = self.topo.comm_device, self.topo.control_group
-        head = head.to(dev)
-        dist.broadcast(head, 0, group=group)
-        size, failed = head.tolist()
-        if self.topo.rank != 0:
-            wire = torch.zeros(size, dtype=torch.int64)
-        wire = wire.to(dev)
-        dist.broadcast(wire, 0, group=group)
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"gradsync: making the plan failed on rank 0: {bytes(wire.tolist()).decode()}")
-        self._install_plan(Plan.from_tensor(wire.cpu()))
+        first = FirstStep(list(self._order), list(self._ready_at))
+        classes = [self.codec_class(s) for s in self.slots]
+        plan = plan_after_first_step(
+            self.topo, self.config, self.scheme, self.slots, self.codecs, first, classes, self.codec_rejects
+        )
+        self._install_plan(plan)
         self._report_plan(time.perf_counter() - t0)
-
-    def _plan_on_rank0(self, params: CostParams) -> Plan:
-        cfg = self.config
-        model = CostModel(params, self.topo.nodes, self.topo.per_node)
-        groups = self._groups_from_step0()
-        nbytes = [s.nbytes for s in self.slots]
-        costs = {}
-        for cid, codec in enumerate(self.codecs):
-            sizes = sorted(
-                {
-                    max(int(encode_sizes(self.scheme, sum(nbytes[i] for i in m), self.topo.nodes,
-                                         self.topo.per_node)), 4)
-                    for m, c in groups if c == cid
-                }
-            )  # fmt: skip
-            if sizes:
-                costs[cid] = measure_codec(codec, [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes, reps=3)
-        return make_plan(
-            groups, nbytes, self.scheme, model, costs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
-            fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.codec_rejects,
-        )  # fmt: skip
 
     def codec_rejects(self, codec_id: int, slots: list[int], parts: int) -> str | None:
         """Why codec ``codec_id`` cannot compress a bucket of ``slots`` in ``parts`` parts (None
@@ -500,18 +457,6 @@ class SyncEngine:
             log.debug("gradsync plan, bucket by bucket:\n%s", self.plan_table())
         for text in self.report.warnings:
             warnings.warn(text, RuntimeWarning, stacklevel=2)
-
-    def _groups_from_step0(self) -> list[tuple[list[int], int]]:
-        order = list(self._order)
-        seen = set(order)
-        order += [s.index for s in reversed(self.slots) if s.index not in seen]  # never ready: last
-        times = [t if t is not None else float("inf") for t in self._ready_at]
-        t0 = min((t for t in times if t != float("inf")), default=0.0)
-        rel = [t - t0 if t != float("inf") else 1e9 for t in times]
-        classes = [self.codec_class(s) for s in self.slots]
-        return build_groups(
-            self.slots, order, rel, classes, self.config.bucket_bytes, self.config.bucket_timeout_ms / 1e3
-        )
 
     def _install_plan(self, plan: Plan) -> None:
         n = len(self.slots)
@@ -622,9 +567,6 @@ class SyncEngine:
 
     def close(self) -> None:
         self.manager.close()
-
-
-_DEFAULT_PARAMS = CostParams(Link(50e-6, 1 / 10e9), Link(50e-6, 8 / 10e9), 1e-10)
 
 
 def _short(v: object) -> str:

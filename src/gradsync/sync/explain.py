@@ -20,7 +20,7 @@ from gradsync.codecs import Compressor
 from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.sync.buckets import Slot
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.planner import Plan
+from gradsync.sync.plan import Plan
 from gradsync.sync.scheme import Scheme
 
 # what to do about each reason, for the warning

@@ -11,22 +11,28 @@ rank 0). For each bucket of S bytes the planner predicts
   pipeline on the task manager's two threads, so K parts take ``t + (K - 1) max(c, x)``;
 
 and picks the cheapest (``plan="auto"``), or forces compression (``compress``) or dense
-(``dense``). Rank 0 decides and broadcasts the plan as an int64 tensor, so every rank runs the
-same plan; it is saved in checkpoints so that a resumed run does not re-plan.
+(``dense``). :func:`plan_after_first_step` is the whole procedure the sync engine runs after its
+first step: calibrate the links, time the codecs, decide on rank 0, broadcast the plan (an int64
+tensor, :mod:`gradsync.sync.plan`) so every rank runs the same one.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from gradsync.collectives.cost import CodecCost, CostModel
-from gradsync.collectives.dense import ALGORITHMS, HybridPolicy
+from gradsync.codecs import Compressor
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link, calibrate, measure_codec
+from gradsync.collectives.dense import HybridPolicy
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks
+from gradsync.collectives.topology import Topology
+from gradsync.sync.buckets import Slot, build_groups
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.plan import BucketPlan, Plan
 from gradsync.sync.scheme import Scheme
 
 DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
@@ -34,104 +40,6 @@ DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
 # compressed schemes took up to 2.0x their predicted time in the collectives benchmark (several
 # small collectives whose latency the calibrated alpha underestimates), dense all-reduces 1.0-1.1x
 COMPRESS_MARGIN = 0.5
-
-
-DENSE_REASONS = ("", "cost", "plan", "codec")
-"""Why a bucket whose tensors may be compressed is synchronized densely: not at all (""),
-the cost model predicts dense faster (``cost``), ``plan="dense"`` (``plan``), or the codec
-cannot take the sizes its encode calls would see, e.g. ``k`` above them (``codec``)."""
-
-
-@dataclass
-class BucketPlan:
-    """One bucket of the plan: its parameters (engine slot indices) and how it is synchronized."""
-
-    slots: list[int]
-    codec_id: int  # -1: never compressed (small tensors); else an index into the engine's codecs
-    compress: bool = False
-    partitions: int = 1
-    dense_algorithm: str = "hybrid"
-    dense_ms: float | None = None  # predictions, for the log
-    compressed_ms: float | None = None
-    dense_reason: str = ""  # one of DENSE_REASONS
-
-
-@dataclass
-class Plan:
-    buckets: list[BucketPlan] = field(default_factory=list)
-
-    # ------------------------------------------------------------------ wire and disk
-    def to_tensor(self) -> torch.Tensor:
-        words: list[int] = [len(self.buckets)]
-        for b in self.buckets:
-            words += [
-                len(b.slots), b.codec_id, int(b.compress), b.partitions, ALGORITHMS.index(b.dense_algorithm),
-                _us(b.dense_ms), _us(b.compressed_ms), DENSE_REASONS.index(b.dense_reason), *b.slots,
-            ]  # fmt: skip
-        return torch.tensor(words, dtype=torch.int64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> Plan:
-        w = t.tolist()
-        pos, buckets = 1, []
-        for _ in range(w[0]):
-            n, codec_id, compress, parts, algo, dense_us, comp_us, reason = w[pos : pos + 8]
-            pos += 8
-            buckets.append(
-                BucketPlan(
-                    w[pos : pos + n], codec_id, bool(compress), parts, ALGORITHMS[algo],
-                    _ms(dense_us), _ms(comp_us), DENSE_REASONS[reason],
-                )
-            )  # fmt: skip
-            pos += n
-        return cls(buckets)
-
-    def to_state(self) -> list[dict[str, Any]]:
-        return [asdict(b) for b in self.buckets]
-
-    @classmethod
-    def from_state(cls, state: list[dict[str, Any]]) -> Plan:
-        return cls([BucketPlan(**b) for b in state])
-
-    # ------------------------------------------------------------------ display
-    def rows(self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str]) -> list[list[str]]:
-        out = []
-        for i, b in enumerate(self.buckets):
-            first, last = names[b.slots[0]], names[b.slots[-1]]
-            size = sum(nbytes[s] for s in b.slots)
-            if b.compress:
-                how = f"{'+local ' if scheme.local else ''}{scheme.strategy} {codecs[b.codec_id]}"
-                how += f" x{b.partitions}" if b.partitions > 1 else ""
-            else:
-                how = f"dense {b.dense_algorithm}" + (f"/{scheme.comm_dtype}" if scheme.comm_dtype else "")
-            out.append(
-                [
-                    str(i), str(len(b.slots)), f"{size / 2**20:.2f}",
-                    first if first == last else f"{first} .. {last}",
-                    how, _fmt(b.dense_ms), _fmt(b.compressed_ms),
-                ]
-            )  # fmt: skip
-        return out
-
-    def table(self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str]) -> str:
-        head = ["bucket", "tensors", "MiB", "parameters", "synchronized as", "dense ms", "compressed ms"]
-        rows = [head, *self.rows(names, nbytes, scheme, codecs)]
-        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-
-def _us(ms: float | None) -> int:
-    return -1 if ms is None or not math.isfinite(ms) else round(ms * 1000)
-
-
-def _ms(us: int) -> float | None:
-    return None if us < 0 else us / 1000
-
-
-def _fmt(ms: float | None) -> str:
-    return "" if ms is None else f"{ms:.2f}"
 
 
 # ---------------------------------------------------------------------------------- predictions
@@ -277,3 +185,110 @@ def _fuse_dense(
         else:
             out.buckets.append(b)
     return out
+
+
+# ---------------------------------------------------------------------------- after the first step
+DEFAULT_PARAMS = CostParams(Link(50e-6, 1 / 10e9), Link(50e-6, 8 / 10e9), 1e-10)
+"""The links assumed when calibration is off (``SyncConfig.calibrate=False``): 50 us start-up,
+10 GB/s inside a node and 10 Gbit/s across nodes."""
+
+
+@dataclass
+class FirstStep:
+    """What the engine saw in its first (dense) step: the order in which the gradients became
+    ready, and when (``None``: never, e.g. a parameter the forward pass did not use)."""
+
+    order: list[int]
+    ready_at: list[float | None]
+
+
+def first_step_groups(
+    slots: list[Slot], first: FirstStep, classes: list[int], bucket_bytes: int, timeout_s: float
+) -> list[tuple[list[int], int]]:
+    """Buckets in the order the first step produced the gradients (those never ready last), cut
+    by size, codec class and the fusion timeout."""
+    order = list(first.order)
+    seen = set(order)
+    order += [s.index for s in reversed(slots) if s.index not in seen]
+    times = [t if t is not None else math.inf for t in first.ready_at]
+    t0 = min((t for t in times if t != math.inf), default=0.0)
+    rel = [t - t0 if t != math.inf else 1e9 for t in times]
+    return build_groups(slots, order, rel, classes, bucket_bytes, timeout_s)
+
+
+def decide_plan(
+    topo: Topology,
+    config: SyncConfig,
+    scheme: Scheme,
+    slots: list[Slot],
+    codecs: list[Compressor],
+    params: CostParams,
+    first: FirstStep,
+    classes: list[int],
+    rejects: Callable[[int, list[int], int], str | None],
+) -> Plan:
+    """The plan for this job, from the calibrated ``params`` and the codecs' timings at the sizes
+    their encode calls will see (timed on fresh copies of the codecs, on the device and in the
+    dtype of the gradients they compress)."""
+    model = CostModel(params, topo.nodes, topo.per_node)
+    groups = first_step_groups(slots, first, classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3)
+    nbytes = [s.nbytes for s in slots]
+    costs = {}
+    for cid, codec in enumerate(codecs):
+        members = [m for m, c in groups if c == cid]
+        if not members:
+            continue
+        totals = [sum(nbytes[i] for i in m) for m in members]
+        sizes = sorted({max(int(encode_sizes(scheme, b, topo.nodes, topo.per_node)), 4) for b in totals})
+        held: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes per (dtype, device)
+        for m in members:
+            for i in m:
+                held[slots[i].group] = held.get(slots[i].group, 0) + nbytes[i]
+        dtype, device = max(held, key=held.__getitem__)
+        ends = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
+        costs[cid] = measure_codec(codec, ends, reps=3, device=device, dtype=dtype)
+    return make_plan(
+        groups, nbytes, scheme, model, costs, config.plan, config.dense_algorithm, config.partitions,
+        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
+    )  # fmt: skip
+
+
+def plan_after_first_step(
+    topo: Topology,
+    config: SyncConfig,
+    scheme: Scheme,
+    slots: list[Slot],
+    codecs: list[Compressor],
+    first: FirstStep,
+    classes: list[int],
+    rejects: Callable[[int, list[int], int], str | None],
+) -> Plan:
+    """Calibrate the links (every rank), decide on rank 0, and give every rank rank 0's plan.
+
+    Rank 0 decides alone, so a failure there is sent to every rank in place of the plan (the
+    others would otherwise wait in the broadcast): every rank raises it."""
+    params = calibrate(topo, reps=3) if config.calibrate else DEFAULT_PARAMS
+    error: Exception | None = None
+    if topo.rank == 0:
+        try:
+            plan = decide_plan(topo, config, scheme, slots, codecs, params, first, classes, rejects)
+            wire = plan.to_tensor()
+        except Exception as e:
+            error = e
+            wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64)
+        head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64)
+    else:
+        head = torch.zeros(2, dtype=torch.int64)
+    dev, group = topo.comm_device, topo.control_group
+    head = head.to(dev)
+    dist.broadcast(head, 0, group=group)  # the control group holds every rank
+    size, failed = head.tolist()
+    if topo.rank != 0:
+        wire = torch.zeros(size, dtype=torch.int64)
+    wire = wire.to(dev)
+    dist.broadcast(wire, 0, group=group)
+    if failed:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"gradsync: making the plan failed on rank 0: {bytes(wire.tolist()).decode()}")
+    return Plan.from_tensor(wire.cpu())
