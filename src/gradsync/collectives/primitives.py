@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,17 +30,28 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 @dataclass
 class Traffic:
-    """Bytes this rank sent, per level (``intra``, ``inter``, ``world``), and collective calls."""
+    """Bytes this rank sent, per level (``intra``, ``inter``, ``world``), and collective calls.
+
+    Thread-safe: a communication thread adds while the training thread takes."""
 
     sent: dict[str, int] = field(default_factory=dict)
     calls: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, level: str, nbytes: float) -> None:
-        self.sent[level] = self.sent.get(level, 0) + int(nbytes)
-        self.calls += 1
+        with self._lock:
+            self.sent[level] = self.sent.get(level, 0) + int(nbytes)
+            self.calls += 1
+
+    def take(self) -> dict[str, int]:
+        """The bytes per level counted so far, and start counting afresh."""
+        with self._lock:
+            sent, self.sent = self.sent, {}
+        return sent
 
     def total(self) -> int:
-        return sum(self.sent.values())
+        with self._lock:
+            return sum(self.sent.values())
 
 
 _traffic: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar("gradsync_traffic", default=None)

@@ -315,7 +315,8 @@ class SyncEngine:
         done = self._unpacker(bucket)
         for part in range(parts):
             program = self._program(bucket, part, parts, compress)
-            self._tasks.append(self.manager.submit(program, f"bucket {b} part {part}", done))
+            name = f"bucket {b} [{bucket.key}]" + (f" part {part + 1}/{parts}" if parts > 1 else "")
+            self._tasks.append(self.manager.submit(program, name, done))
         self._next = b + 1
 
     def _unpacker(self, bucket: Bucket) -> Callable[[], None]:

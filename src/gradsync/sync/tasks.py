@@ -20,7 +20,9 @@ and encoding run on the compute thread, and the training thread keeps computing 
 pass (both threads release the GIL inside torch kernels, gradsync's native kernels and gloo).
 
 A failure in any task poisons the manager: the order of collectives can no longer be trusted,
-so every later call raises the first error.
+so every later call raises the first error. A wait that times out is such a failure too (a
+collective still in flight can never be taken back), and once the manager has failed no
+finisher runs any more: nothing a failed step half-computed reaches the gradients.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Task:
     _result: Any = None
     _step: Step | None = None
     _comm_done: bool = False
+    _failed: bool = False
     _done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -115,7 +118,11 @@ class TaskManager:
         for task in tasks:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if not task._done.wait(left):
-                raise TaskError(f"{self.name}: task {task.name!r} did not finish within {timeout} s")
+                started = task.first_comm_at is not None and not task._comm_done
+                where = "in a collective" if started else "queued"
+                why = f"task {task.name!r} did not finish within {timeout} s ({where})"
+                self._fail(task, TimeoutError(why))
+                break
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -127,10 +134,7 @@ class TaskManager:
 
     def take_traffic(self) -> dict[str, int]:
         """Bytes sent per level since the last call."""
-        with self._cv:
-            sent = dict(self._traffic.sent)
-            self._traffic.sent.clear()
-        return sent
+        return self._traffic.take()
 
     def close(self) -> None:
         """Stop the threads (after the queued tasks)."""
@@ -157,8 +161,9 @@ class TaskManager:
             if self._error is None:
                 self._error = error
             failed = [task] + [t for t in self._comm if t is not task]
-            failed = [t for t in failed if not t._done.is_set()]
+            failed = [t for t in failed if not t._failed and not t._done.is_set()]
             for t in failed:
+                t._failed = True  # its on_error runs once, whoever else fails it later
                 t.error = t.error or error
                 t._comm_done = True
             self._comm.clear()
@@ -206,6 +211,11 @@ class TaskManager:
                 self._cv.notify_all()
 
     def _finish(self, task: Task, finisher: Callable[[], None] | None) -> None:
+        with self._cv:
+            failed = self._error
+        if failed is not None:  # the step is lost: its results must not reach anything
+            self._fail(task, failed)
+            return
         t0 = time.perf_counter()
         try:
             if finisher is not None:
