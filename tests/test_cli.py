@@ -1,4 +1,6 @@
-"""The CLI: codec listing, the codec benchmark's arithmetic and output, argument errors."""
+"""The CLI: codec listing, the codec benchmark's arithmetic and output, argument errors, and
+the exit status of every way a command ends (0 done, 1 failed while running, 2 usage error,
+130 interrupted)."""
 
 import json
 import subprocess
@@ -8,8 +10,16 @@ import time
 import pytest
 
 import gradsync
+import gradsync.train
+from gradsync.bench import codecs as bench_codecs
 from gradsync.bench.timing import paired
 from gradsync.cli import main
+from gradsync.collectives import MismatchError, TopologyError
+from gradsync.sync import TaskError
+from gradsync.sync.engine import SyncError
+from gradsync.sync.sequence import OutOfStepError
+from gradsync.train.checkpoint import CheckpointError
+from gradsync.train.loop import TrainingDiverged
 
 
 def test_codecs_lists_every_codec(capsys):
@@ -115,3 +125,113 @@ def test_module_entry_point():
         [sys.executable, "-m", "gradsync", "--version"], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == f"gradsync {gradsync.__version__}"
+
+
+def test_usage_error_exits_2_with_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "gradsync", "bench", "codecs", "--threads", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr == "gradsync: error: --threads must be at least 1, got 0\n"
+    assert done.stdout == ""
+
+
+def _failing_run(monkeypatch, error):
+    """``gradsync bench codecs`` whose options pass and whose run raises ``error``."""
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(bench_codecs, "run", run)
+    monkeypatch.delenv("GRADSYNC_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        MismatchError("ranks 0 and 1 were given different schemes"),
+        OutOfStepError("rank 1 is at step 4, rank 0 at step 5"),
+        TopologyError("4 ranks do not form 3 nodes"),
+        CheckpointError("ckpt/step-8/rank-1.pt is damaged"),
+        SyncError("rank 1 stopped"),
+        TaskError("encode of bucket 3 failed"),
+        TrainingDiverged("the training loss became nan at epoch 1, step 3"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_gradsync_failures_while_running_exit_1_with_their_message(error, monkeypatch, capsys):
+    """Failures after the options were accepted exit 1, not 2, even the ValueError subclasses
+    (a cross-rank mismatch, a topology, a checkpoint): one line, gradsync's message as it is."""
+    _failing_run(monkeypatch, error)
+    assert main(["bench", "codecs"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"gradsync: error: {error}\n"
+
+
+def test_other_failures_exit_1_with_their_type_and_the_debug_switch(monkeypatch, capsys):
+    """A ValueError raised while running is a failure, not a usage error; an exception from
+    elsewhere is named by its type, and the line says how to see the traceback."""
+    _failing_run(monkeypatch, ValueError("shape mismatch:\n  [8, 3] vs [8, 4]"))
+    assert main(["bench", "codecs"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "gradsync: error: ValueError: shape mismatch: [8, 3] vs [8, 4] "
+        "(GRADSYNC_DEBUG=1 prints the traceback)\n"
+    )
+    assert "Traceback" not in err
+
+
+def test_debug_variable_prints_the_traceback(monkeypatch, capsys):
+    _failing_run(monkeypatch, SyncError("rank 1 stopped"))
+    monkeypatch.setenv("GRADSYNC_DEBUG", "1")
+    assert main(["bench", "codecs"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "SyncError: rank 1 stopped" in err
+    assert err.endswith("gradsync: error: rank 1 stopped\n")
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    _failing_run(monkeypatch, KeyboardInterrupt())
+    assert main(["bench", "codecs"]) == 130
+    assert capsys.readouterr().err == "gradsync: interrupted\n"
+
+
+def test_convergence_benchmark_checks_every_runs_train_options_first(monkeypatch, capsys):
+    """Each run's ``gradsync train`` options, --train-option included, are checked before the
+    first run: a bad one is a usage error, and no training starts."""
+
+    def no_training(args):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(gradsync.train, "main", no_training)
+    monkeypatch.delenv("RANK", raising=False)
+    base = ["bench", "convergence", "--schemes", "none,topk", "--datasets", "digits"]
+    assert main([*base, "--train-option=--lr=-1"]) == 2
+    assert capsys.readouterr().err == "gradsync: error: --lr must be a positive number, got -1.0\n"
+    assert main([*base, "--train-option=--bogus"]) == 2
+    assert "gradsync: error: --train-option: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_convergence_benchmark_run_failure_exits_1(monkeypatch, capsys):
+    calls = []
+
+    def failing_training(args):
+        calls.append(args.argv)
+        return 1
+
+    monkeypatch.setattr(gradsync.train, "main", failing_training)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "convergence", "--schemes", "none", "--datasets", "digits", "--epochs", "1"]) == 1
+    assert capsys.readouterr().err.endswith("gradsync: error: the digits / none run failed (exit 1)\n")
+    # the launcher hands its workers the whole command line, "train" first
+    assert len(calls) == 1 and calls[0][0] == "train" and "--epochs" in calls[0]
+
+
+def test_convergence_benchmark_does_not_import_the_cli():
+    """bench convergence runs the train command itself: no import cycle through gradsync.cli."""
+    code = "import sys, gradsync.bench.convergence; assert 'gradsync.cli' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -1,12 +1,39 @@
-"""The ``gradsync`` command line."""
+"""The ``gradsync`` command line.
+
+Every command runs in two steps: its ``check(args)``, which rejects bad option values before
+anything runs (no process, process group, data or benchmark yet), then its ``main(args)``. The
+exit status says which step failed:
+
+- 0: done.
+- 1: a failure while running (ranks that disagree, a synchronization or task error, a damaged
+  checkpoint, a diverged loss, a failed worker...); one line on stderr, ``GRADSYNC_DEBUG=1``
+  adds the traceback.
+- 2: a usage error: argparse's own, or a value a command's check refused.
+- 130: interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 from gradsync import __version__
+
+DEBUG_VARIABLE = "GRADSYNC_DEBUG"
+
+EPILOG = (
+    "exit status: 0 done, 1 failed while running, 2 usage error (a bad option value), "
+    f"130 interrupted. {DEBUG_VARIABLE}=1 prints the traceback of a failure."
+)
+
+
+class UsageError(Exception):
+    """A command-line option value refused before anything ran: ``gradsync`` exits 2."""
 
 
 def _cmd_codecs(args: argparse.Namespace) -> int:
@@ -24,8 +51,21 @@ def _cmd_codecs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from gradsync import cluster
+
+    # cluster reports its own failures (ClusterError: exit 1) and runs every gradsync command in
+    # child processes, so a ValueError leaving it is an option it refused before doing anything
+    try:
+        return cluster.main(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradsync", description="Compression-aware data-parallel training.")
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Compression-aware data-parallel training.", epilog=EPILOG
+    )
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,41 +76,70 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import step as bench_step
     from gradsync.bench import train as bench_train
 
-    commands = [
-        (sub, "train", train, "train a model on local workers (or under torchrun) with gradsync"),
-        (sub, "cluster", cluster, "an emulated multi-node cluster on this machine (needs root)"),
-    ]
+    p = sub.add_parser("train", help="train a model on local workers (or under torchrun) with gradsync")
+    train.add_arguments(p)
+    p.set_defaults(check=train.check, func=train.main)
+    p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (needs root)")
+    cluster.add_arguments(p)
+    p.set_defaults(check=None, func=_cmd_cluster)
     p = sub.add_parser("codecs", help="list the codecs and their options")
-    p.set_defaults(func=_cmd_codecs)
+    p.set_defaults(check=None, func=_cmd_codecs)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    commands += [
-        (
-            bsub,
-            "codecs",
-            bench_codecs,
-            "encode/decode speed of every codec against the memory floor and torch.topk",
-        ),
-        (bsub, "collectives", bench_collectives, "every aggregation scheme on the world it is launched in"),
-        (bsub, "step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
-        (bsub, "train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
-        (bsub, "convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+    benchmarks: list[tuple[str, Any, str]] = [
+        ("codecs", bench_codecs, "encode/decode speed of each codec against the memory floor and torch.topk"),
+        ("collectives", bench_collectives, "every aggregation scheme on the world it is launched in"),
+        ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
+        ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
+        ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
     ]
-    for parent, name, module, text in commands:
-        p = parent.add_parser(name, help=text)
+    for name, module, text in benchmarks:
+        p = bsub.add_parser(name, help=text)
         module.add_arguments(p)
-        p.set_defaults(func=module.main)
+        p.set_defaults(check=module.check, func=module.main)
     return parser
 
 
+def _one_line(e: BaseException, debug: bool) -> str:
+    """The failure's message on one line; other libraries' exceptions also get their type and
+    the way to their traceback (gradsync's own messages are written to be read as they are)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    if type(e).__module__.split(".")[0] == "gradsync":
+        return text or type(e).__name__
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if debug else f"{text} ({DEBUG_VARIABLE}=1 prints the traceback)"
+
+
+def _run(args: argparse.Namespace) -> int:
+    check: Callable[[argparse.Namespace], None] | None = args.check
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    return int(args.func(args) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # argparse's own usage errors exit 2 here
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
     try:
-        return int(args.func(args) or 0)
-    except ValueError as e:  # bad option values: a message, not a traceback
+        return _run(args)
+    except UsageError as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("gradsync: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            traceback.print_exc()
+        print(f"gradsync: error: {_one_line(e, debug)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -128,15 +128,18 @@ def bench_torch_topk(x: torch.Tensor, density: float, budget: float) -> Row:
     )
 
 
+def _names(args: argparse.Namespace) -> list[str]:
+    return codec_names() if args.codecs == "all" else [c.strip() for c in args.codecs.split(",")]
+
+
+def _variants(args: argparse.Namespace) -> list[str]:
+    return [v.strip() for v in args.variants.split(",")]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    names = codec_names() if args.codecs == "all" else [c.strip() for c in args.codecs.split(",")]
-    for name in names:
-        codec_class(name)  # validates the name
-    variants = [v.strip() for v in args.variants.split(",")]
-    for v in variants:
-        if v not in VARIANTS:
-            raise ValueError(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    names = _names(args)
+    variants = _variants(args)
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(args.seed)
     jobs = []
@@ -258,11 +261,21 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
-def main(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """The option values, before anything is benchmarked (``ValueError`` naming the option)."""
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.budget <= 0:
         raise ValueError(f"--budget must be positive, got {args.budget}")
+    for name in _names(args):
+        codec_class(name)  # validates the name
+    for v in _variants(args):
+        if v not in VARIANTS:
+            raise ValueError(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
     result = run(args)
     print_table(result)
     save_result(result, args.json, args.markdown, markdown(result))

@@ -134,8 +134,6 @@ def _inter_phase(scheme: Scheme, topo: Topology, nbytes: int) -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     schemes = [BenchScheme.parse(s) for s in args.schemes.split(",") if s.strip()]
     sizes = [float(s) for s in args.sizes_mb.split(",")]
-    if any(s <= 0 for s in sizes):
-        raise ValueError(f"--sizes-mb must be positive, got {args.sizes_mb!r}")
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
     rank0 = topo.rank == 0
@@ -241,11 +239,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH")
 
 
-def main(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """The option values, before the process group starts (``ValueError`` naming the option)."""
     if (args.nodes is None) != (args.per_node is None):
         raise ValueError("--nodes and --per-node go together")
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         raise ValueError(f"need 1 <= --min-iters <= --max-iters, got {args.min_iters} and {args.max_iters}")
+    for s in args.schemes.split(","):
+        if s.strip():
+            BenchScheme.parse(s)
+    try:
+        sizes = [float(s) for s in args.sizes_mb.split(",")]
+    except ValueError:
+        raise ValueError(f"--sizes-mb takes comma-separated numbers, got {args.sizes_mb!r}") from None
+    if any(not s > 0 for s in sizes):
+        raise ValueError(f"--sizes-mb must be positive, got {args.sizes_mb!r}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
     owned = not dist.is_initialized()  # leave a process group the caller made alone
     result = run(args)
     if result is not None:

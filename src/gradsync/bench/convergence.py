@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any
+from typing import Any, NoReturn
 
+from gradsync import train
 from gradsync.bench.output import save_result
 
 # scheme label -> (scheme spec, extra train options)
@@ -110,49 +111,83 @@ def _train_argv(dataset: str, scheme: str, args: argparse.Namespace, json_path: 
     return argv + list(args.train_option)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from gradsync.cli import main as cli_main
+class RunFailed(RuntimeError):
+    """One of the benchmark's training runs failed (its workers said why on stderr)."""
 
-    schemes = _pick(args.schemes, RECIPES, "--schemes")
-    datasets = _pick(args.datasets, DATASETS, "--datasets")
+
+class _TrainOptionParser(argparse.ArgumentParser):
+    """``gradsync train``'s own options; what argparse refuses becomes a ValueError naming
+    ``--train-option`` (the only way a user's text reaches it) instead of an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"--train-option: {message}")
+
+
+def _train_args(argv: list[str]) -> argparse.Namespace:
+    """A ``gradsync train ...`` command line as the train command's arguments, unchecked."""
+    parser = _TrainOptionParser(prog="gradsync train")
+    train.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    args.argv = argv  # what the launcher hands its workers (``python -m gradsync`` + this)
+    return args
+
+
+def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, list[str]]]:
+    """(dataset, scheme, JSON summary path in ``folder``, ``gradsync train`` command line) of
+    every run."""
+    runs = []
+    for dataset in _pick(args.datasets, DATASETS, "--datasets"):
+        for scheme in _pick(args.schemes, RECIPES, "--schemes"):
+            out = os.path.join(folder, f"{dataset}-{scheme}.json")
+            runs.append((dataset, scheme, out, _train_argv(dataset, scheme, args, out)))
+    return runs
+
+
+def check(args: argparse.Namespace) -> None:
+    """The option values and every run's ``gradsync train`` options (``--train-option`` included),
+    before the first run starts (``ValueError`` naming the option)."""
+    _pick(args.schemes, RECIPES, "--schemes")
+    _pick(args.datasets, DATASETS, "--datasets")
     for name in ("nodes", "per_node"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.epochs is not None and args.epochs < 1:
         raise ValueError(f"--epochs must be at least 1, got {args.epochs}")
+    with tempfile.TemporaryDirectory() as tmp:  # --json must name a file in an existing folder
+        for *_, argv in _runs(args, tmp):
+            train.check(_train_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run, one after the other (options checked by :func:`check`)."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dataset in datasets:
-            for scheme in schemes:
-                out = os.path.join(tmp, f"{dataset}-{scheme}.json")
-                argv = _train_argv(dataset, scheme, args, out)
-                print(
-                    f"gradsync bench convergence: {dataset} / {scheme}: gradsync {' '.join(argv)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                rc = cli_main(argv)
-                if rc != 0:
-                    raise RuntimeError(f"the {dataset} / {scheme} run failed (exit {rc})")
-                with open(out) as fh:
-                    summary = json.load(fh)
-                final = summary["final"]
-                rows.append(
-                    {
-                        "dataset": dataset,
-                        "scheme": scheme,
-                        "spec": RECIPES[scheme][0],
-                        "task": summary["task"],
-                        "epochs": summary["epochs"],
-                        "accuracy": final.get("val_accuracy"),
-                        "perplexity": final.get("val_perplexity"),
-                        "train_loss": final["train_loss"],
-                        "compression_ratio": final["compression_ratio"],
-                        "bytes_per_step": {
-                            k: final[f"bytes_per_step_{k}"] for k in ("intra", "inter", "world")
-                        },
-                    }
-                )
+        for dataset, scheme, out, argv in _runs(args, tmp):
+            print(
+                f"gradsync bench convergence: {dataset} / {scheme}: gradsync {' '.join(argv)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            rc = train.main(_train_args(argv))
+            if rc != 0:
+                raise RunFailed(f"the {dataset} / {scheme} run failed (exit {rc})")
+            with open(out) as fh:
+                summary = json.load(fh)
+            final = summary["final"]
+            rows.append(
+                {
+                    "dataset": dataset,
+                    "scheme": scheme,
+                    "spec": RECIPES[scheme][0],
+                    "task": summary["task"],
+                    "epochs": summary["epochs"],
+                    "accuracy": final.get("val_accuracy"),
+                    "perplexity": final.get("val_perplexity"),
+                    "train_loss": final["train_loss"],
+                    "compression_ratio": final["compression_ratio"],
+                    "bytes_per_step": {k: final[f"bytes_per_step_{k}"] for k in ("intra", "inter", "world")},
+                }
+            )
     for r in rows:
         dense = next((d for d in rows if d["dataset"] == r["dataset"] and d["scheme"] == "none"), None)
         r["gap"] = None
@@ -190,6 +225,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
     result = run(args)
     text = markdown(result)
     print(text)

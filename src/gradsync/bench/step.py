@@ -188,7 +188,6 @@ def _options(items: list[str] | None) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
-    SyncConfig.from_options(_options(args.sync_option))  # bad options fail before the world starts
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
     rank0 = topo.rank == 0
@@ -283,7 +282,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH")
 
 
-def main(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """The option values, before the process group starts (``ValueError`` naming the option)."""
     for name in ("batch_size", "image_size", "classes", "steps", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -291,6 +291,16 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--warmup must be at least 1 (gradsync plans after its first step), got {args.warmup}"
         )
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    for c in args.contenders.split(","):
+        if c.strip():
+            _contender(c.strip())
+    SyncConfig.from_options(_options(args.sync_option))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
     owned = not dist.is_initialized()  # leave a process group the caller made alone
     result = run(args)
     if result is not None:

@@ -260,7 +260,17 @@ def _without_emulation(argv: list[str]) -> list[str]:
     return out
 
 
-def main(args: argparse.Namespace) -> int:
+def _emulated(text: str) -> tuple[int, int]:
+    """``--emulate NODESxPER_NODE`` as two counts."""
+    m = _EMULATE.match(text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--emulate takes NODESxPER_NODE, e.g. 2x2, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check(args: argparse.Namespace) -> None:
+    """The option values, before any process group or emulated cluster (``ValueError`` naming the
+    option)."""
     for name in ("batch_size", "image_size", "classes", "steps", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -282,19 +292,24 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
     if args.emulate and "RANK" not in os.environ:
-        m = _EMULATE.match(args.emulate)
-        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise ValueError(f"--emulate takes NODESxPER_NODE, e.g. 2x2, got {args.emulate!r}")
-        from gradsync.cluster import ClusterError, run_on_cluster
+        _emulated(args.emulate)
         from gradsync.cluster.netns import parse_rate
 
         try:
             parse_rate(args.link)
         except ValueError:
             raise ValueError(f"--link must be a rate like 100mbit or 1gbit, got {args.link!r}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
+    if args.emulate and "RANK" not in os.environ:
+        from gradsync.cluster import ClusterError, run_on_cluster
+
+        nodes, per_node = _emulated(args.emulate)
         argv = _without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
         try:
-            return run_on_cluster(int(m.group(1)), int(m.group(2)), args.link, argv, args.timeout, 29500)
+            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
         except ClusterError as e:
             print(f"gradsync bench train: cannot emulate a cluster here: {e}", file=sys.stderr)
             return 1

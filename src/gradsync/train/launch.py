@@ -15,7 +15,7 @@ import sys
 
 from gradsync.train.options import add_arguments, validate
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "check", "main"]
 
 
 def _workers(args: argparse.Namespace) -> int:
@@ -66,11 +66,22 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(args: argparse.Namespace) -> int:
+def _is_worker() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every check before anything runs (``ValueError`` naming the option): the options and, in
+    the launcher, the data spec, the model and the batch size. ``main`` expects it done."""
     validate(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if not _is_worker():
+        _check_data_and_model(args)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`): as a worker inside torchrun, else as the launcher."""
+    if _is_worker():
         from gradsync.train.loop import run_worker
 
         return run_worker(args)
-    _check_data_and_model(args)
     return _launch(args)
