@@ -199,6 +199,22 @@ def test_interrupt_exits_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "gradsync: interrupted\n"
 
 
+def test_missing_app_package_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert main(["codecs"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        'gradsync: the command line needs the apps extra (matplotlib missing): pip install "gradsync[apps]"\n'
+    )
+    assert captured.out == ""
+
+
+def test_missing_app_package_while_running_names_the_extra(monkeypatch, capsys):
+    _failing_run(monkeypatch, ModuleNotFoundError("No module named 'rich'", name="rich"))
+    assert main(["bench", "codecs"]) == 1
+    assert 'needs the apps extra (rich missing): pip install "gradsync[apps]"' in capsys.readouterr().err
+
+
 def test_convergence_benchmark_checks_every_runs_train_options_first(monkeypatch, capsys):
     """Each run's ``gradsync train`` options, --train-option included, are checked before the
     first run: a bad one is a usage error, and no training starts."""

@@ -6,8 +6,8 @@ exit status says which step failed:
 
 - 0: done.
 - 1: a failure while running (ranks that disagree, a synchronization or task error, a damaged
-  checkpoint, a diverged loss, a failed worker...); one line on stderr, ``GRADSYNC_DEBUG=1``
-  adds the traceback.
+  checkpoint, a diverged loss, a failed worker...), or the ``apps`` extra is not installed;
+  one line on stderr, ``GRADSYNC_DEBUG=1`` adds the traceback.
 - 2: a usage error: argparse's own, or a value a command's check refused.
 - 130: interrupted (Ctrl-C).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import traceback
@@ -24,6 +25,16 @@ from typing import Any
 
 from gradsync import __version__
 
+# What the command line imports beyond torch (pyproject's `apps` extra): import name ->
+# distribution name.
+APP_MODULES = {
+    "rich": "rich",
+    "numpy": "numpy",
+    "sklearn": "scikit-learn",
+    "PIL": "pillow",
+    "matplotlib": "matplotlib",
+}
+INSTALL_APPS = 'pip install "gradsync[apps]"'
 DEBUG_VARIABLE = "GRADSYNC_DEBUG"
 
 EPILOG = (
@@ -34,6 +45,23 @@ EPILOG = (
 
 class UsageError(Exception):
     """A command-line option value refused before anything ran: ``gradsync`` exits 2."""
+
+
+def missing_app_modules() -> list[str]:
+    """The distributions of the ``apps`` extra that cannot be imported here."""
+    missing = []
+    for module, dist in APP_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(dist)
+    return missing
+
+
+def _apps_hint(missing: list[str]) -> str:
+    return f"gradsync: the command line needs the apps extra ({', '.join(missing)} missing): {INSTALL_APPS}"
 
 
 def _cmd_codecs(args: argparse.Namespace) -> int:
@@ -122,6 +150,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    missing = missing_app_modules()
+    if missing:
+        print(_apps_hint(missing), file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)  # argparse's own usage errors exit 2 here
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     debug = os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
@@ -138,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             traceback.print_exc()
-        print(f"gradsync: error: {_one_line(e, debug)}", file=sys.stderr)
+        module = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ImportError) else ""
+        if module in APP_MODULES:
+            print(_apps_hint([APP_MODULES[module]]), file=sys.stderr)
+        else:
+            print(f"gradsync: error: {_one_line(e, debug)}", file=sys.stderr)
         return 1
 
 
