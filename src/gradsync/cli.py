@@ -73,7 +73,7 @@ def _cmd_codecs(args: argparse.Namespace) -> int:
         options = ", ".join(
             f"{f.name}={f.default}" for f in dataclasses.fields(cls.Config) if f.name != "compile"
         )
-        traits = [t for t in ("aggregatable", "sparse", "lossless", "randomized") if getattr(cls, t)]
+        traits = [t for t in ("summable", "sparse", "lossless", "randomized") if getattr(cls, t, False)]
         print(f"{name:13s} {doc}")
         print(f"{'':13s} options: {options or '-'}{'; ' + ', '.join(traits) if traits else ''}")
     return 0
