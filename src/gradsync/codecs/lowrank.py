@@ -90,7 +90,9 @@ class PowerSGD(Codec):
         r = self.config.rank
         if stream.q is None or stream.q.shape != (cols, r) or not self.config.warm_start:
             assert stream.generator is not None
-            q = torch.randn(cols, r, generator=stream.generator, dtype=torch.float32)
+            q = torch.randn(
+                cols, r, generator=stream.generator, dtype=torch.float32, device=stream.generator.device
+            )
             stream.q = orthogonalize_(q).to(m.device)
         # (Q^T M^T)^T: the same product, several times faster than M @ Q in CPU BLAS for thin Q
         return torch.mm(stream.q.T, m.T).T

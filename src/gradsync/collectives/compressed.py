@@ -83,7 +83,7 @@ def compressed_allreduce(
     topo = topology.bind() if topology is not None else default_topology()
     if check:
         P.check_same(
-            topo.world_group, tensor.device, "compressed_allreduce", numel=tensor.numel(),
+            topo.world_group, "compressed_allreduce", numel=tensor.numel(),
             shape=str(tuple(tensor.shape)), dtype=str(tensor.dtype), codec=codec.spec(),
             strategy=strategy, local_aggregation=int(local_aggregation), op=op,
         )  # fmt: skip

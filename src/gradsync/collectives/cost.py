@@ -320,13 +320,13 @@ def measure_codec(
     use keeps its streams, scratch buffers and random generators untouched."""
     plain = codec.plain.fresh()
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     enc, dec, pay = [], [], []
     gen = torch.Generator().manual_seed(0)
     for s in sizes:
         n = max(s // itemsize, 1)
         side = 2 ** (int(math.log2(n)) // 2)
-        x = torch.randn(n, generator=gen).to(device=dev, dtype=dtype)
+        x = torch.randn(n, generator=gen, device=gen.device).to(device=dev, dtype=dtype)
         if n % side == 0:
             x = x.view(side, n // side)
         out = torch.empty_like(x)

@@ -81,7 +81,7 @@ def allreduce(
     topo = topology.bind() if topology is not None else default_topology()
     if check:
         P.check_same(
-            topo.world_group, tensor.device, "allreduce", numel=tensor.numel(), dtype=str(tensor.dtype),
+            topo.world_group, "allreduce", numel=tensor.numel(), dtype=str(tensor.dtype),
             algorithm=algorithm, op=op, comm_dtype=str(comm_dtype),
         )  # fmt: skip
     if topo.world == 1:

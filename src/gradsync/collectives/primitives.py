@@ -10,6 +10,12 @@ They add three things the algorithms need and torch.distributed does not give:
   disagree (tensor size, codec, algorithm) fail with a message naming them instead of hanging.
 
 Only tensors move. A ``group`` of ``None`` means the default (world) group.
+
+Devices: a collective's tensors must be on its backend's device (:func:`comm_device`: the current
+GPU under NCCL, the CPU under gloo). Every function here hands torch.distributed tensors on that
+device only: a tensor elsewhere (CUDA gradients on a gloo group) is staged through a copy there
+and the result copied back, and the small tensors made here (sizes, agreement words) are made
+there directly.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from gradsync.collectives.topology import backend_device
 
 # all_gather_single is the new name (torch >= 2.13); all_gather_into_tensor exists since 2.0
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,6 +88,16 @@ def _account(level: str, nbytes: float) -> None:
         t.add(level, nbytes)
 
 
+def comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on."""
+    return backend_device(dist.get_backend(group)) if dist.is_initialized() else torch.device("cpu")
+
+
+def _staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` itself on ``device``, else a copy there (the caller copies results back)."""
+    return t if t.device == device else t.to(device)
+
+
 def size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -102,22 +120,31 @@ def all_reduce(
 ) -> None:
     p = size(group)
     if p > 1 and t.numel():
-        dist.all_reduce(t, op=op, group=group)
+        w = _staged(t, comm_device(group))
+        dist.all_reduce(w, op=op, group=group)
+        if w is not t:
+            t.copy_(w)
         _account(level, 2 * (p - 1) / p * _nbytes(t))
 
 
 def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None, level: str) -> None:
     """Sum onto global rank ``dst``; other ranks' ``t`` is scratch afterwards."""
     if size(group) > 1 and t.numel():
-        dist.reduce(t, dst=dst, group=group)
+        w = _staged(t, comm_device(group))
+        dist.reduce(w, dst=dst, group=group)
+        if w is not t and dist.get_rank() == dst:
+            t.copy_(w)
         _account(level, _nbytes(t))
 
 
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str) -> None:
     if size(group) > 1 and t.numel():
-        dist.broadcast(t, src=src, group=group)
+        w = _staged(t, comm_device(group))
+        dist.broadcast(w, src=src, group=group)
         if dist.get_rank() == src:
             _account(level, _nbytes(t))
+        elif w is not t:
+            t.copy_(w)
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -145,8 +172,12 @@ def reduce_scatter(
         return
     if not inp.numel():
         return
+    dev = comm_device(group)
+    result, inp = out, _staged(inp, dev)
+    out = _staged(out, dev)
     if level == "intra" and _is_gloo(group):
-        parts = scratch if scratch is not None and scratch.numel() >= inp.numel() else torch.empty_like(inp)
+        fits = scratch is not None and scratch.numel() >= inp.numel() and scratch.device == dev
+        parts = scratch if fits else torch.empty_like(inp)  # type: ignore[assignment]
         parts = parts[: inp.numel()].view(p, -1)
         dist.all_to_all_single(parts.view(-1), inp, group=group)
         out.copy_(parts[0])  # streaming adds: several times faster than torch.sum over dim 0
@@ -154,6 +185,8 @@ def reduce_scatter(
             out.add_(parts[j])
     else:
         dist.reduce_scatter_tensor(out, inp, group=group)
+    if out is not result:
+        result.copy_(out)
     _account(level, (p - 1) / p * _nbytes(inp))
 
 
@@ -169,10 +202,15 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | 
         return
     if not inp.numel():
         return
+    dev = comm_device(group)
+    result, inp = out, _staged(inp, dev)
+    out = _staged(out, dev)
     if level == "intra" and _is_gloo(group):
         dist.all_to_all_single(out, inp.repeat(p), group=group)
     else:
         _all_gather_single(out, inp, group=group)
+    if out is not result:
+        result.copy_(out)
     _account(level, (p - 1) * _nbytes(inp))
 
 
@@ -189,8 +227,9 @@ def all_gather_bytes(
     if known_size:
         sizes = [data.numel()] * p
     else:
-        mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
-        all_sizes = torch.empty(p, dtype=torch.int64, device=data.device)
+        dev = comm_device(group)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+        all_sizes = torch.empty(p, dtype=torch.int64, device=dev)
         all_gather(all_sizes, mine, group, level)
         sizes = all_sizes.tolist()
     width = max(sizes)
@@ -215,12 +254,15 @@ class PendingGather:
     capacity: int
     ranks: int
     send: torch.Tensor | None = None  # kept alive until the transfer is done
+    device: torch.device | None = None  # where the caller's data is, when not on the comm device
 
     def wait(self) -> list[torch.Tensor]:
         """Every rank's buffer, each ``capacity`` bytes (the payload is a prefix of it)."""
         if self.work is not None:
             self.work.wait()
             self.work = self.send = None
+            if self.device is not None:
+                self.out = self.out.to(self.device)
         return [self.out[i * self.capacity : (i + 1) * self.capacity] for i in range(self.ranks)]
 
 
@@ -235,14 +277,15 @@ def start_all_gather_fixed(
     if data.numel() > capacity:
         raise ValueError(f"{data.numel()} bytes do not fit the agreed capacity of {capacity}")
     p = size(group)
-    buf = data.new_zeros(capacity)
+    dev = comm_device(group)
+    buf = torch.zeros(capacity, dtype=data.dtype, device=dev)
     buf[: data.numel()] = data
     if p == 1:
-        return PendingGather(None, buf, capacity, 1)
-    out = data.new_empty(p * capacity)
+        return PendingGather(None, buf.to(data.device), capacity, 1)
+    out = torch.empty(p * capacity, dtype=data.dtype, device=dev)
     work = _all_gather_single(out, buf, group=group, async_op=True)
     _account(level, (p - 1) * capacity)
-    return PendingGather(work, out, capacity, p, buf)
+    return PendingGather(work, out, capacity, p, buf, None if dev == data.device else data.device)
 
 
 def all_to_all_bytes(
@@ -254,24 +297,26 @@ def all_to_all_bytes(
         return list(chunks)
     if len(chunks) != p:
         raise ValueError(f"all_to_all needs one chunk per rank ({p}), got {len(chunks)}")
-    device = chunks[0].device
+    home, device = chunks[0].device, comm_device(group)
     send_sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_sizes = torch.empty(p, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
     _account(level, (p - 1) * 8)
     ins, outs = send_sizes.tolist(), recv_sizes.tolist()
-    inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
+    inp = _staged(torch.cat(chunks), device)
     out = torch.empty(sum(outs), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins, group=group)
     me = group_rank(group)
     _account(level, sum(s for j, s in enumerate(ins) if j != me))
-    return list(torch.split(out, outs))
+    return list(torch.split(_staged(out, home), outs))
 
 
 def send_recv(
     send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str
 ) -> None:
     """Send to global rank ``dst`` and receive from global rank ``src`` at the same time."""
+    dev = comm_device(group)
+    result, send, recv = recv, _staged(send, dev), _staged(recv, dev)
     ops = []
     if send.numel():
         ops.append(dist.P2POp(dist.isend, send, dst, group))
@@ -280,6 +325,8 @@ def send_recv(
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
+    if recv is not result:
+        result.copy_(recv)
     _account(level, _nbytes(send))
 
 
@@ -293,8 +340,9 @@ def send_recv_bytes(
 ) -> torch.Tensor:
     """Exchange uint8 buffers of unknown size with two neighbours (the size travels first)."""
     if recv_size is None:
-        mine = torch.tensor([send.numel()], dtype=torch.int64, device=send.device)
-        theirs = torch.empty(1, dtype=torch.int64, device=send.device)
+        dev = comm_device(group)
+        mine = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
+        theirs = torch.empty(1, dtype=torch.int64, device=dev)
         send_recv(mine, dst, theirs, src, group, level)
         recv_size = int(theirs)
     recv = torch.empty(recv_size, dtype=torch.uint8, device=send.device)
@@ -317,7 +365,6 @@ AGREEMENT_WORDS = 16  # int64 words of every agreement message, whatever is comp
 
 def check_same(
     group: dist.ProcessGroup | None,
-    device: torch.device | str = "cpu",
     what: str = "",
     explain: dict[str, Callable[[list[str]], str]] | None = None,
     **fields: int | str,
@@ -334,6 +381,7 @@ def check_same(
     p = size(group)
     if p == 1:
         return
+    device = comm_device(group)
     names = list(fields)
     if len(names) > AGREEMENT_WORDS - 1:
         raise ValueError(f"check_same compares at most {AGREEMENT_WORDS - 1} fields, got {len(names)}")

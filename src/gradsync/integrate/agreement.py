@@ -74,7 +74,7 @@ def agreed(
         error, text = e, f"invalid: {e}"
     if topo.world > 1:
         P.check_same(
-            topo.control_group, topo.comm_device, "gradsync start-up", {"parameters": explain_models},
+            topo.control_group, "gradsync start-up", {"parameters": explain_models},
             config=text, parameters=model_fingerprint(model),
         )  # fmt: skip
     if error is not None:

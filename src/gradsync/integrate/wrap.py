@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
@@ -154,10 +155,10 @@ class GradSync(nn.Module, Joinable):
         if topo.world == 1:
             return
         src = torch.tensor([topo.rank if is_last_joiner else -1], device=topo.comm_device)
-        dist.all_reduce(src, op=dist.ReduceOp.MAX, group=topo.control_group)
+        P.all_reduce(src, topo.control_group, "world", op=dist.ReduceOp.MAX)
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(t.data, int(src.item()), group=topo.control_group)
+                P.broadcast(t.data, int(src.item()), topo.control_group, "world")
 
 
 class _JoinHook(JoinHook):
@@ -215,7 +216,7 @@ def wrap(
     if topo.world > 1 and engine.config.broadcast_parameters:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0, group=topo.control_group)
+                P.broadcast(t.data, 0, topo.control_group, "world")
     return GradSync(model, engine)
 
 

@@ -367,7 +367,7 @@ class SyncEngine:
         unused = self.config.find_unused_parameters
         if not (self.check_overflow or unused):
             return None
-        flags = torch.zeros(1 + (len(self.slots) if unused else 0), dtype=torch.float32)
+        flags = torch.zeros(1 + (len(self.slots) if unused else 0), dtype=torch.float32, device="cpu")
         out = flags.to(self.topo.comm_device)
 
         def program() -> Program:

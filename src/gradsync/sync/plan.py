@@ -48,7 +48,7 @@ class Plan:
                 len(b.slots), b.codec_id, int(b.compress), b.partitions, ALGORITHMS.index(b.dense_algorithm),
                 _us(b.dense_ms), _us(b.compressed_ms), DENSE_REASONS.index(b.dense_reason), *b.slots,
             ]  # fmt: skip
-        return torch.tensor(words, dtype=torch.int64)
+        return torch.tensor(words, dtype=torch.int64, device="cpu")
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Plan:

@@ -268,24 +268,21 @@ def plan_after_first_step(
     Rank 0 decides alone, so a failure there is sent to every rank in place of the plan (the
     others would otherwise wait in the broadcast): every rank raises it."""
     params = calibrate(topo, reps=3) if config.calibrate else DEFAULT_PARAMS
+    dev, group = topo.comm_device, topo.control_group
     error: Exception | None = None
+    wire = torch.zeros(0, dtype=torch.int64, device=dev)
     if topo.rank == 0:
         try:
             plan = decide_plan(topo, config, scheme, slots, codecs, params, first, classes, rejects)
-            wire = plan.to_tensor()
+            wire = plan.to_tensor().to(dev)
         except Exception as e:
             error = e
-            wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64)
-        head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64)
-    else:
-        head = torch.zeros(2, dtype=torch.int64)
-    dev, group = topo.comm_device, topo.control_group
-    head = head.to(dev)
+            wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64, device=dev)
+    head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64, device=dev)
     dist.broadcast(head, 0, group=group)  # the control group holds every rank
     size, failed = head.tolist()
     if topo.rank != 0:
-        wire = torch.zeros(size, dtype=torch.int64)
-    wire = wire.to(dev)
+        wire = torch.zeros(size, dtype=torch.int64, device=dev)
     dist.broadcast(wire, 0, group=group)
     if failed:
         if error is not None:

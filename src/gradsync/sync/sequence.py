@@ -43,7 +43,9 @@ def sequence_program(topo: Topology, step: int, forwards: int | None) -> Program
     """The step check as a step program over ``topo.world_group`` (``forwards`` None: this rank
     takes part without data)."""
     fwd = NEUTRAL if forwards is None else forwards
-    mine = torch.tensor([step, -step, fwd, NEUTRAL if forwards is None else -fwd], dtype=torch.int64)
+    mine = torch.tensor(
+        [step, -step, fwd, NEUTRAL if forwards is None else -fwd], dtype=torch.int64, device="cpu"
+    )
     reduced = mine.to(topo.comm_device, copy=True)  # mine stays this rank's own numbers
     yield partial(P.all_reduce, reduced, topo.world_group, "world", op=dist.ReduceOp.MAX)
     hi_step, neg_lo_step, hi_fwd, neg_lo_fwd = reduced.tolist()

@@ -41,7 +41,7 @@ def draw_index(gen: torch.Generator, high: int) -> int:
     """A uniform integer in ``[0, high)``."""
     if high <= 0:
         raise ValueError(f"high must be positive, got {high}")
-    return int(torch.randint(0, high, (1,), generator=gen))
+    return int(torch.randint(0, high, (1,), generator=gen, device=gen.device))
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:

@@ -234,7 +234,7 @@ class CandidateSet:
             return sub if hi == math.inf else sub.restrict(lo, hi)
         keep: torch.Tensor
         if native.usable(self.keys):
-            pos = torch.empty(self.count, dtype=torch.int32)
+            pos = torch.empty(self.count, dtype=torch.int32, device=self.keys.device)
             m = native.ext().range_positions(native.ptr(self.keys), self.count, lo, hi, native.ptr(pos))
             keep = pos[:m]
         else:
