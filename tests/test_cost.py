@@ -1,7 +1,5 @@
 """The alpha-beta formulas against hand-computed values."""
 
-import math
-
 import pytest
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
@@ -52,9 +50,6 @@ def test_sparse_formulas():
     t4 = 2 * INTRA.alpha + 2 * c.payload(S / 2) * INTRA.beta
     assert m.hitopk(S, c) == pytest.approx(t1 + c.encode(S / 2) + t3 + t4 + 4 * c.decode(S / 2))
     assert m.hitopk(S, c) < m.naive(S, c) < m.flat(S)
-    # paper 04: T_sparse and T_dense
-    assert m.paper04_sparse(S, 0.01, 0.0, 0.0) == pytest.approx(2 * INTER.alpha + 3 * S * 0.01 * INTER.beta)
-    assert m.paper04_dense(S, 0.0) == pytest.approx(4 * INTER.alpha + 1.5 * S * INTER.beta)
 
 
 def test_casync_table_3():
@@ -68,13 +63,11 @@ def test_casync_table_3():
     assert m.casync("ring", S, q) == pytest.approx(want)
     two = 6 * (2 * INTER.alpha + q.payload(part) * INTER.beta) + 4 * q.encode(part) + 4 * q.decode(part)
     assert m.casync("ring", S, q, messages=2) == pytest.approx(two)
-    assert m.casync_orig(S, 4, 4, INTER) == pytest.approx(6 * INTER.send(part))
 
 
 def test_one_rank_costs_nothing_to_communicate():
     m = CostModel(PARAMS, nodes=1, per_node=1)
     assert m.flat(S) == 0.0 and m.torus2d(S) == 0.0
-    assert math.isinf(Link(0.0, 0.0).bandwidth)
 
 
 def test_pipelined_hitopk_overlaps_compute_and_transfer():

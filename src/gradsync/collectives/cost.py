@@ -4,19 +4,21 @@ A link level has a start-up time alpha (s) and a transfer time beta (s per byte)
 link between ranks of one node, ``inter`` the node's cable. Sizes are bytes of the dense float
 tensor (S) or of a payload (B). gamma is the time to add one byte of data into another.
 
-Formulas (p ranks, m nodes of n ranks):
+Formulas (p ranks, m nodes of n ranks), one method of :class:`CostModel` each:
 
-- ring all-reduce: ``2(p-1) alpha + 2(p-1)/p S beta + (p-1)/p S gamma`` (paper 04, dense ring);
-- paper 01 Eq. 3, all-gather of B-byte payloads: ``alpha log2 p + (p-1) B beta``;
-- paper 01 Eq. 7-10, HiTopKComm: intra reduce-scatter ``(n-1) alpha_i + (n-1)/n S beta_i``, top-k
-  of S/n, inter all-gather ``alpha_o log2 m + (m-1) B beta_o`` for each of the n local indices
-  (their n streams share the node cable), intra all-gather ``(n-1) alpha_i + (n-1)/n S beta_i``;
-- paper 04: ``T_sparse = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1`` and
-  ``T_dense = 2 lg(p) alpha + 2 (p-1)/p M beta + (p-1)/p M gamma_2``;
-- paper 05 Eq. 1-2 with Table 3: ``T_orig = a T_send(m/K)``,
-  ``T_cpr = a T_send(r m/K) + b T_enc(m/K) + c T_dec(r m/K)`` with (a, b, c) =
-  (2(N-1), N, N) for CaSync-Ring on sparsifiers and quantizers, (2(N-1), 1, 1) for low rank, and
-  (2(N-1), K, N) for CaSync-PS with co-located aggregators (the values of the paper's evaluation).
+- ``flat``, ``hierarchical``, ``torus2d``: ring all-reduce
+  ``2(p-1) alpha + 2(p-1)/p S beta + (p-1)/p S gamma`` over the world, or composed per level;
+- ``allgather``: paper 01 Eq. 3, all-gather of B-byte payloads ``alpha log2 p + (p-1) B beta``;
+  ``naive`` adds one encode and p decodes (paper 04's packed sparse all-gather, its T_sparse
+  with the selection time measured as the codec's encode);
+- ``hitopk``: paper 01 Eq. 7-10, HiTopKComm: intra reduce-scatter ``(n-1) alpha_i + (n-1)/n S
+  beta_i``, top-k of S/n, inter all-gather ``alpha_o log2 m + (m-1) B beta_o`` for each of the n
+  local indices (their n streams share the node cable), intra all-gather of the payloads;
+- ``casync``: paper 05 Eq. 2 with Table 3, ``T_cpr = a T_send(r m/K) + b T_enc(m/K) + c
+  T_dec(r m/K)`` with (a, b, c) = (2(N-1), N, N) for CaSync-Ring on sparsifiers and quantizers,
+  (2(N-1), 1, 1) for low rank, and (2(N-1), K, N) for CaSync-PS with co-located aggregators;
+- ``lowrank``: PowerSGD's two factor all-reduces; ``locally_aggregated``: paper 05's local
+  aggregation around any of them.
 
 :func:`calibrate` measures alpha and beta of each level on the running cluster with all-reduce
 sweeps and least squares; :func:`measure_codec` times a codec's encode and decode.
@@ -47,11 +49,6 @@ class Link:
 
     def send(self, nbytes: float) -> float:
         return self.alpha + nbytes * self.beta
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second."""
-        return 1.0 / self.beta if self.beta > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -164,21 +161,6 @@ class CostModel:
         t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=2)
         return pipeline + t4 + self.m * self.n * chunks * c.decode(shard)
 
-    def paper04_sparse(self, nbytes: float, density: float, t_select: float, gamma1: float) -> float:
-        """RedSync's T_sparse (recursive-doubling all-gather of the compressed residuals)."""
-        link = self._world_link
-        return (
-            t_select
-            + log2(self.p) * link.alpha
-            + (self.p - 1) * nbytes * density * link.beta
-            + self.p * gamma1
-        )
-
-    def paper04_dense(self, nbytes: float, gamma2: float) -> float:
-        """RedSync's T_dense (Rabenseifner all-reduce)."""
-        link, p = self._world_link, self.p
-        return 2 * log2(p) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta + (p - 1) / p * nbytes * gamma2
-
     # ------------------------------------------------------------------ CaSync (paper 05)
     def casync_steps(self, strategy: str, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
         """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path."""
@@ -187,10 +169,6 @@ class CostModel:
         if strategy == "ring":
             return 2 * (n - 1), n, n
         return 2 * (n - 1), k, n
-
-    def casync_orig(self, nbytes: float, n: int, k: int, link: Link) -> float:
-        """Eq. 1: ``a T_send(m / K)`` (no compression)."""
-        return 2 * (n - 1) * link.send(nbytes / k)
 
     def casync(self, strategy: str, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
                link: Link | None = None, messages: int = 1) -> float:  # fmt: skip

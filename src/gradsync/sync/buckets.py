@@ -73,8 +73,6 @@ def build_groups(
         if b.nbytes >= bucket_bytes:
             closed.append((b.last, b.members, cls))
             del open_[key]
-        elif b is not open_.get(key):
-            open_[key] = b
     for key, b in open_.items():
         closed.append((b.last, b.members, int(key[2])))  # type: ignore[call-overload]
     closed.sort(key=lambda c: (c[0], c[1][0]))
@@ -103,7 +101,6 @@ class Bucket:
     # per step
     pending: int = 0  # gradients not yet ready
     parts_left: int = 0
-    missing: list[int] = field(default_factory=list)  # slots without a gradient on this rank
 
     def __post_init__(self) -> None:
         pos = 0
@@ -143,12 +140,10 @@ class Bucket:
 
     def pack(self) -> None:
         """Copy the gradients in (any memory layout); a missing gradient counts as zero."""
-        self.missing = []
         for j, s in enumerate(self.slots):
             g = s.param.grad
             if g is None:
                 self.view(j).zero_()
-                self.missing.append(j)
             elif g.layout != torch.strided:
                 raise ValueError(
                     f"gradsync: the gradient of {s.name!r} is a {g.layout} tensor; gradsync synchronizes "

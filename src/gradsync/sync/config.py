@@ -69,7 +69,8 @@ class SyncConfig(OptionsConfig):
     pass. Off only for programs that legitimately run different numbers of training-mode forward
     passes on different ranks."""
     calibrate: bool = True
-    """Measure alpha/beta of each link level after the first step (else use ``alpha``/``beta`` defaults)."""
+    """Measure alpha/beta of each link level after the first step (else assume
+    :data:`gradsync.sync.planner.DEFAULT_PARAMS`: 10 GB/s inside a node, 10 Gbit/s across)."""
     timeout_s: float = 300.0
     """How long ``finish_sync`` waits for the synchronization tasks before raising."""
     log_plan: bool = True

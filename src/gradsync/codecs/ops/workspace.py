@@ -29,11 +29,3 @@ class Workspace:
             buf = torch.empty(size, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:numel]
-
-    def clear(self) -> None:
-        """Drop every buffer (for example before a checkpoint to free memory)."""
-        self._buffers.clear()
-
-    def nbytes(self) -> int:
-        """Bytes held by the workspace."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
