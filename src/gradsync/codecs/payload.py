@@ -120,7 +120,7 @@ class Payload:
             if self.data.device.type == "cpu":
                 raw = ctypes.string_at(self.data.data_ptr(), HEADER_BYTES)
             else:
-                raw = self.data[:HEADER_BYTES].cpu().numpy().tobytes()
+                raw = bytes(self.data[:HEADER_BYTES].cpu().tolist())  # (no numpy: torch alone)
             self._header = Header.unpack(raw)
         return self._header
 
