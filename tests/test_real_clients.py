@@ -14,7 +14,6 @@ import copy
 import datetime
 import logging
 import re
-import traceback
 import warnings
 
 import pytest
@@ -31,32 +30,11 @@ import gradsync
 from gradsync.collectives import MismatchError, Topology, allreduce, compressed_allreduce
 from gradsync.sync.engine import SyncError
 from gradsync.sync.sequence import OutOfStepError
-from worlds import init_world, run_world
+from worlds import expect_all, init_world, named_check, run_checks, run_world, same_on_every_rank
 
 pytestmark = pytest.mark.timeout(600)
 
 FAST = {"calibrate": False, "log_plan": False}
-
-
-# ----------------------------------------------------------------------------------- harness
-def run_checks(*checks):
-    """Run every check; raise one error listing all that failed on this rank."""
-    failed = []
-    for check in checks:
-        try:
-            check()
-        except Exception:
-            failed.append(f"{check.__name__}:\n{traceback.format_exc()}")
-        dist.barrier()  # the next check starts together on every rank
-    if failed:
-        raise AssertionError(f"rank {dist.get_rank()}: {len(failed)} checks failed\n" + "\n".join(failed))
-
-
-def same_on_every_rank(tensors, what):
-    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors])
-    ref = flat.clone()
-    dist.broadcast(ref, 0)
-    assert torch.equal(flat, ref), f"{what}: ranks differ by up to {float((flat - ref).abs().max())}"
 
 
 # ------------------------------------------------------------------------------ model and data
@@ -154,50 +132,56 @@ SCRIPT_SETUPS = {
 
 
 def check_none_hook_is_ddp_bit_for_bit():
-    for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
-        ref = params_of(ddp_script(lambda m, kw=ddp_kw: DDP(m, **kw), **script_kw))
-        ours = ddp_script(hooked("none", **ddp_kw), **script_kw)
-        assert ours._gradsync_state.step > 0, name
-        for a, b in zip(ref, params_of(ours), strict=True):
-            assert torch.equal(a, b), (
-                f"{name}: gradsync none hook differs from DDP by {float((a - b).abs().max())}"
-            )
-        ours._gradsync_state.close()
+    with expect_all() as expect:
+        for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
+            ref = params_of(ddp_script(lambda m, kw=ddp_kw: DDP(m, **kw), **script_kw))
+            ours = ddp_script(hooked("none", **ddp_kw), **script_kw)
+            ours._gradsync_state.close()
+            with expect(name):
+                assert ours._gradsync_state.step > 0
+                for a, b in zip(ref, params_of(ours), strict=True):
+                    assert torch.equal(a, b), f"differs from DDP by {float((a - b).abs().max())}"
 
 
 def check_fp16_hook_matches_pytorch_fp16_hook():
-    for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
-        ref = params_of(ddp_script(torch_hook(default_hooks.fp16_compress_hook, **ddp_kw), **script_kw))
-        ours = ddp_script(hooked("fp16", **ddp_kw), **script_kw)
-        for a, b in zip(ref, params_of(ours), strict=True):
-            # both round every gradient to float16 once; gradsync scales by a power of two first
-            torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3, msg=name)
-        ours._gradsync_state.close()
+    with expect_all() as expect:
+        for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
+            ref = params_of(ddp_script(torch_hook(default_hooks.fp16_compress_hook, **ddp_kw), **script_kw))
+            ours = ddp_script(hooked("fp16", **ddp_kw), **script_kw)
+            ours._gradsync_state.close()
+            with expect(name):
+                for a, b in zip(ref, params_of(ours), strict=True):
+                    # both round every gradient to float16 once; gradsync scales by a power of two first
+                    torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3)
 
 
 def check_compressed_hooks_in_every_setup():
     """No crash, no hang, the same model on every rank, and it learned something."""
-    for spec in ("topk:density=0.05+ef", "powersgd:rank=2", "onebit", "hitopk:density=0.1"):
-        for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
-            opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
-            model = ddp_script(hooked(spec, opts, **ddp_kw), epochs=3, **script_kw)
-            same_on_every_rank(params_of(model), f"{spec} / {name}")
-            assert all(torch.isfinite(p).all() for p in params_of(model)), (spec, name)
-            assert model._gradsync_state.step >= 3
-            model._gradsync_state.close()
+    with expect_all() as expect:
+        for spec in ("topk:density=0.05+ef", "powersgd:rank=2", "onebit", "hitopk:density=0.1"):
+            for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
+                opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
+                model = ddp_script(hooked(spec, opts, **ddp_kw), epochs=3, **script_kw)
+                model._gradsync_state.close()
+                with expect(f"{spec} / {name}"):
+                    same_on_every_rank(params_of(model), "parameters")
+                    assert all(torch.isfinite(p).all() for p in params_of(model))
+                    assert model._gradsync_state.step >= 3
 
 
 def check_wrap_in_the_same_script():
     """gradsync.wrap in place of DDP: no_sync, find_unused_parameters, against DDP."""
-    for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
-        if "static" in name or "bucket" in name:
-            continue
-        opts = {"find_unused_parameters": bool(ddp_kw.get("find_unused_parameters")), **FAST}
-        ref = params_of(ddp_script(lambda m, kw=ddp_kw: DDP(m, **kw), **script_kw))
-        ours = ddp_script(lambda m, o=opts: gradsync.wrap(m, "none", **o), **script_kw)
-        for a, b in zip(ref, params_of(ours), strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
-        ours.close()
+    with expect_all() as expect:
+        for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
+            if "static" in name or "bucket" in name:
+                continue
+            opts = {"find_unused_parameters": bool(ddp_kw.get("find_unused_parameters")), **FAST}
+            ref = params_of(ddp_script(lambda m, kw=ddp_kw: DDP(m, **kw), **script_kw))
+            ours = ddp_script(lambda m, o=opts: gradsync.wrap(m, "none", **o), **script_kw)
+            ours.close()
+            with expect(name):
+                for a, b in zip(ref, params_of(ours), strict=True):
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def scripts_world():
@@ -216,26 +200,30 @@ def test_ddp_scripts_with_gradsync_hooks():
 # ------------------------------------------------------------- 2. made before the process group
 def check_hook_made_before_the_process_group(state, hook, topo_early):
     rank = dist.get_rank()
-    assert state.topo is None  # nothing bound yet: no world size frozen
-    ref = ddp_script(lambda m: DDP(m), epochs=3)
+    with expect_all() as expect:
+        with expect("nothing bound yet: no world size frozen"):
+            assert state.topo is None
+        ref = ddp_script(lambda m: DDP(m), epochs=3)
 
-    def make(model):
-        ddp = DDP(model)
-        ddp.register_comm_hook(state, hook)
-        return ddp
+        def make(model):
+            ddp = DDP(model)
+            ddp.register_comm_hook(state, hook)
+            return ddp
 
-    ours = ddp_script(make, epochs=3)
-    assert state.topo is not None and state.topo.world == 2 and state.step > 0
-    same_on_every_rank(params_of(ours), "hook made before init_process_group")
-    for a, b in zip(params_of(ref), params_of(ours), strict=True):
-        assert torch.equal(a, b)
-    state.close()
-    # a Topology made before the process group is rebuilt for it when wrap() gets it
-    model = gradsync.wrap(fresh_model(), "torus2d", topo_early, **FAST)
-    assert (topo_early.world, topo_early.rank) == (2, rank)
-    x, y = text_dataset()[rank * 8 : rank * 8 + 8]
-    nn.functional.cross_entropy(model(x), y).backward()
-    model.close()
+        ours = ddp_script(make, epochs=3)
+        state.close()
+        with expect("bound at its first call, equal to DDP"):
+            same_on_every_rank(params_of(ours), "hook made before init_process_group")
+            assert state.topo is not None and state.topo.world == 2 and state.step > 0
+            for a, b in zip(params_of(ref), params_of(ours), strict=True):
+                assert torch.equal(a, b)
+        # a Topology made before the process group is rebuilt for it when wrap() gets it
+        model = gradsync.wrap(fresh_model(), "torus2d", topo_early, **FAST)
+        with expect("the early Topology rebuilt"):
+            assert (topo_early.world, topo_early.rank) == (2, rank)
+        x, y = text_dataset()[rank * 8 : rank * 8 + 8]
+        nn.functional.cross_entropy(model(x), y).backward()
+        model.close()
 
 
 def check_wrap_made_before_the_process_group_refuses(early):
@@ -250,8 +238,8 @@ def before_pg_world():
     early = gradsync.wrap(fresh_model(), "none")
     init_world()
     run_checks(
-        lambda: check_hook_made_before_the_process_group(state, hook, topo_early),
-        lambda: check_wrap_made_before_the_process_group_refuses(early),
+        named_check(check_hook_made_before_the_process_group, state, hook, topo_early),
+        named_check(check_wrap_made_before_the_process_group_refuses, early),
     )
 
 
@@ -300,53 +288,60 @@ def check_every_scheme_on_half_precision_models():
     gradients on every rank, and the lossless ones equal a plain all-reduce in the same dtype."""
     rank = dist.get_rank()
     topo = Topology(nodes=2, per_node=1)
-    problems = []
-    for label, make in half_models().items():
-        for scheme in HALF_SCHEMES:
-            model = gradsync.wrap(make(), scheme, topo, plan="compress", min_compress_bytes=0, **FAST)
-            ref = copy.deepcopy(model.module)
-            try:
-                for step in range(3):
-                    torch.manual_seed(100 * step + rank)
-                    x = torch.randn(8, 16).to(next(ref.parameters()).dtype)  # Mixed casts for itself
-                    for m in (model, ref):
-                        m.zero_grad()
-                        m(x).float().square().mean().backward()
-                grads = [p.grad for p in model.module.parameters()]
-                assert model.last_stats is not None and not model.last_stats.dense
-                assert all(g.dtype == p.dtype for g, p in zip(grads, model.module.parameters(), strict=True))
-                same_on_every_rank(grads, f"{label} {scheme}")
-                if scheme in ("none", "ps/fp16", "ring/bf16", "torus2d/bf16"):
-                    for g, p in zip(grads, ref.parameters(), strict=True):
-                        want = p.grad.double()
+    problems = []  # errors (not failed assertions) of a model and scheme
+    with expect_all() as expect:
+        for label, make in half_models().items():
+            for scheme in HALF_SCHEMES:
+                model = gradsync.wrap(make(), scheme, topo, plan="compress", min_compress_bytes=0, **FAST)
+                ref = copy.deepcopy(model.module)
+                try:
+                    for step in range(3):
+                        torch.manual_seed(100 * step + rank)
+                        x = torch.randn(8, 16).to(next(ref.parameters()).dtype)  # Mixed casts for itself
+                        for m in (model, ref):
+                            m.zero_grad()
+                            m(x).float().square().mean().backward()
+                    grads = [p.grad for p in model.module.parameters()]
+                    lossless = scheme in ("none", "ps/fp16", "ring/bf16", "torus2d/bf16")
+                    wants = [p.grad.double() for p in ref.parameters()] if lossless else []
+                    for want in wants:
                         dist.all_reduce(want)
-                        tol = 2e-2 if p.dtype in (torch.bfloat16, torch.float16) or "16" in scheme else 1e-6
-                        torch.testing.assert_close(g.double(), want / 2, rtol=tol, atol=tol)
-            except Exception as e:
-                problems.append(f"{label} {scheme}: {type(e).__name__}: {e}")
-            finally:
-                model.close()
-    assert not problems, "\n".join(problems)
+                    with expect(f"{label} {scheme}"):
+                        same_on_every_rank(grads, "gradients")
+                        assert model.last_stats is not None and not model.last_stats.dense
+                        params = list(model.module.parameters())
+                        assert all(g.dtype == p.dtype for g, p in zip(grads, params, strict=True))
+                        for g, p, want in zip(grads, ref.parameters(), wants, strict=False):
+                            half = p.dtype in (torch.bfloat16, torch.float16) or "16" in scheme
+                            tol = 2e-2 if half else 1e-6
+                            torch.testing.assert_close(g.double(), want / 2, rtol=tol, atol=tol)
+                except Exception as e:
+                    problems.append(f"{label} {scheme}: {type(e).__name__}: {e}")
+                finally:
+                    model.close()
+        assert not problems, "\n".join(problems)
 
 
 def check_hooks_on_half_precision_models():
     rank = dist.get_rank()
-    for label, make in half_models().items():
-        for spec in ("topk:density=0.05", "powersgd:rank=2", "hitopk:density=0.1", "ps/onebit", "fp16"):
-            inner = make()
-            model = DDP(inner, bucket_cap_mb=0.01)
-            opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
-            state = gradsync.register_comm_hook(model, spec, **opts)
-            for step in range(3):
-                torch.manual_seed(100 * step + rank)
-                model.zero_grad()
-                model(
-                    torch.randn(8, 16).to(next(inner.parameters()).dtype)
-                ).float().square().mean().backward()
-            grads = [p.grad for p in inner.parameters()]
-            assert all(g.dtype == p.dtype for g, p in zip(grads, inner.parameters(), strict=True))
-            same_on_every_rank(grads, f"hook {label} {spec}")
-            state.close()
+    with expect_all() as expect:
+        for label, make in half_models().items():
+            for spec in ("topk:density=0.05", "powersgd:rank=2", "hitopk:density=0.1", "ps/onebit", "fp16"):
+                inner = make()
+                model = DDP(inner, bucket_cap_mb=0.01)
+                opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
+                state = gradsync.register_comm_hook(model, spec, **opts)
+                for step in range(3):
+                    torch.manual_seed(100 * step + rank)
+                    model.zero_grad()
+                    model(
+                        torch.randn(8, 16).to(next(inner.parameters()).dtype)
+                    ).float().square().mean().backward()
+                state.close()
+                grads = [p.grad for p in inner.parameters()]
+                with expect(f"hook {label} {spec}"):
+                    same_on_every_rank(grads, "gradients")
+                    assert all(g.dtype == p.dtype for g, p in zip(grads, inner.parameters(), strict=True))
 
 
 def check_half_precision_trains_like_fp32_ddp():
@@ -502,71 +497,81 @@ def capture_plan_report(model_fn, scheme, steps=2, **opts):
 
 def check_compression_never_silently_off():
     rank = dist.get_rank()
-    # min_compress_bytes excludes every tensor of a small MLP
-    logs, warned = capture_plan_report(mlp_model, "topk:density=0.1", plan="compress", calibrate=False)
-    assert any("compresses nothing" in w and "smaller than min_compress_bytes=65536" in w for w in warned), (
-        warned
-    )
-    assert any("lower min_compress_bytes" in w for w in warned)
-    if rank == 0:
-        assert len(logs) == 1 and "compressing 0 of 4 tensors" in logs[0], logs
-    else:
-        assert logs == []  # one line, on rank 0
-    # the cost model declines: said with the reason and what to do
-    _, warned = capture_plan_report(
-        lambda: mlp_model(width=256), "topk:density=0.5", min_compress_bytes=0, plan="auto", calibrate=False,
-        dense_algorithm="flat",
-    )  # fmt: skip
-    declined = [w for w in warned if "compresses nothing" in w]
-    assert declined and "the cost model predicts dense synchronization faster" in declined[0], warned
-    assert "pass plan='compress'" in declined[0]
-    # hitopk on one node compresses nothing (nothing crosses a node)
-    _, warned = capture_plan_report(
-        mlp_model, "hitopk:density=0.1", plan="compress", min_compress_bytes=0, calibrate=False,
-        topology=Topology(nodes=1, per_node=2),
-    )  # fmt: skip
-    assert any("one node" in w for w in warned), warned
-    # a compressing plan is logged with what it compresses
-    logs, warned = capture_plan_report(mlp_model, "topk:density=0.1", plan="compress", min_compress_bytes=0)
-    assert not any("compresses nothing" in w for w in warned)
-    if rank == 0:
-        assert len(logs) == 1 and "compressing 4 of 4 tensors" in logs[0] and "topk:density=0.1+ef" in logs[0]
+    with expect_all() as expect:
+        # min_compress_bytes excludes every tensor of a small MLP
+        logs, warned = capture_plan_report(mlp_model, "topk:density=0.1", plan="compress", calibrate=False)
+        with expect("every tensor below min_compress_bytes"):
+            assert any(
+                "compresses nothing" in w and "smaller than min_compress_bytes=65536" in w for w in warned
+            ), warned
+            assert any("lower min_compress_bytes" in w for w in warned)
+            if rank == 0:
+                assert len(logs) == 1 and "compressing 0 of 4 tensors" in logs[0], logs
+            else:
+                assert logs == []  # one line, on rank 0
+        # the cost model declines: said with the reason and what to do
+        _, warned = capture_plan_report(
+            lambda: mlp_model(width=256), "topk:density=0.5", min_compress_bytes=0, plan="auto",
+            calibrate=False, dense_algorithm="flat",
+        )  # fmt: skip
+        with expect("the cost model declines"):
+            declined = [w for w in warned if "compresses nothing" in w]
+            assert declined and "the cost model predicts dense synchronization faster" in declined[0], warned
+            assert "pass plan='compress'" in declined[0]
+        # hitopk on one node compresses nothing (nothing crosses a node)
+        _, warned = capture_plan_report(
+            mlp_model, "hitopk:density=0.1", plan="compress", min_compress_bytes=0, calibrate=False,
+            topology=Topology(nodes=1, per_node=2),
+        )  # fmt: skip
+        with expect("hitopk on one node"):
+            assert any("one node" in w for w in warned), warned
+        # a compressing plan is logged with what it compresses
+        logs, warned = capture_plan_report(
+            mlp_model, "topk:density=0.1", plan="compress", min_compress_bytes=0
+        )
+        with expect("a compressing plan"):
+            assert not any("compresses nothing" in w for w in warned)
+            if rank == 0:
+                assert len(logs) == 1 and "compressing 4 of 4 tensors" in logs[0]
+                assert "topk:density=0.1+ef" in logs[0]
 
 
 def check_hook_says_what_it_compresses():
     """The DDP hook reports after its first compressed iteration, like wrap's plan."""
     rank = dist.get_rank()
-    for spec, opts, expect in (
-        ("topk:density=0.1", {}, "compresses nothing"),  # every bucket below min_compress_bytes
-        ("allgather/topk:k=6000", {"min_compress_bytes": 0}, "topk: k=6000 exceeds the tensor's"),
-        ("topk:density=0.1", {"min_compress_bytes": 0}, None),
-    ):
-        records = []
-        handler = logging.Handler()
-        handler.emit = records.append
-        logger = logging.getLogger("gradsync")
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                inner = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
-                model = DDP(inner, bucket_cap_mb=0.01)
-                state = gradsync.register_comm_hook(model, spec, **opts)
-                for _ in range(3):
-                    model(torch.randn(8, 16)).square().mean().backward()
-                state.close()
-        finally:
-            logger.removeHandler(handler)
-        said = [str(w.message) for w in caught if "gradsync" in str(w.message)]
-        if expect is None:
-            assert not said, said
-        else:
-            assert any(expect in w for w in said), (spec, said)
-        lines = [r.getMessage() for r in records if r.getMessage().startswith("gradsync DDP hook")]
-        assert len(lines) == (1 if rank == 0 else 0), lines
-        if rank == 0 and expect is None:
-            assert re.search(r"compressing (\d+) of \1 DDP buckets", lines[0]), lines
+    with expect_all() as expect:
+        for spec, opts, warning in (
+            ("topk:density=0.1", {}, "compresses nothing"),  # every bucket below min_compress_bytes
+            ("allgather/topk:k=6000", {"min_compress_bytes": 0}, "topk: k=6000 exceeds the tensor's"),
+            ("topk:density=0.1", {"min_compress_bytes": 0}, None),
+        ):
+            records = []
+            handler = logging.Handler()
+            handler.emit = records.append
+            logger = logging.getLogger("gradsync")
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    inner = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+                    model = DDP(inner, bucket_cap_mb=0.01)
+                    state = gradsync.register_comm_hook(model, spec, **opts)
+                    for _ in range(3):
+                        model(torch.randn(8, 16)).square().mean().backward()
+                    state.close()
+            finally:
+                logger.removeHandler(handler)
+            with expect(f"{spec} {opts}"):
+                said = [str(w.message) for w in caught if "gradsync" in str(w.message)]
+                if warning is None:
+                    assert not said, said
+                else:
+                    assert any(warning in w for w in said), said
+                lines = [r.getMessage() for r in records if r.getMessage().startswith("gradsync DDP hook")]
+                assert len(lines) == (1 if rank == 0 else 0), lines
+                if rank == 0 and warning is None:
+                    assert re.search(r"compressing (\d+) of \1 DDP buckets", lines[0]), lines
 
 
 def check_powersgd_reports_what_it_sends_dense():
@@ -593,17 +598,19 @@ def check_powersgd_factors_stay_finite_after_an_overflow():
         model.module[0].weight.register_hook(
             lambda g: torch.full_like(g, float("inf")) if inject["on"] else g
         )
-    for step in range(4):
-        inject["on"] = step == 2
-        opt.zero_grad()
-        scaler.scale(model(torch.randn(8, 16)).square().mean()).backward()
-        scaler.step(opt)
-        scaler.update()
-        assert model.last_stats.overflow == (step == 2)
-        for stream in model.sync_state_dict()["codecs"][0]["codec"]["streams"].values():
-            for name in ("p", "q"):
-                if stream.get(name) is not None:
-                    assert torch.isfinite(stream[name]).all(), (step, name)
+    with expect_all() as expect:
+        for step in range(4):
+            inject["on"] = step == 2
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 16)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            with expect(f"step {step}"):
+                assert model.last_stats.overflow == (step == 2)
+                for stream in model.sync_state_dict()["codecs"][0]["codec"]["streams"].values():
+                    for name in ("p", "q"):
+                        if stream.get(name) is not None:
+                            assert torch.isfinite(stream[name]).all(), name
     model.close()
 
 
@@ -648,27 +655,30 @@ def uneven_script(make, batches, join_kw=None):
 
 def check_join_trains_uneven_inputs_like_ddp():
     batches = [2, 4]
-    for divide in (True, False):
-        kw = {"divide_by_initial_world_size": divide}
-        ref = params_of(uneven_script(lambda m: DDP(m), batches, kw))
+    with expect_all() as expect:
+        for divide in (True, False):
+            kw = {"divide_by_initial_world_size": divide}
+            ref = params_of(uneven_script(lambda m: DDP(m), batches, kw))
+            for name, make in (
+                ("wrap none", lambda m: gradsync.wrap(m, "none", **FAST)),
+                ("hook none", hooked("none")),
+            ):
+                if name.startswith("hook") and not divide:
+                    continue  # DDP divides the hook's result itself only in its default mode
+                got = params_of(uneven_script(make, batches, kw))
+                with expect(f"Join {name} divide={divide}"):
+                    same_on_every_rank(got, "parameters")
+                    for a, b in zip(ref, got, strict=True):
+                        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        # compressed, through both paths: runs to the end, one model everywhere
+        compressed = {"plan": "compress", "min_compress_bytes": 0, **FAST}
         for name, make in (
-            ("wrap none", lambda m: gradsync.wrap(m, "none", **FAST)),
-            ("hook none", hooked("none")),
+            ("wrap topk", lambda m: gradsync.wrap(m, "topk:density=0.2", **compressed)),
+            ("hook powersgd", hooked("powersgd:rank=2", {"min_compress_bytes": 0})),
         ):
-            if name.startswith("hook") and not divide:
-                continue  # DDP divides the hook's result itself only in its default mode
-            model = uneven_script(make, batches, kw)
-            got = params_of(model)
-            same_on_every_rank(got, f"Join {name}")
-            for a, b in zip(ref, got, strict=True):
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{name} divide={divide}")
-    # compressed, through both paths: runs to the end, one model everywhere
-    for make in (
-        lambda m: gradsync.wrap(m, "topk:density=0.2", plan="compress", min_compress_bytes=0, **FAST),
-        hooked("powersgd:rank=2", {"min_compress_bytes": 0}),
-    ):
-        model = uneven_script(make, [3, 5], {})
-        same_on_every_rank(params_of(model), "Join compressed")
+            model = uneven_script(make, [3, 5], {})
+            with expect(f"Join compressed, {name}"):
+                same_on_every_rank(params_of(model), "parameters")
 
 
 def check_uneven_inputs_without_join_say_so():
