@@ -1,7 +1,8 @@
-"""Collectives in real gloo worlds of 1-4 processes. Each world runs many checks; every rank
-rebuilds every rank's input from a seed, so each result is checked against a reference computed
-independently in the same process (plain sums, torch.topk)."""
+"""Collectives in real gloo worlds of 1-4 processes. Each world runs many checks (and reports
+every one that fails); every rank rebuilds every rank's input from a seed, so each result is
+checked against a reference computed independently in the same process (plain sums, torch.topk)."""
 
+import itertools
 import math
 
 import pytest
@@ -21,7 +22,7 @@ from gradsync.collectives import (
     record_traffic,
 )
 from gradsync.collectives.dense import HybridPolicy
-from worlds import run_world
+from worlds import expect_all, named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,37 +47,43 @@ def topologies(world):
 # ------------------------------------------------------------------------------------------ dense
 def check_dense(topo):
     rank, world = topo.rank, topo.world
-    for n in SIZES:
-        xs = inputs(world, n, seed=n)
-        want = torch.stack(xs).sum(0) if n else torch.zeros(0)
-        for algorithm in ("flat", "hierarchical", "torus2d", "hybrid"):
-            for op in ("sum", "mean"):
-                t = xs[rank].clone()
-                allreduce(t, topo, algorithm, op=op)
-                ref = want if op == "sum" else want / world
-                assert torch.equal(t, ref), (topo, algorithm, op, n)
-        # random floats: equal to flat up to rounding, also through a 2-D non-contiguous view
-        fx = inputs(world, n, seed=n + 7, integer=False)
-        for algorithm in ("hierarchical", "torus2d"):
-            t = fx[rank].clone()
-            allreduce(t, topo, algorithm)
-            torch.testing.assert_close(t, torch.stack(fx).mean(0) if n else t)
-        # low-precision communication: within fp16 / bf16 rounding of the largest partial sum
-        for comm, eps in (("fp16", 2**-10), ("bf16", 2**-7)):
-            t = fx[rank].clone() * 1000.0
-            allreduce(t, topo, "torus2d", op="sum", comm_dtype=comm)
-            ref = torch.stack(fx).sum(0) * 1000.0
-            if n:
-                bound = 2 * world * eps * float(torch.stack(fx).abs().max()) * 1000.0 * world
-                assert float((t - ref).abs().max()) <= bound, (comm, topo)
-    # hybrid with explicit thresholds picks each side
-    t = inputs(world, 100, 3)[rank].clone()
-    allreduce(t, topo, "hybrid", hybrid=HybridPolicy(threshold=0, large="hierarchical"))
-    assert torch.equal(t, torch.stack(inputs(world, 100, 3)).mean(0))
-    # non-contiguous input is reduced in place
-    m = torch.stack(inputs(world, 12, 4)[rank].chunk(3)).t()
-    allreduce(m, topo, "torus2d", op="sum")
-    assert torch.equal(m, torch.stack([torch.stack(x.chunk(3)).t() for x in inputs(world, 12, 4)]).sum(0))
+    with expect_all() as expect:
+        for n in SIZES:
+            xs = inputs(world, n, seed=n)
+            want = torch.stack(xs).sum(0) if n else torch.zeros(0)
+            for algorithm in ("flat", "hierarchical", "torus2d", "hybrid"):
+                for op in ("sum", "mean"):
+                    t = xs[rank].clone()
+                    allreduce(t, topo, algorithm, op=op)
+                    with expect(f"{algorithm} {op} of {n}"):
+                        assert torch.equal(t, want if op == "sum" else want / world)
+            # random floats: equal to flat up to rounding, also through a 2-D non-contiguous view
+            fx = inputs(world, n, seed=n + 7, integer=False)
+            for algorithm in ("hierarchical", "torus2d"):
+                t = fx[rank].clone()
+                allreduce(t, topo, algorithm)
+                with expect(f"{algorithm} of {n} random floats"):
+                    torch.testing.assert_close(t, torch.stack(fx).mean(0) if n else t)
+            # low-precision communication: within fp16 / bf16 rounding of the largest partial sum
+            for comm, eps in (("fp16", 2**-10), ("bf16", 2**-7)):
+                t = fx[rank].clone() * 1000.0
+                allreduce(t, topo, "torus2d", op="sum", comm_dtype=comm)
+                ref = torch.stack(fx).sum(0) * 1000.0
+                if n:
+                    bound = 2 * world * eps * float(torch.stack(fx).abs().max()) * 1000.0 * world
+                    with expect(f"torus2d in {comm} of {n}"):
+                        assert float((t - ref).abs().max()) <= bound
+        # hybrid with explicit thresholds picks each side
+        t = inputs(world, 100, 3)[rank].clone()
+        allreduce(t, topo, "hybrid", hybrid=HybridPolicy(threshold=0, large="hierarchical"))
+        with expect("hybrid, threshold 0"):
+            assert torch.equal(t, torch.stack(inputs(world, 100, 3)).mean(0))
+        # non-contiguous input is reduced in place
+        m = torch.stack(inputs(world, 12, 4)[rank].chunk(3)).t()
+        allreduce(m, topo, "torus2d", op="sum")
+        want = torch.stack([torch.stack(x.chunk(3)).t() for x in inputs(world, 12, 4)]).sum(0)
+        with expect("non-contiguous, in place"):
+            assert torch.equal(m, want)
 
 
 def check_traffic(topo):
@@ -139,20 +146,25 @@ def check_naive_and_hitopk(topo):
     rank, world = topo.rank, topo.world
     n = 4099
     xs = inputs(world, n, seed=11, integer=False)
-    # density 1: hitopk equals a plain all-reduce (integer inputs: exactly)
-    ix = inputs(world, n, seed=12)
-    t = ix[rank].clone()
-    hitopk(t, topo, gradsync.build_codec("topk:density=1.0"), op="sum", key="h1")
-    assert torch.equal(t, torch.stack(ix).sum(0))
-    for strategy in ("allgather", "ring", "ps"):  # the mean is decoded directly (scaled decode)
-        for local in (False, True):
-            t = ix[rank].clone()
-            compressed_allreduce(t, topo, gradsync.build_codec("topk:density=1.0"), strategy, local, key="m")
-            torch.testing.assert_close(t, torch.stack(ix).mean(0))
-    # naive: the sum of every rank's own top-k
-    t = xs[rank].clone()
-    compressed_allreduce(t, topo, gradsync.build_codec("topk:k=40"), "allgather", op="sum", key="naive")
-    torch.testing.assert_close(t, sum(exact_topk_dense(x, 40) for x in xs))
+    with expect_all() as expect:
+        # density 1: hitopk equals a plain all-reduce (integer inputs: exactly)
+        ix = inputs(world, n, seed=12)
+        t = ix[rank].clone()
+        hitopk(t, topo, gradsync.build_codec("topk:density=1.0"), op="sum", key="h1")
+        with expect("hitopk at density 1"):
+            assert torch.equal(t, torch.stack(ix).sum(0))
+        for strategy in ("allgather", "ring", "ps"):  # the mean is decoded directly (scaled decode)
+            for local in (False, True):
+                t = ix[rank].clone()
+                codec = gradsync.build_codec("topk:density=1.0")
+                compressed_allreduce(t, topo, codec, strategy, local, key="m")
+                with expect(f"{strategy} local={local} at density 1"):
+                    torch.testing.assert_close(t, torch.stack(ix).mean(0))
+        # naive: the sum of every rank's own top-k
+        t = xs[rank].clone()
+        compressed_allreduce(t, topo, gradsync.build_codec("topk:k=40"), "allgather", op="sum", key="naive")
+        with expect("naive allgather of top-k"):
+            torch.testing.assert_close(t, sum(exact_topk_dense(x, 40) for x in xs))
     # hitopk: node sums per shard, top-k of each node's shard, summed over nodes
     t = xs[rank].clone()
     hitopk(t, topo, gradsync.build_codec("topk:density=0.02"), op="sum", key="hi")
@@ -225,20 +237,15 @@ def check_encode_numels_are_what_the_programs_encode(topo):
 
     old, pipeline._MIN_CHUNK_BYTES = pipeline._MIN_CHUNK_BYTES, 64  # pipelining at these sizes
     try:
-        for n in (7, 1001, 4099):
-            for strategy, local in (("allgather", False), ("ring", False), ("ps", False), ("allgather", True),
-                                    ("ring", True), ("ps", True)):  # fmt: skip
-                codec, seen = recording_codec("topk:density=0.3")
-                compressed_allreduce(torch.randn(n), topo, codec, strategy, local, pipeline=3)
-                want = compressed.encode_numels(n, strategy, local, topo.nodes, topo.per_node, pipeline=3)
-                # ring and ps also encode merged aggregates (of the same sizes) and empty pieces
-                assert sorted({m for m in seen if m}) == [m for m in want if m], (
-                    n,
-                    strategy,
-                    local,
-                    seen,
-                    want,
-                )
+        with expect_all() as expect:
+            for n in (7, 1001, 4099):
+                for local, strategy in itertools.product((False, True), ("allgather", "ring", "ps")):
+                    codec, seen = recording_codec("topk:density=0.3")
+                    compressed_allreduce(torch.randn(n), topo, codec, strategy, local, pipeline=3)
+                    want = compressed.encode_numels(n, strategy, local, topo.nodes, topo.per_node, pipeline=3)
+                    # ring and ps also encode merged aggregates (of the same sizes) and empty pieces
+                    with expect(f"{strategy} local={local} of {n}"):
+                        assert sorted({m for m in seen if m}) == [m for m in want if m], (seen, want)
     finally:
         pipeline._MIN_CHUNK_BYTES = old
 
@@ -273,46 +280,53 @@ def check_ring_and_ps(topo):
     n = 1001
     ix = inputs(world, n, seed=21)
     fx = inputs(world, n, seed=22, integer=False)
-    for strategy in ("ring", "ps"):
-        for local in (False, True):
-            t = ix[rank].clone()
-            compressed_allreduce(
-                t, topo, gradsync.build_codec("none"), strategy, local, op="sum", key=f"n{strategy}"
-            )
-            assert torch.equal(t, torch.stack(ix).sum(0)), (strategy, local)
+    with expect_all() as expect:
+        for strategy in ("ring", "ps"):
+            for local in (False, True):
+                t = ix[rank].clone()
+                compressed_allreduce(
+                    t, topo, gradsync.build_codec("none"), strategy, local, op="sum", key=f"n{strategy}"
+                )
+                with expect(f"{strategy} local={local}, none"):
+                    assert torch.equal(t, torch.stack(ix).sum(0))
+                t = fx[rank].clone()
+                compressed_allreduce(
+                    t, topo, gradsync.build_codec("fp16"), strategy, local, op="sum", key=f"h{strategy}"
+                )
+                bound = 4 * world * 2**-11 * float(torch.stack(fx).abs().max()) * world
+                with expect(f"{strategy} local={local}, fp16"):
+                    assert float((t - torch.stack(fx).sum(0)).abs().max()) <= bound
+            # a sparse codec: equal to a single-process run of the same steps
             t = fx[rank].clone()
             compressed_allreduce(
-                t, topo, gradsync.build_codec("fp16"), strategy, local, op="sum", key=f"h{strategy}"
+                t, topo, gradsync.build_codec("topk:k=20"), strategy, op="sum", key=f"s{strategy}"
             )
-            bound = 4 * world * 2**-11 * float(torch.stack(fx).abs().max()) * world
-            assert float((t - torch.stack(fx).sum(0)).abs().max()) <= bound
-        # a sparse codec: equal to a single-process run of the same steps
-        t = fx[rank].clone()
-        compressed_allreduce(
-            t, topo, gradsync.build_codec("topk:k=20"), strategy, op="sum", key=f"s{strategy}"
-        )
-        ref = (ring_reference if strategy == "ring" else ps_reference)(fx, 20) if world > 1 else fx[0]
-        torch.testing.assert_close(t, ref)
+            ref = (ring_reference if strategy == "ring" else ps_reference)(fx, 20) if world > 1 else fx[0]
+            with expect(f"{strategy}, topk:k=20"):
+                torch.testing.assert_close(t, ref)
 
 
 def check_lowrank(topo):
     rank, world = topo.rank, topo.world
     g = torch.Generator().manual_seed(5)
     ms = [torch.randn(30, 1, generator=g) @ torch.randn(1, 40, generator=g) for _ in range(world)]
-    for strategy in ("ring", "allgather"):
-        for local in (False, True):
-            t = ms[rank].clone()
-            key = f"p-{strategy}-{local}"
-            compressed_allreduce(
-                t, topo, gradsync.build_codec("powersgd:rank=4"), strategy, local, op="sum", key=key
-            )
-            ref = gradsync.build_codec("powersgd:rank=4")
-            total = sum(ms)
-            across_nodes = not (local and topo.per_node > 1 and topo.nodes == 1)  # one node: exact
-            want = (
-                ref.decode(ref.encode(total, EncodeContext(key=f"{key}/lowrank"))) if across_nodes else total
-            )
-            torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-4)
+    with expect_all() as expect:
+        for strategy in ("ring", "allgather"):
+            for local in (False, True):
+                t = ms[rank].clone()
+                key = f"p-{strategy}-{local}"
+                compressed_allreduce(
+                    t, topo, gradsync.build_codec("powersgd:rank=4"), strategy, local, op="sum", key=key
+                )
+                ref = gradsync.build_codec("powersgd:rank=4")
+                total = sum(ms)
+                across_nodes = not (local and topo.per_node > 1 and topo.nodes == 1)  # one node: exact
+                if across_nodes:
+                    want = ref.decode(ref.encode(total, EncodeContext(key=f"{key}/lowrank")))
+                else:
+                    want = total
+                with expect(f"{strategy} local={local}"):
+                    torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-4)
 
 
 def check_error_feedback_is_conserved(topo):
@@ -377,37 +391,46 @@ def check_calibration(topo):
     if (topo.nodes, topo.per_node) != (2, 2):
         return
     params = calibrate(topo, sizes=[1024, 262144, 1048576], reps=2)
-    for link in (params.intra, params.inter):
-        assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
     mine = torch.tensor(
         [params.intra.alpha, params.intra.beta, params.inter.beta, params.gamma], dtype=torch.float64
     )
     same = mine.clone()
     dist.broadcast(same, 0)
+    for link in (params.intra, params.inter):
+        assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
     assert torch.equal(mine, same)  # every rank got the same numbers
+
+
+PER_TOPOLOGY = (
+    check_dense,
+    check_traffic,
+    check_sparse_allgather,
+    check_bad_peer_index,
+    check_naive_and_hitopk,
+    check_pipelined_hitopk,
+    check_encode_numels_are_what_the_programs_encode,
+    check_ring_and_ps,
+    check_lowrank,
+    check_error_feedback_is_conserved,
+    check_mismatches,
+    check_calibration,
+)
 
 
 def world_checks():
     if dist.get_world_size() == 1:
         topo = Topology()
-        check_dense(topo)
-        check_one_rank_is_identity(topo)
-        check_argument_errors(topo)
+        checks = (check_dense, check_one_rank_is_identity, check_argument_errors)
+        run_checks(*(named_check(check, topo) for check in checks))
         return
-    for topo in topologies(dist.get_world_size()):
-        check_dense(topo)
-        check_traffic(topo)
-        check_sparse_allgather(topo)
-        check_bad_peer_index(topo)
-        check_naive_and_hitopk(topo)
-        check_pipelined_hitopk(topo)
-        check_encode_numels_are_what_the_programs_encode(topo)
-        check_ring_and_ps(topo)
-        check_lowrank(topo)
-        check_error_feedback_is_conserved(topo)
-        check_mismatches(topo)
-        check_calibration(topo)
-    check_argument_errors(topologies(dist.get_world_size())[0])
+    run_checks(
+        *(
+            named_check(check, topo, label=f"{topo.nodes}x{topo.per_node}")
+            for topo in topologies(dist.get_world_size())
+            for check in PER_TOPOLOGY
+        ),
+        named_check(check_argument_errors, topologies(dist.get_world_size())[0]),
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -1,5 +1,6 @@
 """gradsync.wrap and the DDP comm hook in real gloo worlds, checked against PyTorch DDP and plain
-all-reduce references. Each world runs many checks (spawning is the slow part)."""
+all-reduce references. Each world runs many checks (spawning is the slow part) and reports every
+one that fails."""
 
 import copy
 import io
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsync
 from gradsync.collectives import MismatchError, Topology
 from gradsync.collectives import primitives as P
-from worlds import run_world
+from worlds import expect_all, named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,25 +59,28 @@ def topologies():
 # ------------------------------------------------------------------------------------- checks
 def check_dense_schemes_equal_ddp(topo):
     rank = dist.get_rank()
-    for scheme in ("none", "flat", "hierarchical", "torus2d", "hybrid"):
-        for bucket_bytes in (64 << 20, 1):  # fusion on (one bucket), off (one tensor each)
-            base = mlp()
-            ddp = DDP(copy.deepcopy(base))
-            ours = gradsync.wrap(copy.deepcopy(base), scheme, topo, bucket_bytes=bucket_bytes,
-                                 bucket_timeout_ms=1e6, **FAST)  # fmt: skip
-            opt_a = torch.optim.SGD(ddp.parameters(), lr=0.1)
-            opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
-            for step in range(3):
-                x, y = batch(step, rank)
-                for model, opt in ((ddp, opt_a), (ours, opt_b)):
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(model(x), y).backward()
-                for a, b in zip(ddp.parameters(), ours.parameters(), strict=True):
-                    torch.testing.assert_close(b.grad, a.grad, msg=f"{scheme} {bucket_bytes} step {step}")
-                opt_a.step()
-                opt_b.step()
-            assert ours.last_stats.buckets == (1 if bucket_bytes > 1 else 6)
-            ours.close()
+    with expect_all() as expect:
+        for scheme in ("none", "flat", "hierarchical", "torus2d", "hybrid"):
+            for bucket_bytes in (64 << 20, 1):  # fusion on (one bucket), off (one tensor each)
+                base = mlp()
+                ddp = DDP(copy.deepcopy(base))
+                ours = gradsync.wrap(copy.deepcopy(base), scheme, topo, bucket_bytes=bucket_bytes,
+                                     bucket_timeout_ms=1e6, **FAST)  # fmt: skip
+                opt_a = torch.optim.SGD(ddp.parameters(), lr=0.1)
+                opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
+                for step in range(3):
+                    x, y = batch(step, rank)
+                    for model, opt in ((ddp, opt_a), (ours, opt_b)):
+                        opt.zero_grad()
+                        nn.functional.cross_entropy(model(x), y).backward()
+                    with expect(f"{scheme}, bucket_bytes={bucket_bytes}, step {step}"):
+                        for a, b in zip(ddp.parameters(), ours.parameters(), strict=True):
+                            torch.testing.assert_close(b.grad, a.grad)
+                    opt_a.step()
+                    opt_b.step()
+                ours.close()
+                with expect(f"{scheme}, bucket_bytes={bucket_bytes}: buckets"):
+                    assert ours.last_stats.buckets == (1 if bucket_bytes > 1 else 6)
 
 
 def train(model, opt, steps, scaler=None):
@@ -109,48 +113,57 @@ def check_every_scheme_trains_like_ddp(topo):
     base = mlp(seed=1)
     ddp = DDP(copy.deepcopy(base))
     ref = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), steps)
-    losses = {}
+    losses, not_compressed = {}, {}
     for scheme in (t.format(tbq=0.01 * dist.get_world_size()) for t in TRAIN_SCHEMES):
         model = gradsync.wrap(
             copy.deepcopy(base), scheme, topo, plan="compress", min_compress_bytes=0, **FAST
         )
         losses[scheme] = train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps)
+        model.close()
         stats = model.last_stats
         compressed = gradsync.sync.Scheme.parse(scheme).kind == "compressed"
-        assert not stats.dense and stats.compressed_buckets == (stats.buckets if compressed else 0), scheme
-        model.close()
+        if stats.dense or stats.compressed_buckets != (stats.buckets if compressed else 0):
+            not_compressed[scheme] = stats  # asserted after every scheme ran
     if dist.get_rank() == 0:
         print(f"dense {ref:.3f}", {k: round(v, 3) for k, v in losses.items()})
-    assert ref < 0.4, ref  # the problem is learnable in these steps
-    # loose: compressed training reaches the region dense training reaches in the same steps
-    worse = {k: v for k, v in losses.items() if not v < ref + 0.25}
-    assert not worse, (ref, worse)
+    with expect_all() as expect:
+        with expect("synchronized as planned (compressed or dense)"):
+            assert not not_compressed, not_compressed
+        with expect("the problem is learnable in these steps"):
+            assert ref < 0.4, ref
+        # loose: compressed training reaches the region dense training reaches in the same steps
+        with expect("compressed training as good as dense"):
+            worse = {k: v for k, v in losses.items() if not v < ref + 0.25}
+            assert not worse, (ref, worse)
 
 
 def check_hook_matches_wrap(topo):
     rank = dist.get_rank()
-    for scheme in ("hitopk:density=0.1", "powersgd:rank=2", "ring+local/onebit"):
-        base = mlp(seed=2)
-        inner = copy.deepcopy(base)
-        ddp = DDP(inner, bucket_cap_mb=1e-6)  # one bucket per tensor, like bucket_bytes=1
-        opts = {"min_compress_bytes": 0, "plan": "compress", "partitions": 1}
-        state, hook = gradsync.ddp_comm_hook(scheme, topo, model=inner, **opts)
-        ddp.register_comm_hook(state, hook)
-        ours = gradsync.wrap(copy.deepcopy(base), scheme, topo, bucket_bytes=1, **opts, **FAST)
-        opt_a = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
-        for step in range(4):
-            x, y = batch(step, rank)
-            for model, opt in ((ddp, opt_a), (ours, opt_b)):
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-            for a, b in zip(ddp.parameters(), ours.parameters(), strict=True):
-                torch.testing.assert_close(a.grad, b.grad, msg=f"{scheme} step {step}")
-            opt_a.step()
-            opt_b.step()
-        assert state.step == 4 and not ours.last_stats.dense
-        state.manager.close()
-        ours.close()
+    with expect_all() as expect:
+        for scheme in ("hitopk:density=0.1", "powersgd:rank=2", "ring+local/onebit"):
+            base = mlp(seed=2)
+            inner = copy.deepcopy(base)
+            ddp = DDP(inner, bucket_cap_mb=1e-6)  # one bucket per tensor, like bucket_bytes=1
+            opts = {"min_compress_bytes": 0, "plan": "compress", "partitions": 1}
+            state, hook = gradsync.ddp_comm_hook(scheme, topo, model=inner, **opts)
+            ddp.register_comm_hook(state, hook)
+            ours = gradsync.wrap(copy.deepcopy(base), scheme, topo, bucket_bytes=1, **opts, **FAST)
+            opt_a = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
+            for step in range(4):
+                x, y = batch(step, rank)
+                for model, opt in ((ddp, opt_a), (ours, opt_b)):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                with expect(f"{scheme} step {step}"):
+                    for a, b in zip(ddp.parameters(), ours.parameters(), strict=True):
+                        torch.testing.assert_close(a.grad, b.grad)
+                opt_a.step()
+                opt_b.step()
+            state.manager.close()
+            ours.close()
+            with expect(f"{scheme}: steps"):
+                assert state.step == 4 and not ours.last_stats.dense
 
 
 def run_steps(model, opt, start, stop):
@@ -181,17 +194,20 @@ def check_resume_is_bitwise(topo):
     opt2.load_state_dict(ckpt["opt"])
     resumed.load_sync_state_dict(ckpt["sync"])
     run_steps(resumed, opt2, 3, 6)
-    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(a, b)
-    # another scheme's state is refused, or reset with a warning when asked
+    # another scheme's state is refused, or reset with a warning when asked (no collectives)
     other = gradsync.wrap(copy.deepcopy(base), "hitopk/topk:density=0.2", topo, **opts)
-    with pytest.raises(ValueError, match=r"saved under a different setup .*scheme"):
-        other.load_sync_state_dict(ckpt["sync"])
-    with pytest.warns(UserWarning, match="resetting the compression state"):
-        other.load_sync_state_dict(ckpt["sync"], reset_compression_state=True)
-    assert other.engine.step == 3 and other.engine.plan is None
-    for m in (straight, resumed, other):
-        m.close()
+    with expect_all() as expect:
+        with expect("resumed = uninterrupted"):
+            for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+                assert torch.equal(a, b)
+        with expect("another scheme's state"):
+            with pytest.raises(ValueError, match=r"saved under a different setup .*scheme"):
+                other.load_sync_state_dict(ckpt["sync"])
+            with pytest.warns(UserWarning, match="resetting the compression state"):
+                other.load_sync_state_dict(ckpt["sync"], reset_compression_state=True)
+            assert other.engine.step == 3 and other.engine.plan is None
+        for m in (straight, resumed, other):
+            m.close()
 
 
 def ef_residuals(model):
@@ -210,26 +226,28 @@ def check_overflow_skips_everywhere(topo):
     first = next(model.module.parameters())
     if rank == 1:  # only rank 1's gradient overflows
         first.register_hook(lambda g: torch.full_like(g, float("inf")) if inject["on"] else g)
-    for step in range(5):
-        inject["on"] = step == 3
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        residuals = ef_residuals(model) if step == 3 else None
-        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-        if step == 3:
-            assert model.last_stats.overflow and not changed  # skipped on every rank
-            after = ef_residuals(model)
-            assert after.keys() == residuals.keys()
-            for k in after:
-                assert torch.equal(after[k], residuals[k]), k  # residuals untouched
-            assert scaler.get_scale() == 512.0
-        else:
-            assert not model.last_stats.overflow and changed, step
-    model.close()
+    with expect_all() as expect:
+        for step in range(5):
+            inject["on"] = step == 3
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            residuals = ef_residuals(model) if step == 3 else None
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            with expect(f"step {step}"):
+                if step == 3:
+                    assert model.last_stats.overflow and not changed  # skipped on every rank
+                    after = ef_residuals(model)
+                    assert after.keys() == residuals.keys()
+                    for k in after:
+                        assert torch.equal(after[k], residuals[k]), k  # residuals untouched
+                    assert scaler.get_scale() == 512.0
+                else:
+                    assert not model.last_stats.overflow and changed
+        model.close()
 
 
 class SlowBackward(torch.autograd.Function):
@@ -271,15 +289,17 @@ def check_overlap_is_real(topo):
         s = model.last_stats
     finally:
         P.all_reduce = real
-    # the last layers' buckets were launched and communicated while the backward pass still ran
-    assert s.launched_in_backward >= 3
-    assert s.first_comm_at < s.backward_end_at < s.done_at
-    assert s.overlapped_s > 0.05 and s.comm_s >= 6 * 0.05
-    assert s.compute_s > 0 and s.decode_s > 0 and s.sent_bytes
     ref = mean_grads(model.module)
-    for p, g in zip(model.parameters(), ref, strict=True):
-        torch.testing.assert_close(p.grad, g)
     model.close()
+    with expect_all() as expect:
+        with expect("the last layers' buckets communicated while the backward pass still ran"):
+            assert s.launched_in_backward >= 3
+            assert s.first_comm_at < s.backward_end_at < s.done_at
+            assert s.overlapped_s > 0.05 and s.comm_s >= 6 * 0.05
+            assert s.compute_s > 0 and s.decode_s > 0 and s.sent_bytes
+        with expect("the gradients are the mean"):
+            for p, g in zip(model.parameters(), ref, strict=True):
+                torch.testing.assert_close(p.grad, g)
 
 
 def check_mismatched_config_fails_everywhere(topo):
@@ -305,20 +325,24 @@ def check_no_sync_accumulates_like_a_larger_batch(topo):
     base = mlp(seed=6)
     model = gradsync.wrap(copy.deepcopy(base), "torus2d", topo, **FAST)
     ref = copy.deepcopy(base)
-    for step in range(2):
-        x1, y1 = batch(2 * step, rank)
-        x2, y2 = batch(2 * step + 1, rank)
-        model.zero_grad()
-        ref.zero_grad()
-        with model.no_sync():
-            nn.functional.cross_entropy(model(x1), y1, reduction="sum").backward()
-        assert model.last_stats is None or model.last_stats.step == step - 1  # nothing synced yet
-        nn.functional.cross_entropy(model(x2), y2, reduction="sum").backward()
-        x, y = torch.cat([x1, x2]), torch.cat([y1, y2])
-        nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
-        for p, g in zip(model.parameters(), mean_grads(ref), strict=True):
-            torch.testing.assert_close(p.grad, g)
-    model.close()
+    with expect_all() as expect:
+        for step in range(2):
+            x1, y1 = batch(2 * step, rank)
+            x2, y2 = batch(2 * step + 1, rank)
+            model.zero_grad()
+            ref.zero_grad()
+            with model.no_sync():
+                nn.functional.cross_entropy(model(x1), y1, reduction="sum").backward()
+            with expect(f"step {step}: nothing synced inside no_sync"):
+                assert model.last_stats is None or model.last_stats.step == step - 1
+            nn.functional.cross_entropy(model(x2), y2, reduction="sum").backward()
+            x, y = torch.cat([x1, x2]), torch.cat([y1, y2])
+            nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
+            want = mean_grads(ref)
+            with expect(f"step {step}: the mean of both batches"):
+                for p, g in zip(model.parameters(), want, strict=True):
+                    torch.testing.assert_close(p.grad, g)
+        model.close()
 
 
 class Branches(nn.Module):
@@ -342,33 +366,37 @@ class Branches(nn.Module):
 
 def check_unused_frozen_and_noncontiguous(topo):
     rank, world = dist.get_rank(), dist.get_world_size()
-    for find_unused in (False, True):
-        model = gradsync.wrap(Branches(), "torus2d", topo, find_unused_parameters=find_unused,
-                              bucket_bytes=256, **FAST)  # fmt: skip
-        assert "frozen.weight" not in [s.name for s in model.engine.slots]
-        ref = Branches()
-        for step in range(2):
-            x, _ = batch(step, rank)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            ref(x).square().mean().backward()
-            m = dict(model.module.named_parameters())
-            assert m["frozen.weight"].grad is None
-            for name, p in ref.named_parameters():
-                if not p.requires_grad:
-                    continue
-                local = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                dist.all_reduce(local)
-                if name.startswith("never"):
-                    if find_unused:
-                        assert m[name].grad is None, name
-                    else:
-                        assert torch.equal(m[name].grad, torch.zeros_like(p)), name
-                    continue
-                torch.testing.assert_close(m[name].grad, local / world, msg=name)
-            assert not m["odd"].grad.is_contiguous()
-        model.close()
+    with expect_all() as expect:
+        for find_unused in (False, True):
+            model = gradsync.wrap(Branches(), "torus2d", topo, find_unused_parameters=find_unused,
+                                  bucket_bytes=256, **FAST)  # fmt: skip
+            with expect(f"find_unused={find_unused}: frozen parameters have no slot"):
+                assert "frozen.weight" not in [s.name for s in model.engine.slots]
+            ref = Branches()
+            for step in range(2):
+                x, _ = batch(step, rank)
+                model.zero_grad(set_to_none=True)
+                ref.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                ref(x).square().mean().backward()
+                m = dict(model.module.named_parameters())
+                want = {}  # the reference: every rank's local gradient (zero if unused), all-reduced
+                for name, p in ref.named_parameters():
+                    if p.requires_grad:
+                        want[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                        dist.all_reduce(want[name])
+                with expect(f"find_unused={find_unused}, step {step}"):
+                    assert m["frozen.weight"].grad is None
+                    for name, local in want.items():
+                        if name.startswith("never"):
+                            if find_unused:
+                                assert m[name].grad is None, name
+                            else:
+                                assert torch.equal(m[name].grad, torch.zeros_like(local)), name
+                            continue
+                        torch.testing.assert_close(m[name].grad, local / world, msg=name)
+                    assert not m["odd"].grad.is_contiguous()
+            model.close()
 
 
 def check_deferred_finish_and_dense_switch(topo):
@@ -377,7 +405,7 @@ def check_deferred_finish_and_dense_switch(topo):
     model = gradsync.wrap(mlp(seed=8), "hitopk:density=0.2", topo, finish_in_backward=False, plan="compress",
                           min_compress_bytes=0, dense_from_step=3, **FAST)  # fmt: skip
     opt = gradsync.SyncedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    dense = []
+    dense, left = [], []
     for step in range(5):
         x, y = batch(step, rank)
         opt.zero_grad()
@@ -386,10 +414,11 @@ def check_deferred_finish_and_dense_switch(topo):
         loss.backward()
         opt.step()  # finishes the synchronization first
         dense.append(model.last_stats.dense)
-        assert model.finish_sync() is None  # nothing left
-    assert dense == [True, False, False, True, True]
-    assert opt.param_groups[0]["lr"] == 0.1
+        left.append(model.finish_sync())  # nothing left: None
     model.close()
+    assert dense == [True, False, False, True, True]
+    assert left == [None] * 5
+    assert opt.param_groups[0]["lr"] == 0.1
 
 
 def check_auto_plan_is_logged_and_calibrated(topo):
@@ -399,29 +428,39 @@ def check_auto_plan_is_logged_and_calibrated(topo):
     for step in range(2):
         x, y = batch(step, rank)
         nn.functional.cross_entropy(model(x), y).backward()
-    table = model.plan_table()
-    assert "synchronized as" in table and "dense" in table  # small tensors stay dense
     mine = model.engine.plan.to_tensor()
     theirs = mine.clone()
     dist.broadcast(theirs, 0)
-    assert torch.equal(mine, theirs)
+    table = model.plan_table()
     model.close()
+    assert torch.equal(mine, theirs)  # every rank has rank 0's plan
+    assert "synchronized as" in table and "dense" in table  # small tensors stay dense
+
+
+PER_TOPOLOGY = (
+    check_dense_schemes_equal_ddp,
+    check_hook_matches_wrap,
+    check_resume_is_bitwise,
+    check_overflow_skips_everywhere,
+    check_mismatched_config_fails_everywhere,
+    check_no_sync_accumulates_like_a_larger_batch,
+    check_unused_frozen_and_noncontiguous,
+    check_deferred_finish_and_dense_switch,
+)
 
 
 def world_checks():
-    for topo in topologies():
-        check_dense_schemes_equal_ddp(topo)
-        check_hook_matches_wrap(topo)
-        check_resume_is_bitwise(topo)
-        check_overflow_skips_everywhere(topo)
-        check_mismatched_config_fails_everywhere(topo)
-        check_no_sync_accumulates_like_a_larger_batch(topo)
-        check_unused_frozen_and_noncontiguous(topo)
-        check_deferred_finish_and_dense_switch(topo)
-    topo = topologies()[0]
-    check_every_scheme_trains_like_ddp(topo)
-    check_overlap_is_real(topo)
-    check_auto_plan_is_logged_and_calibrated(topo)
+    topos = topologies()
+    run_checks(
+        *(
+            named_check(check, topo, label=f"{topo.nodes}x{topo.per_node}")
+            for topo in topos
+            for check in PER_TOPOLOGY
+        ),
+        named_check(check_every_scheme_trains_like_ddp, topos[0]),
+        named_check(check_overlap_is_real, topos[0]),
+        named_check(check_auto_plan_is_logged_and_calibrated, topos[0]),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
