@@ -11,25 +11,22 @@ import torch.distributed as dist
 
 from gradsync.bench import train as bench_train
 from gradsync.cli import main
-from worlds import run_world
+from worlds import named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def benches(tmp):
-    rank = dist.get_rank()
+    run_checks(named_check(check_collectives_bench, tmp), named_check(check_step_bench, tmp))
+
+
+def check_collectives_bench(tmp):
     cj, cm = os.path.join(tmp, "c.json"), os.path.join(tmp, "c.md")
     argv = ["bench", "collectives", "--schemes", "flat,torus2d/fp16,hitopk/topk:density=0.1,ps/onebit",
             "--sizes-mb", "0.0625,0.25", "--budget", "0.05", "--max-iters", "3", "--calibration-reps", "1",
             "--nodes", "2", "--per-node", "1", "--json", cj, "--markdown", cm]  # fmt: skip
     assert main(argv) == 0
-    sj, sm = os.path.join(tmp, "s.json"), os.path.join(tmp, "s.md")
-    argv = ["bench", "step", "--model", "vgg-small", "--batch-size", "4", "--contenders",
-            "local,ddp,none,hitopk:density=0.1", "--warmup", "1", "--steps", "2", "--nodes", "2",
-            "--per-node", "1", "--sync-option", "plan=compress", "--sync-option", "calibrate=false",
-            "--json", sj, "--markdown", sm]  # fmt: skip
-    assert main(argv) == 0
-    if rank != 0:
+    if dist.get_rank() != 0:
         return  # rank 0 reports
     c = json.loads(Path(cj).read_text())
     assert [(r["scheme"], r["mbytes"]) for r in c["rows"]] == [
@@ -44,6 +41,17 @@ def benches(tmp):
         assert r["model_ms"] > 0 and r["measured_over_model"] == pytest.approx(r["time_ms"] / r["model_ms"])
         assert r["busbw_pct_link"] is None and r["cable_bytes_per_op"] is None  # loopback: no link, no NIC
     assert len(Path(cm).read_text().splitlines()) == 2 + len(c["rows"])
+
+
+def check_step_bench(tmp):
+    sj, sm = os.path.join(tmp, "s.json"), os.path.join(tmp, "s.md")
+    argv = ["bench", "step", "--model", "vgg-small", "--batch-size", "4", "--contenders",
+            "local,ddp,none,hitopk:density=0.1", "--warmup", "1", "--steps", "2", "--nodes", "2",
+            "--per-node", "1", "--sync-option", "plan=compress", "--sync-option", "calibrate=false",
+            "--json", sj, "--markdown", sm]  # fmt: skip
+    assert main(argv) == 0
+    if dist.get_rank() != 0:
+        return  # rank 0 reports
     s = json.loads(Path(sj).read_text())
     rows = {r["contender"]: r for r in s["rows"]}
     assert list(rows) == ["local", "ddp", "none", "hitopk:density=0.1"]
@@ -67,45 +75,74 @@ def benches(tmp):
 
 
 def train_bench(tmp):
-    rank = dist.get_rank()
+    """One ``bench train`` run; rank 0 checks what it wrote."""
     tj, tm, tp = (os.path.join(tmp, f"t.{ext}") for ext in ("json", "md", "png"))
-    argv = ["bench", "train", "--model", "vgg-small", "--batch-size", "4", "--contenders",
-            "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1", "--warmup", "2", "--steps", "2",
-            "--nodes", "2", "--per-node", "1", "--json", tj, "--markdown", tm, "--png", tp]  # fmt: skip
-    assert main(argv) == 0
-    if rank != 0:
-        return
-    t = json.loads(Path(tj).read_text())
-    rows = {r["contender"]: r for r in t["rows"]}
-    assert list(rows) == ["local", "ddp", "ddp-fp16", "ddp-powersgd:rank=1", "hitopk:density=0.1"]
-    single = t["single_worker_step_ms"] / 1e3
-    assert single > 0
-    for r in rows.values():
-        step = r["step_ms"] / 1e3
-        assert r["samples_per_s"] == pytest.approx(2 * 4 / step)  # 2 workers x 4 samples per step
-        assert r["speedup_vs_ddp"] == pytest.approx(rows["ddp"]["step_ms"] / r["step_ms"])
-        # paper 02: T_n / (n T_1), T_1 = one worker alone = 4 samples / single
-        assert r["scaling_factor"] == pytest.approx(r["samples_per_s"] / (2 * 4 / single))
-        assert r["scaling_vs_local"] == pytest.approx(rows["local"]["step_ms"] / r["step_ms"])
-        assert r["compute_ms"] == pytest.approx(r["step_ms"] - (r["exposed_ms"] or 0.0))
-    for hook in ("ddp", "ddp-fp16", "ddp-powersgd:rank=1"):  # DDP's exposed time: backward over local's
-        assert rows[hook]["exposed_ms"] == pytest.approx(
-            max(rows[hook]["backward_ms"] - rows["local"]["backward_ms"], 0)
+
+    def check_bench_train_runs():
+        argv = ["bench", "train", "--model", "vgg-small", "--batch-size", "4", "--contenders",
+                "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1", "--warmup", "2", "--steps", "2",
+                "--nodes", "2", "--per-node", "1", "--json", tj, "--markdown", tm, "--png", tp]  # fmt: skip
+        assert main(argv) == 0
+
+    def rows():
+        t = json.loads(Path(tj).read_text())
+        return t, {r["contender"]: r for r in t["rows"]}
+
+    def check_throughput_and_scaling_figures():
+        t, rows_ = rows()
+        assert list(rows_) == ["local", "ddp", "ddp-fp16", "ddp-powersgd:rank=1", "hitopk:density=0.1"]
+        single = t["single_worker_step_ms"] / 1e3
+        assert single > 0
+        for r in rows_.values():
+            step = r["step_ms"] / 1e3
+            assert r["samples_per_s"] == pytest.approx(2 * 4 / step)  # 2 workers x 4 samples per step
+            assert r["speedup_vs_ddp"] == pytest.approx(rows_["ddp"]["step_ms"] / r["step_ms"])
+            # paper 02: T_n / (n T_1), T_1 = one worker alone = 4 samples / single
+            assert r["scaling_factor"] == pytest.approx(r["samples_per_s"] / (2 * 4 / single))
+            assert r["scaling_vs_local"] == pytest.approx(rows_["local"]["step_ms"] / r["step_ms"])
+            assert r["compute_ms"] == pytest.approx(r["step_ms"] - (r["exposed_ms"] or 0.0))
+
+    def check_exposed_time_and_bytes_across_nodes():
+        _, rows_ = rows()
+        for hook in ("ddp", "ddp-fp16", "ddp-powersgd:rank=1"):  # DDP's exposed time: backward over local's
+            assert rows_[hook]["exposed_ms"] == pytest.approx(
+                max(rows_[hook]["backward_ms"] - rows_["local"]["backward_ms"], 0)
+            )
+            assert rows_[hook]["crossing_mb_per_worker"] is None  # loopback: no NIC to read
+        hi = rows_["hitopk:density=0.1"]
+        assert hi["crossing_mb_per_worker"] == hi["sent_mb"]["inter"]
+
+    def check_summary_names_the_best():
+        t, rows_ = rows()
+        summary = t["summary"]
+        assert summary["best"] == "hitopk:density=0.1"
+        assert summary["best_hook"] in ("ddp-fp16", "ddp-powersgd:rank=1")
+        assert summary["best_over_ddp"] == pytest.approx(
+            rows_["hitopk:density=0.1"]["samples_per_s"] / rows_["ddp"]["samples_per_s"]
         )
-        assert rows[hook]["crossing_mb_per_worker"] is None  # loopback: no NIC to read
-    assert (
-        rows["hitopk:density=0.1"]["crossing_mb_per_worker"] == rows["hitopk:density=0.1"]["sent_mb"]["inter"]
+
+    def check_png_and_markdown():
+        _, rows_ = rows()
+        assert Path(tp).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(Path(tm).read_text().splitlines()) == 2 + len(rows_)
+
+    def on_rank_0(check):
+        """Rank 0 wrote the report: the other ranks pass its checks."""
+
+        def run():
+            if dist.get_rank() == 0:
+                check()
+
+        run.__name__ = check.__name__
+        return run
+
+    run_checks(
+        check_bench_train_runs,
+        on_rank_0(check_throughput_and_scaling_figures),
+        on_rank_0(check_exposed_time_and_bytes_across_nodes),
+        on_rank_0(check_summary_names_the_best),
+        on_rank_0(check_png_and_markdown),
     )
-    summary = t["summary"]
-    assert summary["best"] == "hitopk:density=0.1" and summary["best_hook"] in (
-        "ddp-fp16",
-        "ddp-powersgd:rank=1",
-    )
-    assert summary["best_over_ddp"] == pytest.approx(
-        rows["hitopk:density=0.1"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
-    )
-    assert Path(tp).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(Path(tm).read_text().splitlines()) == 2 + len(rows)
 
 
 def _row(contender, step_ms, exposed_ms, sent_mb):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gradsync.train import checkpoint
 from gradsync.train.checkpoint import CheckpointError
-from worlds import run_world
+from worlds import run_checks, run_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,21 +50,26 @@ def _two_ranks(root):
     good, bad = Path(root, "good"), Path(root, "bad")
     checkpoint.save(good, STEP, _main_state(), _local_state(rank), rank, keep=2)
     folder = checkpoint.save(bad, STEP, _main_state(), _local_state(rank), rank, keep=2)
-    dist.barrier()
-    if rank == 0:
-        _flip_middle(folder / "rank-1.pt")
-    dist.barrier()
-    # only rank 1's file is damaged, yet both ranks refuse (rank 0 with rank 1's reason)
-    with pytest.raises(CheckpointError) as err:
-        checkpoint.load(checkpoint.latest(bad), rank)
-    text = str(err.value)
-    assert f"{folder / 'rank-1.pt'} is damaged: its SHA-256 digest does not match the manifest" in text
-    if rank == 0:
-        assert text.startswith("rank 1 cannot use its checkpoint: ")
-    # the intact one loads on both ranks
-    main, local = checkpoint.load(checkpoint.latest(good), rank)
-    assert main["position"]["global_step"] == STEP
-    assert torch.equal(local["sync"]["residual"], torch.full((8000,), float(rank + 1)))
+    dist.barrier()  # rank 0 writes the manifests and ``latest`` last
+
+    def check_one_damaged_file_stops_every_rank():
+        """Only rank 1's file is damaged, yet both ranks refuse (rank 0 with rank 1's reason)."""
+        if rank == 0:
+            _flip_middle(folder / "rank-1.pt")
+        dist.barrier()
+        with pytest.raises(CheckpointError) as err:
+            checkpoint.load(checkpoint.latest(bad), rank)
+        text = str(err.value)
+        assert f"{folder / 'rank-1.pt'} is damaged: its SHA-256 digest does not match the manifest" in text
+        if rank == 0:
+            assert text.startswith("rank 1 cannot use its checkpoint: ")
+
+    def check_an_intact_checkpoint_loads_on_every_rank():
+        main, local = checkpoint.load(checkpoint.latest(good), rank)
+        assert main["position"]["global_step"] == STEP
+        assert torch.equal(local["sync"]["residual"], torch.full((8000,), float(rank + 1)))
+
+    run_checks(check_one_damaged_file_stops_every_rank, check_an_intact_checkpoint_loads_on_every_rank)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import gradsync
 from gradsync.collectives import compressed_allreduce
 from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology, backend_device
-from worlds import run_world
+from worlds import expect_all, run_world
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -168,11 +168,13 @@ def _every_path():
                 run_scheme(model, scheme, topo, x, y)
         except Exception as e:  # keep going: report every scheme that fails
             failures.append(f"{scheme}: {type(e).__name__}: {e}")
-    assert not failures, f"rank {rank}: " + "; ".join(failures)
-    assert len(seen) > 50 and "all_to_all_single" in seen, seen
-    assert not wrong, f"rank {rank}: {len(wrong)} collectives got tensors off the comm device:\n" + "\n".join(
-        sorted(set(wrong))
-    )
+    with expect_all() as expect:  # (every one of these three, each naming this rank)
+        with expect(f"rank {rank}: every scheme runs"):
+            assert not failures, "; ".join(failures)
+        with expect(f"rank {rank}: the checking wrapper saw the collectives"):
+            assert len(seen) > 50 and "all_to_all_single" in seen, seen
+        with expect(f"rank {rank}: every tensor on its group's communication device"):
+            assert not wrong, f"{len(wrong)} collectives got tensors off it:\n" + "\n".join(sorted({*wrong}))
 
 
 def test_every_collective_gets_tensors_on_the_communication_device():

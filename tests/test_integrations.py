@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradsync
-from worlds import run_world
+from worlds import expect_all, run_checks, run_world, same_on_every_rank
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,13 +48,6 @@ def net(seed=0):
 
 def params(module):
     return [p.detach().clone() for p in module.parameters()]
-
-
-def same_on_every_rank(tensors, what):
-    flat = torch.cat([t.double().reshape(-1) for t in tensors])
-    ref = flat.clone()
-    dist.broadcast(ref, 0)
-    assert torch.equal(flat, ref), what
 
 
 # ------------------------------------------------------------------------------------ Lightning
@@ -93,43 +86,59 @@ def lightning_world(tmp):
         trainer.fit(module, DataLoader(dataset(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
         return trainer, module
 
-    # 1. scheme "none" is Lightning's own DDP, bit for bit (on CPU, where DDPStrategy ignores hooks)
-    _, ref = fit(DDPStrategy())
-    strategy = gradsync.lightning.Strategy("none")
-    _, ours = fit(strategy)
-    assert strategy.hook_state is not None and strategy.hook_state.step == 24  # it did synchronize
-    for a, b in zip(params(ref), params(ours), strict=True):
-        assert torch.equal(a, b), float((a - b).abs().max())
-    # 2. a compressed scheme trains, the same model on every rank, with Lightning's accumulation
-    strategy = gradsync.lightning.Strategy(
-        "topk:density=0.05", sync_options={"min_compress_bytes": 0}, find_unused_parameters=True
-    )
-    trainer, model = fit(strategy, steps=40, accumulate_grad_batches=2)
-    same_on_every_rank(params(model), "lightning topk")
-    assert sum(model.losses[-5:]) < sum(model.losses[:5]), model.losses
-    # 3. its compression state survives a Lightning checkpoint, per rank
-    path = os.path.join(tmp, "last.ckpt")
-    trainer.save_checkpoint(path)
-    assert os.path.isfile(f"{path}.gradsync-rank{dist.get_rank()}.pt")
-    resumed = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0},
-                                          find_unused_parameters=True)  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no "starts afresh" warning
-        fit(resumed, steps=44, ckpt_path=path, accumulate_grad_batches=2)
-    assert resumed.hook_state is not None and resumed.hook_state.step == 44  # 40 restored, 4 more
-    # 4. under a GradScaler (16-mixed) error feedback is told the loss scale every step
-    from lightning.pytorch.plugins import MixedPrecision
+    def check_none_is_lightnings_own_ddp():
+        """Bit for bit (on CPU, where DDPStrategy ignores hooks)."""
+        _, ref = fit(DDPStrategy())
+        strategy = gradsync.lightning.Strategy("none")
+        _, ours = fit(strategy)
+        assert strategy.hook_state is not None and strategy.hook_state.step == 24  # it did synchronize
+        for a, b in zip(params(ref), params(ours), strict=True):
+            assert torch.equal(a, b), float((a - b).abs().max())
 
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    strategy = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0})
-    _, model = fit(strategy, steps=8, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
-    assert strategy.hook_state.loss_scale == scaler.get_scale() != 1.0
-    same_on_every_rank(params(model), "lightning 16-mixed topk")
-    # 5. options are checked before anything starts
-    with pytest.raises(ValueError, match="sync: plan must be one of auto, compress, dense"):
-        gradsync.lightning.Strategy("none", sync_options={"plan": "always"})
-    with pytest.raises(ValueError, match="registers its own DDP comm hook"):
-        gradsync.lightning.Strategy("none", ddp_comm_hook=lambda s, b: None)
+    def check_compressed_with_accumulation_and_a_checkpoint():
+        """A compressed scheme trains, the same model on every rank, with Lightning's accumulation;
+        its compression state survives a Lightning checkpoint, per rank."""
+        strategy = gradsync.lightning.Strategy(
+            "topk:density=0.05", sync_options={"min_compress_bytes": 0}, find_unused_parameters=True
+        )
+        trainer, model = fit(strategy, steps=40, accumulate_grad_batches=2)
+        with expect_all() as expect:
+            with expect("trained, one model everywhere"):
+                same_on_every_rank(params(model), "lightning topk")
+                assert sum(model.losses[-5:]) < sum(model.losses[:5]), model.losses
+            path = os.path.join(tmp, "last.ckpt")
+            trainer.save_checkpoint(path)
+            with expect("the checkpoint has this rank's compression state"):
+                assert os.path.isfile(f"{path}.gradsync-rank{dist.get_rank()}.pt")
+            resumed = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0},
+                                                  find_unused_parameters=True)  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # no "starts afresh" warning
+                fit(resumed, steps=44, ckpt_path=path, accumulate_grad_batches=2)
+            with expect("resumed: 40 steps restored, 4 more"):
+                assert resumed.hook_state is not None and resumed.hook_state.step == 44
+
+    def check_error_feedback_told_the_loss_scale_under_16_mixed():
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        strategy = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0})
+        _, model = fit(strategy, steps=8, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+        same_on_every_rank(params(model), "lightning 16-mixed topk")
+        assert strategy.hook_state.loss_scale == scaler.get_scale() != 1.0
+
+    def check_options_are_checked_before_anything_starts():
+        with pytest.raises(ValueError, match="sync: plan must be one of auto, compress, dense"):
+            gradsync.lightning.Strategy("none", sync_options={"plan": "always"})
+        with pytest.raises(ValueError, match="registers its own DDP comm hook"):
+            gradsync.lightning.Strategy("none", ddp_comm_hook=lambda s, b: None)
+
+    run_checks(
+        check_none_is_lightnings_own_ddp,
+        check_compressed_with_accumulation_and_a_checkpoint,
+        check_error_feedback_told_the_loss_scale_under_16_mixed,
+        check_options_are_checked_before_anything_starts,
+    )
 
 
 def test_lightning_strategy(tmp_path):
@@ -167,13 +176,18 @@ def accelerate_world():
             state.close()
         return accelerator.unwrap_model(model), losses
 
-    ref, _ = train(None)
-    ours, _ = train("none")
-    for a, b in zip(params(ref), params(ours), strict=True):
-        assert torch.equal(a, b), float((a - b).abs().max())
-    model, losses = train("powersgd:rank=2", steps=40, accumulate=2)
-    same_on_every_rank(params(model), "accelerate powersgd")
-    assert sum(losses[-5:]) < sum(losses[:5]), losses
+    def check_none_is_plain_accelerate():
+        ref, _ = train(None)
+        ours, _ = train("none")
+        for a, b in zip(params(ref), params(ours), strict=True):
+            assert torch.equal(a, b), float((a - b).abs().max())
+
+    def check_powersgd_trains_with_accumulation():
+        model, losses = train("powersgd:rank=2", steps=40, accumulate=2)
+        same_on_every_rank(params(model), "accelerate powersgd")
+        assert sum(losses[-5:]) < sum(losses[:5]), losses
+
+    run_checks(check_none_is_plain_accelerate, check_powersgd_trains_with_accumulation)
 
 
 def test_accelerate_recipe():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from gradsync.cli import main
 from gradsync.train import checkpoint
 from gradsync.train.loop import Trainer, TrainingDiverged
-from worlds import run_world
+from worlds import run_checks, run_world
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -202,24 +202,30 @@ def test_non_finite_loss_or_parameters_stop_training():
 
 
 def _one_rank_diverges():
-    """Only rank 1's loss is NaN, at step 3: both ranks stop at the same call (the next step's,
-    as the verdict comes a step later), naming step 3 and rank 1."""
     rank = dist.get_rank()
-    t = _fake_trainer(2, rank)
-    _advance(t, 1.0)
-    _advance(t, 0.9)
-    _advance(t, float("nan") if rank == 1 else 0.8)
-    with pytest.raises(
-        TrainingDiverged, match=r"loss became nan at epoch 2, step 3 \(batch 3 of 10\) on rank 1;"
-    ):
-        _advance(t, 0.7)
-    # the same again, decided at once (a checkpoint step): both stop at step 2 already
-    t = _fake_trainer(2, rank)
-    _advance(t, 1.0)
-    with pytest.raises(
-        TrainingDiverged, match=r"loss became inf at epoch 2, step 2 \(batch 2 of 10\) on ranks 0 to 1"
-    ):
-        _advance(t, float("inf"), now=True)
+
+    def check_verdict_a_step_later():
+        """Only rank 1's loss is NaN, at step 3: both ranks stop at the same call (the next
+        step's, as the verdict comes a step later), naming step 3 and rank 1."""
+        t = _fake_trainer(2, rank)
+        _advance(t, 1.0)
+        _advance(t, 0.9)
+        _advance(t, float("nan") if rank == 1 else 0.8)
+        with pytest.raises(
+            TrainingDiverged, match=r"loss became nan at epoch 2, step 3 \(batch 3 of 10\) on rank 1;"
+        ):
+            _advance(t, 0.7)
+
+    def check_verdict_at_once_on_a_checkpoint_step():
+        """The same, decided at once (a checkpoint step): both stop at step 2 already."""
+        t = _fake_trainer(2, rank)
+        _advance(t, 1.0)
+        with pytest.raises(
+            TrainingDiverged, match=r"loss became inf at epoch 2, step 2 \(batch 2 of 10\) on ranks 0 to 1"
+        ):
+            _advance(t, float("inf"), now=True)
+
+    run_checks(check_verdict_a_step_later, check_verdict_at_once_on_a_checkpoint_step)
 
 
 def test_ranks_agree_on_a_diverged_loss():
