@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 
@@ -60,11 +60,16 @@ class Stream:
     generator: torch.Generator | None = None
 
 
-class Codec(Compressor):
+StreamT = TypeVar("StreamT", bound=Stream)
+"""The stream type of a codec: ``class PowerSGD(Codec[PowersgdStream])``."""
+
+
+class Codec(Compressor, Generic[StreamT]):
     """Base class: input checks, streams, state, payload plumbing, the operator backend."""
 
     Config: ClassVar[type[CodecConfig]]
     StreamType: ClassVar[type[Stream]] = Stream
+    """The class of ``StreamT`` (a codec with its own stream type names it in both places)."""
     # traits (see gradsync.codecs.compressor): subclasses set sparse, lossless, randomized,
     # summable, agreed_scale, lowrank and biased as class attributes
 
@@ -73,7 +78,7 @@ class Codec(Compressor):
             raise TypeError(f"{self.name} needs a {self.Config.__name__}, got {type(config).__name__}")
         self.config = config
         self.ws = Workspace()
-        self._streams: dict[str, Stream] = {}
+        self._streams: dict[str, StreamT] = {}
         # compile=true: the common operators run their torch definitions through torch.compile
         self._backend = "compiled" if config.compile else None
 
@@ -192,11 +197,12 @@ class Codec(Compressor):
         return None
 
     # ------------------------------------------------------------------ state
-    def stream(self, key: str = "") -> Stream:
+    def stream(self, key: str = "") -> StreamT:
         """The state of one tensor stream (created on first use)."""
         s = self._streams.get(key)
         if s is None:
-            s = self.StreamType()
+            # StreamType is StreamT's class: a ClassVar cannot name a type variable, so say it here
+            s = cast(StreamT, self.StreamType())
             if self.randomized:
                 s.generator = make_generator(getattr(self.config, "seed", 0), key)
             self._streams[key] = s
@@ -242,7 +248,12 @@ class Codec(Compressor):
     # ------------------------------------------------------------------ for subclasses
     @abc.abstractmethod
     def _encode(
-        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext,
+        stream: StreamT,
+        out: torch.Tensor | None,
     ) -> Payload:
         """Encode the flat, contiguous ``x`` (the original had ``shape``)."""
 
@@ -296,4 +307,4 @@ def nonfinite_flag(nonfinite: int | bool) -> Flag:
     return Flag.NONFINITE if nonfinite else Flag.NONE
 
 
-__all__ = ["HEADER_BYTES", "Codec", "EncodeContext", "Stream", "nonfinite_flag"]
+__all__ = ["HEADER_BYTES", "Codec", "EncodeContext", "Stream", "StreamT", "nonfinite_flag"]

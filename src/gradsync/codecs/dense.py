@@ -35,7 +35,7 @@ class NoneConfig(CodecConfig):
 
 
 @register
-class NoCompression(Codec):
+class NoCompression(Codec[Stream]):
     """Dense passthrough: the raw bytes of the tensor (any dtype, integers and bool included)."""
 
     name = "none"
@@ -106,7 +106,7 @@ class CastStream(Stream):
     exponent: int | None = None
 
 
-class _HalfCodec(Codec):
+class _HalfCodec(Codec[CastStream]):
     """Shared by fp16 and bf16."""
 
     summable = True
@@ -142,7 +142,7 @@ class _HalfCodec(Codec):
         shape: torch.Size,
         ctx: EncodeContext,
         stream: CastStream,
-        out: torch.Tensor | None,  # type: ignore[override]
+        out: torch.Tensor | None,
     ) -> Payload:
         lay = self._layout(x.numel())
         data, payload = self._new_payload(lay, x, shape, out)

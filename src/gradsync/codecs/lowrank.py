@@ -57,7 +57,7 @@ def matrix_shape(shape: torch.Size) -> tuple[int, int]:
 
 
 @register
-class PowerSGD(Codec):
+class PowerSGD(Codec[PowersgdStream]):
     """Rank-r PowerSGD with warm start; payload holds P (rows x r) and Q (cols x r) in float32."""
 
     name = "powersgd"
@@ -120,7 +120,7 @@ class PowerSGD(Codec):
         shape: torch.Size,
         ctx: EncodeContext,
         stream: PowersgdStream,
-        out: torch.Tensor | None,  # type: ignore[override]
+        out: torch.Tensor | None,
     ) -> Payload:
         lay = self._layout(shape)
         data, payload = self._new_payload(lay, x, shape, out)
@@ -134,6 +134,7 @@ class PowerSGD(Codec):
         if st.nonfinite:
             m = torch.zeros_like(m)  # keep the factors finite; the payload is flagged anyway
         q = self.reproject(m, self.project(m, stream), stream)
+        assert stream.p is not None  # reproject() keeps orth(P) in the stream
         stream.q = q.clone()
         lay.view(data, "p").copy_(stream.p.reshape(-1))
         lay.view(data, "q").copy_(q.reshape(-1))

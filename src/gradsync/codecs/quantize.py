@@ -58,11 +58,12 @@ class OnebitConfig(CodecConfig):
 
 
 @register
-class OneBit(Codec):
+class OneBit(Codec[Stream]):
     """Sign bits with one or two reconstruction values (header ``s0``: bit 1, ``s1``: bit 0)."""
 
     name = "onebit"
     Config = OnebitConfig
+    config: OnebitConfig
 
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
         return _codes_layout(numel, 1).nbytes
@@ -99,11 +100,12 @@ class TbqConfig(CodecConfig):
 
 
 @register
-class TBQ(Codec):
+class TBQ(Codec[Stream]):
     """2-bit codes: +threshold, -threshold or 0 (header ``count``: non-zero codes, ``s0``: threshold)."""
 
     name = "tbq"
     Config = TbqConfig
+    config: TbqConfig
 
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
         return _codes_layout(numel, 2).nbytes
@@ -143,11 +145,12 @@ class TerngradConfig(CodecConfig):
 
 
 @register
-class TernGrad(Codec):
+class TernGrad(Codec[Stream]):
     """Stochastic symmetric quantization scaled by max |x| (header ``s0``: scale, ``aux``: bits)."""
 
     name = "terngrad"
     Config = TerngradConfig
+    config: TerngradConfig
     randomized = True
     biased = False  # stochastic rounding: E[decode(encode(x))] = x
 
@@ -205,7 +208,7 @@ class QrgcConfig(SparsityConfig):
 
 
 @register
-class QRGC(Codec):
+class QRGC(Codec[Stream]):
     """Paper 04's quantized RGC: k same-signed indices and their mean (header ``s0``: mean, ``aux``: sign)."""
 
     name = "qrgc"

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from gradsync.codecs import selection
-from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.base import Codec, EncodeContext, Stream, StreamT, nonfinite_flag
 from gradsync.codecs.config import SparsityConfig, check_range
 from gradsync.codecs.ops import sparse_add_, sparse_to_dense_
 from gradsync.codecs.payload import Header, Layout, Payload
@@ -30,13 +30,13 @@ def sparse_layout(numel: int, count: int, dtype: torch.dtype) -> Layout:
     return Layout([("idx", count, index_dtype(numel)), ("val", count, dtype)])
 
 
-class SparseCodec(Codec):
+class SparseCodec(Codec[StreamT]):
     """Base of the (indices, values) codecs; subclasses implement :meth:`select`."""
 
     sparse = True
     config: SparsityConfig
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+    def select(self, x: torch.Tensor, k: int, stream: StreamT) -> selection.Selected:
         raise NotImplementedError
 
     def check_numel(self, numel: int) -> None:
@@ -51,7 +51,12 @@ class SparseCodec(Codec):
         return self.target_count(numel)
 
     def _encode(
-        self, x: torch.Tensor, shape: torch.Size, ctx: EncodeContext, stream: Stream, out: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext,
+        stream: StreamT,
+        out: torch.Tensor | None,
     ) -> Payload:
         n = x.numel()
         if n == 0:
@@ -99,7 +104,7 @@ class TopkConfig(SparsityConfig):
 
 
 @register
-class TopK(SparseCodec):
+class TopK(SparseCodec[Stream]):
     """Exact top-k by magnitude (the reference selection)."""
 
     name = "topk"
@@ -121,11 +126,12 @@ class MstopkConfig(SparsityConfig):
 
 
 @register
-class MSTopK(SparseCodec):
+class MSTopK(SparseCodec[Stream]):
     """Paper 01's approximate top-k: exactly k elements, at most a few from a narrow band."""
 
     name = "mstopk"
     Config = MstopkConfig
+    config: MstopkConfig
     randomized = True
 
     def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
@@ -144,11 +150,12 @@ class TrimmedTopkConfig(SparsityConfig):
 
 
 @register
-class TrimmedTopK(SparseCodec):
+class TrimmedTopK(SparseCodec[Stream]):
     """Paper 04's trimmed top-k: an exact top-k restricted to a trimmed candidate set."""
 
     name = "trimmed_topk"
     Config = TrimmedTopkConfig
+    config: TrimmedTopkConfig
 
     def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
         return selection.trimmed_topk(x, k, self.config.step, self.ws)
@@ -173,11 +180,12 @@ class BsearchStream(Stream):
 
 
 @register
-class Bsearch(SparseCodec):
+class Bsearch(SparseCodec[BsearchStream]):
     """Paper 04's threshold binary search: between k and 2k elements, threshold reused ``reuse`` calls."""
 
     name = "bsearch"
     Config = BsearchConfig
+    config: BsearchConfig
     StreamType = BsearchStream
 
     def max_count(self, numel: int) -> int:
@@ -188,7 +196,7 @@ class Bsearch(SparseCodec):
         k = self.config.k_for(numel)
         return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
 
-    def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:  # type: ignore[override]
+    def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:
         reuse = stream.threshold if stream.threshold is not None and stream.age < self.config.reuse else None
         res = selection.bsearch(x, k, self.config.eps, reuse, self.ws)
         if not res.selected.stats.nonfinite:  # a non-finite input leaves the state alone
@@ -211,11 +219,12 @@ class DgcConfig(SparsityConfig):
 
 
 @register
-class DGC(SparseCodec):
+class DGC(SparseCodec[Stream]):
     """Deep Gradient Compression's sampled-threshold selection, refined to exactly k when it can."""
 
     name = "dgc"
     Config = DgcConfig
+    config: DgcConfig
     randomized = True
 
     def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
@@ -241,11 +250,12 @@ class GraddropConfig(SparsityConfig):
 
 
 @register
-class GradDrop(SparseCodec):
+class GradDrop(SparseCodec[Stream]):
     """GradDrop: drop every element below a magnitude threshold (given or sampled for a density)."""
 
     name = "graddrop"
     Config = GraddropConfig
+    config: GraddropConfig
     randomized = True
 
     def target_count(self, numel: int) -> int:
@@ -274,7 +284,7 @@ class RandomkConfig(SparsityConfig):
 
 
 @register
-class RandomK(SparseCodec):
+class RandomK(SparseCodec[Stream]):
     """k uniformly random elements; ``unbiased`` scales them by numel/k so E[decode] = x."""
 
     name = "randomk"
