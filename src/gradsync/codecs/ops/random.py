@@ -68,13 +68,16 @@ def hashed_uniform(n: int, k1: int, k2: int, device: torch.device | str = "cpu")
     return (h >> 9).to(torch.float32) * (1.0 / 8388608.0)
 
 
-def hashed_uniform16(n: int, k1: int, k2: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def hashed_uniform16(
+    n: int, k1: int | torch.Tensor, k2: int | torch.Tensor, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Uniforms of 16-bit resolution, two per hash: the stream that stochastic quantization uses.
 
     Element ``i`` lies in block ``b = i // 16`` at lane ``j = i % 8``, in the low half when
     ``i % 16 < 8``: ``h = mix(8 b + j + k1) ^ k2`` and ``u = (h & 0xffff or h >> 16) / 2^16``.
     Halving the hashing per element makes the fused quantize pass about a third cheaper; 16 bits
-    of resolution bias a rounding decision by at most 2^-16 of one level.
+    of resolution bias a rounding decision by at most 2^-16 of one level. The words may be 0-d
+    int64 tensors (the compiled quantizer passes them so: new words need no recompilation).
     """
     i = torch.arange(n, dtype=torch.int64, device=device)
     h = _mix32(((i >> 4) * 8 + (i & 7) + k1) & _M32) ^ k2
