@@ -232,11 +232,12 @@ def _fit_ring(
     times = []
     for s in sizes:
         buf = torch.zeros(max(s // 4, 1), device=topo.comm_device)
-        times.append(
-            _time_collective(
-                topo, lambda b=buf: P.all_reduce(b, group, "calibrate") if active else None, reps
-            )
-        )
+
+        def step(b: torch.Tensor = buf) -> None:
+            if active:
+                P.all_reduce(b, group, "calibrate")
+
+        times.append(_time_collective(topo, step, reps))
     alpha = times[0] / (2 * (p - 1))
     span = sizes[-1] - sizes[0]
     slope = (times[-1] - times[0]) / span if span > 0 else 0.0

@@ -91,6 +91,7 @@ def lowrank_rounds(
         for (x, key, _, stream, _, old_p), q_local in zip(mats, q_locals, strict=True):
             q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
             qpos += q_local.numel()
+            assert stream.p is not None  # reproject() kept orth(sum P) in the stream
             if feedback is not None:
                 if finite:  # what this rank's data contributed to the sum
                     feedback.commit(key, dense=(stream.p @ q_local.T).reshape(-1))

@@ -116,7 +116,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # ---------------------------------------------------------------------------------- collectives
 def all_reduce(
-    t: torch.Tensor, group: dist.ProcessGroup | None, level: str, op: dist.ReduceOp = dist.ReduceOp.SUM
+    t: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    level: str,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> None:
     p = size(group)
     if p > 1 and t.numel():
@@ -176,9 +179,10 @@ def reduce_scatter(
     result, inp = out, _staged(inp, dev)
     out = _staged(out, dev)
     if level == "intra" and _is_gloo(group):
-        fits = scratch is not None and scratch.numel() >= inp.numel() and scratch.device == dev
-        parts = scratch if fits else torch.empty_like(inp)  # type: ignore[assignment]
-        parts = parts[: inp.numel()].view(p, -1)
+        if scratch is not None and scratch.numel() >= inp.numel() and scratch.device == dev:
+            parts = scratch[: inp.numel()].view(p, -1)
+        else:
+            parts = torch.empty_like(inp).view(p, -1)
         dist.all_to_all_single(parts.view(-1), inp, group=group)
         out.copy_(parts[0])  # streaming adds: several times faster than torch.sum over dim 0
         for j in range(1, p):

@@ -30,8 +30,8 @@ import torch
 Step = Callable[[], Any]
 """One communication step: issue the collective(s), return what the program needs back."""
 
-Finisher = Callable[[], None]
-"""Local work after a program's last communication step."""
+Finisher = Callable[[], object]
+"""Local work after a program's last communication step (what it returns is ignored)."""
 
 Program = Generator[Step, Any, "Finisher | None"]
 

@@ -59,6 +59,13 @@ class Coder:
         return self.plain.payload_from_bytes(data, like.shape, like.dtype)
 
 
+def _values(codec: Compressor, payload: Payload) -> torch.Tensor:
+    """The value section of a payload of a ``summable`` codec (the trait guarantees one)."""
+    values = codec.values(payload)
+    assert values is not None, f"{codec.spec()!r} is summable but its payload has no value section"
+    return values
+
+
 def run_strategy(
     x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, strategy: str, rank: int
 ) -> Pieces:
@@ -106,7 +113,7 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
         for s in range(p - 1):
             idx = (g - s - 1) % p
             incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
-            codec.values(payloads[idx]).add_(codec.values(incoming))
+            _values(codec, payloads[idx]).add_(_values(codec, incoming))
             send = payloads[idx]
         final = payloads[owned]
     else:
@@ -140,10 +147,10 @@ def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Cod
     received = [coder.received(d, parts[g]) for d in datas]
     if summable:
         agg = received[0]
-        total = codec.values(agg).clone()
+        total = _values(codec, agg).clone()
         for q in received[1:]:
-            total.add_(codec.values(q))
-        codec.values(agg).copy_(total)
+            total.add_(_values(codec, q))
+        _values(codec, agg).copy_(total)
     else:
         work = torch.zeros_like(parts[g])
         for q in received:

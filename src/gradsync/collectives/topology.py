@@ -107,23 +107,22 @@ class Topology:
         self.control_group: dist.ProcessGroup | None = None
         self.intra_group: dist.ProcessGroup | None = None
         self.inter_group: dist.ProcessGroup | None = None
-        kw: dict[str, datetime.timedelta] = {}
+        limit: datetime.timedelta | None = None  # None: torch.distributed's default
         if initialized and self.world > 1:
             limit = timeout if timeout is not None else default_timeout()
-            kw = {"timeout": limit} if limit is not None else {}
             # every rank creates every group, in the same order
-            self.world_group = dist.new_group(list(range(self.world)), **kw)
-            self.control_group = dist.new_group(list(range(self.world)), **kw)
+            self.world_group = dist.new_group(list(range(self.world)), timeout=limit)
+            self.control_group = dist.new_group(list(range(self.world)), timeout=limit)
         self._check_layout(node_rank, local_rank, initialized)
         self.node = self.rank // per_node
         self.local_rank = self.rank % per_node
         if initialized and self.world > 1:
             for i in range(nodes):
-                g = dist.new_group(self.node_ranks(i), **kw)
+                g = dist.new_group(self.node_ranks(i), timeout=limit)
                 if i == self.node:
                     self.intra_group = g
             for j in range(per_node):
-                g = dist.new_group(self.local_index_ranks(j), **kw)
+                g = dist.new_group(self.local_index_ranks(j), timeout=limit)
                 if j == self.local_rank:
                     self.inter_group = g
 
