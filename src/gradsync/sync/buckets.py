@@ -54,7 +54,7 @@ def build_groups(
     ``order`` lists slot indices in (expected) ready order, ``ready_s`` gives each slot's ready
     time (None: sizes alone decide), ``codec_class`` each slot's class.
     """
-    open_: dict[tuple[object, ...], _Open] = {}
+    open_: dict[tuple[torch.dtype, torch.device, int], _Open] = {}  # (dtype, device, class)
     closed: list[tuple[int, list[int], int]] = []  # (position of the last member, slots, class)
     for pos, i in enumerate(order):
         slot = slots[i]
@@ -74,7 +74,7 @@ def build_groups(
             closed.append((b.last, b.members, cls))
             del open_[key]
     for key, b in open_.items():
-        closed.append((b.last, b.members, int(key[2])))  # type: ignore[call-overload]
+        closed.append((b.last, b.members, key[2]))
     closed.sort(key=lambda c: (c[0], c[1][0]))
     return [(members, cls) for _, members, cls in closed]
 

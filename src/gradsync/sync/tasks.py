@@ -245,6 +245,7 @@ class TaskManager:
                         self._comm.popleft()
                     continue
                 step, task._step = task._step, None
+                assert step is not None  # the wait above ends on a step, or on _comm_done (handled)
             t0 = time.perf_counter()
             if task.first_comm_at is None:
                 task.first_comm_at = t0
