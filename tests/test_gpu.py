@@ -1,0 +1,364 @@
+"""The GPU tier: gradsync with CUDA tensors, end to end. Without CUDA every test here skips (the CPU
+paths of the same calls are tested in test_sync_engine, test_real_clients and test_train); on a
+GPU machine run them with ``pytest tests/test_gpu.py`` (or the whole suite).
+
+- NCCL, one rank per GPU (a world of one rank on any GPU machine, of two where there are two):
+  ``gradsync.wrap`` and the DDP comm hook against plain DDP on the same GPUs for the lossless
+  scheme ``none``; the lossy schemes leave finite gradients, identical on every rank (and, with
+  one rank, nothing to synchronize: the local gradients); fp16 autocast with a CUDA GradScaler.
+- gloo, two ranks sharing ``cuda:0``: the model and its gradients on the GPU, the collectives on
+  gloo (gradsync stages them through the CPU): the same checks, against plain all-reduces of
+  the gradients on the CPU too, the compressed paths at density 1 against the exact mean, and
+  the planner timing its codecs on the gradients' device (cuda).
+- ``gradsync train`` for one epoch, on ``cuda:0`` (and ``cuda:1``), plain and with ``--amp``.
+
+The world functions take the device type, so the same code runs on the CPU (how it was written:
+``run_world(2, gloo_world, "cpu")``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+from gradsync.cli import main
+from gradsync.collectives import Topology
+from worlds import expect_all, named_check, run_checks, run_world, same_on_every_rank
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [
+    pytest.mark.skipif(
+        GPUS == 0,
+        reason="needs CUDA: the GPU tier runs wrap, the DDP hook and gradsync train on a GPU "
+        "(torch.cuda.is_available() is False here)",
+    ),
+    pytest.mark.timeout(600),
+]
+
+FAST = {"calibrate": False, "log_plan": False}  # no link sweep: nothing here measures links
+STEPS = 4
+# wrap: sparse (flat, ring and hierarchical), quantized, low-rank, dense in fp16
+LOSSY = (
+    "hitopk:density=0.1",
+    "allgather/topk:density=0.1",
+    "ring/topk:density=0.1",
+    "ps/onebit",
+    "powersgd:rank=2",
+    "torus2d/fp16",
+)
+HOOK_LOSSY = ("topk:density=0.1", "hitopk:density=0.1", "ps/onebit", "powersgd:rank=2", "fp16")
+# compressed paths that lose nothing: density 1 (exact top-k of everything, no residual)
+EXACT = ("allgather/topk:density=1.0", "hitopk/topk:density=1.0", "ring/topk:density=1.0")
+
+
+# --------------------------------------------------------------------------------- helpers
+def mlp(seed=0, width=64):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4)
+    )
+
+
+def batch(step, rank, device, n=32):
+    """A separable problem (the class is the argmax of the first 4 features), made on the CPU."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 16, generator=g)
+    return x.to(device), x[:, :4].argmax(1).to(device)
+
+
+def device_of(device_type):
+    """This rank's device: its current GPU, or the CPU (the same code checked without a GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def ddp(module, device):
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def train(model, device, steps=STEPS):
+    """SGD on this rank's batches; the gradients of the last step."""
+    rank = dist.get_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = batch(step, rank, device)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def local_grads(base, device, steps=STEPS):
+    """The gradients of a model trained alone on this rank's batches (a world of one rank)."""
+    model = copy.deepcopy(base).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = batch(step, 0, device)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def on_device_and_finite(grads, device):
+    for g in grads:
+        assert g.device == device, f"a gradient on {g.device}, not {device}"
+        assert torch.isfinite(g).all(), "a non-finite gradient"
+
+
+def topology():
+    """One emulated node per rank: compressed schemes compress between every pair of ranks."""
+    return Topology(nodes=dist.get_world_size(), per_node=1)
+
+
+# -------------------------------------------------------------------------- lossless: none
+def check_none_equals_ddp(device):
+    """wrap(model, "none") and gradsync's "none" hook give DDP's gradients at every step."""
+    base = mlp(seed=1)
+    topo = topology()
+    with expect_all() as expect:
+        for how in ("wrap", "hook"):
+            ref = ddp(copy.deepcopy(base).to(device), device)
+            if how == "wrap":
+                ours = gradsync.wrap(copy.deepcopy(base).to(device), "none", topo, **FAST)
+                state = ours
+            else:
+                ours = ddp(copy.deepcopy(base).to(device), device)
+                state = gradsync.register_comm_hook(ours, "none", topo)
+            opt_a = torch.optim.SGD(ref.parameters(), lr=0.1)
+            opt_b = torch.optim.SGD(ours.parameters(), lr=0.1)
+            for step in range(STEPS):
+                x, y = batch(step, dist.get_rank(), device)
+                for model, opt in ((ref, opt_a), (ours, opt_b)):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                with expect(f"{how} none, step {step}"):
+                    grads = [p.grad for p in ours.parameters()]
+                    on_device_and_finite(grads, device)
+                    for a, b in zip(ref.parameters(), grads, strict=True):
+                        torch.testing.assert_close(b, a.grad)
+                opt_a.step()
+                opt_b.step()
+            state.close()
+
+
+def check_none_equals_an_all_reduce_on_the_cpu(device):
+    """The reference without DDP: every rank's local gradients (computed on the same device, by
+    the same kernels), all-reduced on the CPU (gloo)."""
+    base = mlp(seed=2)
+    world = dist.get_world_size()
+    model = gradsync.wrap(copy.deepcopy(base).to(device), "none", topology(), **FAST)
+    ref = copy.deepcopy(base).to(device)  # not synchronized
+    with expect_all() as expect:
+        for step in range(STEPS):
+            x, y = batch(step, dist.get_rank(), device)
+            for m in (model, ref):
+                m.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+            want = [p.grad.cpu() for p in ref.parameters()]
+            for w in want:
+                dist.all_reduce(w)
+            with expect(f"step {step}"):
+                for p, w in zip(model.parameters(), want, strict=True):
+                    assert p.grad.device == device
+                    torch.testing.assert_close(p.grad.cpu(), w / world, rtol=1e-5, atol=1e-6)
+        model.close()
+
+
+def check_exact_compressed_paths_equal_the_mean(device):
+    """Top-k of everything through each compressed path: the mean of the local gradients."""
+    base = mlp(seed=3)
+    world = dist.get_world_size()
+    with expect_all() as expect:
+        for scheme in EXACT:
+            model = gradsync.wrap(copy.deepcopy(base).to(device), scheme, topology(), plan="compress",
+                                  min_compress_bytes=0, **FAST)  # fmt: skip
+            ref = copy.deepcopy(base).to(device)  # not synchronized
+            for step in range(2):
+                x, y = batch(step, dist.get_rank(), device)
+                for m in (model, ref):
+                    m.zero_grad()
+                    nn.functional.cross_entropy(m(x), y).backward()
+                want = [p.grad.cpu() for p in ref.parameters()]
+                for w in want:
+                    dist.all_reduce(w)
+                with expect(f"{scheme}, step {step}"):
+                    assert step == 0 or not model.last_stats.dense  # step 0 is dense (the plan follows it)
+                    for p, w in zip(model.parameters(), want, strict=True):
+                        assert p.grad.device == device
+                        torch.testing.assert_close(p.grad.cpu(), w / world, rtol=1e-5, atol=1e-6)
+            model.close()
+
+
+# ------------------------------------------------------------------------------------ lossy
+def check_lossy_schemes_with_wrap(device):
+    """Finite gradients on the GPU, identical on every rank, buckets compressed; with one rank
+    nothing is synchronized: the local gradients."""
+    base = mlp(seed=4)
+    world = dist.get_world_size()
+    alone = local_grads(base, device) if world == 1 else None
+    with expect_all() as expect:
+        for scheme in LOSSY:
+            model = gradsync.wrap(copy.deepcopy(base).to(device), scheme, topology(), plan="compress",
+                                  min_compress_bytes=0, **FAST)  # fmt: skip
+            grads = train(model, device)
+            model.close()
+            with expect(scheme):
+                same_on_every_rank(grads, "gradients")
+                on_device_and_finite(grads, device)
+                assert all(torch.isfinite(p).all() for p in model.parameters())
+                if world == 1:
+                    for g, a in zip(grads, alone, strict=True):
+                        torch.testing.assert_close(g, a)
+                else:  # compressed where the scheme compresses (torus2d/fp16 is dense, in fp16)
+                    s = model.last_stats
+                    compressed = gradsync.sync.Scheme.parse(scheme).kind == "compressed"
+                    assert not s.dense and s.compressed_buckets == (s.buckets if compressed else 0), s
+
+
+def check_lossy_schemes_with_the_hook(device):
+    base = mlp(seed=5)
+    world = dist.get_world_size()
+    alone = local_grads(base, device) if world == 1 else None
+    with expect_all() as expect:
+        for spec in HOOK_LOSSY:
+            model = ddp(copy.deepcopy(base).to(device), device)
+            state = gradsync.register_comm_hook(model, spec, topology(), min_compress_bytes=0)
+            grads = train(model, device)
+            state.close()
+            with expect(spec):
+                same_on_every_rank(grads, "gradients")
+                on_device_and_finite(grads, device)
+                assert state.step == STEPS
+                if world == 1:
+                    for g, a in zip(grads, alone, strict=True):
+                        torch.testing.assert_close(g, a)
+
+
+def check_autocast_with_a_grad_scaler(device):
+    """fp16 autocast and a GradScaler on the GPU (bf16 on the CPU), error feedback told the
+    scale: finite parameters, identical on every rank, overflowing steps skipped everywhere."""
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
+    model = gradsync.wrap(mlp(seed=6).to(device), "topk:density=0.1", topology(), grad_scaler=scaler,
+                          plan="compress", min_compress_bytes=0, **FAST)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    skipped = []
+    for step in range(8):
+        x, y = batch(step, dist.get_rank(), device)
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=dtype):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        stats = model.last_stats
+        skipped.append(bool(stats.overflow) if stats is not None else None)
+    model.close()
+    params = [p.detach() for p in model.parameters()]
+    flags = torch.tensor([s is True for s in skipped] + [scaler.get_scale()], dtype=torch.float64)
+    same_on_every_rank([*params, flags], "parameters, skipped steps and the loss scale")
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(p.dtype == torch.float32 for p in params)
+
+
+# ---------------------------------------------------------------------------------- planner
+def check_planner_times_codecs_on_the_gradients_device(device):
+    """The plan (made on rank 0 after the first step) timed its codecs on the gradients' device."""
+    from gradsync.sync import planner
+
+    real = planner.measure_codec
+    signature = inspect.signature(real)
+    timed = []
+
+    def spy(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        timed.append((torch.device(bound.arguments["device"] or "cpu"), bound.arguments["dtype"]))
+        return real(*args, **kwargs)
+
+    planner.measure_codec = spy
+    try:
+        model = gradsync.wrap(mlp(seed=7, width=256).to(device), "allgather/topk:density=0.1", topology(),
+                              plan="auto", min_compress_bytes=0, **FAST)  # fmt: skip
+        train(model, device, steps=2)
+        model.close()
+    finally:
+        planner.measure_codec = real
+    if dist.get_rank() == 0:
+        assert timed, "no codec was timed"
+        assert all(d.type == device.type and t == torch.float32 for d, t in timed), timed
+    else:
+        assert timed == [], timed  # rank 0 decides alone
+
+
+# ----------------------------------------------------------------------------------- worlds
+def nccl_world(device_type):
+    device = device_of(device_type)
+    planned = dist.get_world_size() > 1  # one rank makes no plan
+    run_checks(
+        named_check(check_none_equals_ddp, device),
+        named_check(check_lossy_schemes_with_wrap, device),
+        named_check(check_lossy_schemes_with_the_hook, device),
+        named_check(check_autocast_with_a_grad_scaler, device),
+        *([named_check(check_planner_times_codecs_on_the_gradients_device, device)] if planned else []),
+    )
+
+
+def gloo_world(device_type):
+    if device_type == "cuda":
+        torch.cuda.set_device(0)  # both ranks share the one GPU
+    device = device_of(device_type)
+    run_checks(
+        named_check(check_none_equals_ddp, device),
+        named_check(check_none_equals_an_all_reduce_on_the_cpu, device),
+        named_check(check_exact_compressed_paths_equal_the_mean, device),
+        named_check(check_lossy_schemes_with_wrap, device),
+        named_check(check_lossy_schemes_with_the_hook, device),
+        named_check(check_autocast_with_a_grad_scaler, device),
+        named_check(check_planner_times_codecs_on_the_gradients_device, device),
+    )
+
+
+def test_one_nccl_rank():
+    run_world(1, nccl_world, "cuda", backend="nccl")
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs two GPUs (NCCL takes one GPU per rank); this machine has {GPUS}")
+def test_two_nccl_ranks():
+    run_world(2, nccl_world, "cuda", backend="nccl")
+
+
+def test_two_gloo_ranks_with_cuda_gradients():
+    run_world(2, gloo_world, "cuda")
+
+
+# ------------------------------------------------------------------------------ gradsync train
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_gradsync_train_runs_an_epoch_on_the_gpu(amp, tmp_path, monkeypatch, capfd):
+    """torchrun's workers pick NCCL and their GPU (LOCAL_RANK) by themselves; the banner says
+    which device they train on."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    nproc = min(GPUS, 2)
+    out = tmp_path / "summary.json"
+    argv = ["train", "--nproc", str(nproc), "--data", "digits", "--model", "vgg-small", "--epochs", "1",
+            "--batch-size", "48", "--scheme", "topk:density=0.05", "--plan", "compress", "--sync-option",
+            "calibrate=false", "--json", str(out), *(["--amp"] if amp else [])]  # fmt: skip
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert "device cuda:0" in err, err[-3000:]
+    s = json.loads(out.read_text())
+    assert s["world"] == nproc and len(s["history"]) == 1
+    assert s["steps"] == (1438 // nproc) // 48  # digits: 1438 training images, whole batches only
+    last = s["history"][-1]
+    assert last["train_loss"] == last["train_loss"] and last["train_loss"] < float("inf")  # finite
+    assert last["val_accuracy"] > 0.2, last  # one epoch learns something (chance: 0.1)
