@@ -113,8 +113,8 @@ class HookState:
 
     def key(self, bucket: dist.GradBucket) -> str:
         params = bucket.parameters()
-        names = [self._names.get(id(p)) for p in params]
-        if params and all(n is not None for n in names):
+        names = [n for p in params if (n := self._names.get(id(p))) is not None]
+        if params and len(names) == len(params):  # every parameter has a name
             return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
         shapes = ";".join(str(tuple(p.shape)) for p in params)
         return f"ddp-bucket:{hashlib.blake2b(shapes.encode(), digest_size=6).hexdigest()}"
@@ -260,15 +260,17 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             state.step += 1
         fut.set_result(buf)
 
+    def fail(error: BaseException) -> None:
+        # torch annotates set_exception's argument as the future's result type; it takes the error
+        fut.set_exception(error)  # type: ignore[arg-type]
+
     if bucket.index() == 0 and state.config.check_steps and topo.world > 1:
         # the first bucket of an iteration: check that every rank is at the same step first
         joined = not _in_backward()  # DDP's Join mirrors a step on zero buckets outside backward
         forwards = None if joined or state.model is None else state.forwards
-        state.manager.submit(
-            sequence_program(topo, state.step, forwards), "step check", None, fut.set_exception
-        )
+        state.manager.submit(sequence_program(topo, state.step, forwards), "step check", None, fail)
     state.manager.submit(
-        _program(state, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fut.set_exception
+        _program(state, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fail
     )
     return fut
 

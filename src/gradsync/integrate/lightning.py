@@ -20,20 +20,24 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-try:
+if TYPE_CHECKING:  # checked against the `lightning` package; at run time either package serves
     from lightning.pytorch.strategies import DDPStrategy
-except ImportError:  # pragma: no cover - depends on what is installed
+else:
     try:
-        from pytorch_lightning.strategies import DDPStrategy  # type: ignore[no-redef]
-    except ImportError as e:
-        raise ImportError(
-            "gradsync.lightning needs PyTorch Lightning: pip install 'gradsync[lightning]'"
-        ) from e
+        from lightning.pytorch.strategies import DDPStrategy
+    except ImportError:  # pragma: no cover - depends on what is installed
+        try:
+            from pytorch_lightning.strategies import DDPStrategy
+        except ImportError as e:
+            raise ImportError(
+                "gradsync.lightning needs PyTorch Lightning: pip install 'gradsync[lightning]'"
+            ) from e
 from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.collectives.topology import Topology
@@ -98,7 +102,7 @@ class Strategy(DDPStrategy):
         return f"{os.fspath(filepath)}.gradsync-rank{self.global_rank}.pt"
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self.hook_state is None:
@@ -113,9 +117,7 @@ class Strategy(DDPStrategy):
         fs = fsspec.core.url_to_fs(part)[0]
         fs.mv(tmp, part)  # a reader never sees half a file under the real name
 
-    def load_checkpoint(
-        self, checkpoint_path: str | os.PathLike[str], *args: Any, **kwargs: Any
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(
             checkpoint_path, *args, **kwargs
         )  # weights_only in newer versions
