@@ -165,6 +165,7 @@ def _measure(
     extra: dict[str, Any] = {}
     if synced is not None:
         st = synced.last_stats
+        assert st is not None  # the wrapped model synchronized every step above
         result.compressed_buckets = f"{st.compressed_buckets}/{st.buckets}"
         plan = synced.engine.plan
         extra = {

@@ -11,11 +11,20 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+
+class MapDataset(Protocol):
+    """A map-style dataset as gradsync uses one: a length and ``(input, target)`` items by index
+    (every dataset here; ``torch.utils.data.Dataset`` itself promises no ``len``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -24,8 +33,8 @@ class DataBundle:
 
     name: str
     task: str  # "classify" or "lm"
-    train: Dataset
-    val: Dataset
+    train: MapDataset
+    val: MapDataset
     input_shape: tuple[int, ...]  # classify: (C, H, W) of one image; lm: (seq_len,)
     num_classes: int  # classify: number of classes; lm: vocabulary size
     fingerprint: str  # short hex hash of the data and its transform (stored in checkpoints)

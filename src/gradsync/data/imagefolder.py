@@ -18,12 +18,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from gradsync.data.bundle import DataBundle, fingerprint, stratified_split
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".webp")
 GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
@@ -37,7 +41,7 @@ class ImageFile:
     label: int
 
 
-def open_image(path: Path):  # noqa: ANN201 - a PIL.Image.Image; PIL is imported lazily
+def open_image(path: Path) -> Image.Image:
     """Open ``path`` with Pillow (header only); any failure becomes a ValueError naming the file."""
     from PIL import Image
 

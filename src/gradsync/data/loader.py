@@ -16,7 +16,9 @@ from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
+
+from gradsync.data.bundle import MapDataset
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -116,7 +118,7 @@ def _put(q: queue.Queue, item: object, stop: threading.Event) -> bool:
 
 
 def _produce(
-    dataset: Dataset,
+    dataset: MapDataset,
     indices: Iterator[int],
     batch_size: int,
     drop_last: bool,
@@ -151,7 +153,7 @@ class PrefetchLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: MapDataset,
         sampler: Iterable[int],
         batch_size: int,
         *,

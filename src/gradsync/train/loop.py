@@ -372,7 +372,7 @@ class Trainer:
                     if save_now:
                         self._save()
                     self._maybe_crash()
-            record = {"epoch": self.epoch + 1}
+            record: dict[str, Any] = {"epoch": self.epoch + 1}
             record.update(
                 epoch_record(
                     self.meter, time.perf_counter() - started, self.grad_bytes, self.world, self.device

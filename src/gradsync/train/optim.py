@@ -18,7 +18,8 @@ DEFAULT_LR = {"sgd": 0.1, "adamw": 0.002}
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    decay, plain = [], []
+    decay: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else plain).append(p)
