@@ -62,8 +62,9 @@ class CableMeter:
 
     def stop(self, operations: int) -> float | None:
         end = nic_tx_bytes() if self.topo.local_rank == 0 else None
-        have = self.topo.local_rank == 0 and self._start is not None and end is not None
-        sent = (end - self._start) / max(operations, 1) if have else 0.0  # type: ignore[operator]
+        have, sent = False, 0.0
+        if self.topo.local_rank == 0 and self._start is not None and end is not None:
+            have, sent = True, (end - self._start) / max(operations, 1)
         t = torch.tensor([sent, float(have)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t[0]) / self.topo.nodes if int(t[1]) == self.topo.nodes else None

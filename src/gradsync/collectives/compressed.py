@@ -24,6 +24,7 @@ codec's encode calls will see and whether it can take them.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -133,11 +134,12 @@ def compressed_program(
     return partial(apply_pieces, pieces, flat, coder.plain, scale)
 
 
-def hitopk(tensor: torch.Tensor, topology: Topology, codec: Compressor, **kwargs: object) -> torch.Tensor:
-    """Paper 01's hierarchical top-k aggregation (HiTopKComm) with any sparsifying codec."""
+def hitopk(tensor: torch.Tensor, topology: Topology, codec: Compressor, **kwargs: Any) -> torch.Tensor:
+    """Paper 01's hierarchical top-k aggregation (HiTopKComm) with any sparsifying codec; ``kwargs``
+    go to :func:`compressed_allreduce` (``key``, ``loss_scale``, ...)."""
     if not codec.sparse:
         raise ValueError(f"hitopk needs a sparsifying codec (topk, mstopk, dgc, ...), got {codec.name!r}")
-    return compressed_allreduce(tensor, topology, codec, "allgather", True, **kwargs)  # type: ignore[arg-type]
+    return compressed_allreduce(tensor, topology, codec, "allgather", True, **kwargs)
 
 
 def _locally_aggregated(

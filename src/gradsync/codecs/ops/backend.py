@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -64,4 +64,4 @@ def compilable(fn: F) -> F:
             compiled = versions[key] = torch.compile(fn)
         return compiled(*args)
 
-    return run  # type: ignore[return-value]
+    return cast(F, run)  # functools.wraps keeps fn's signature, which the checker cannot see
