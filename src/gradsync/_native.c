@@ -10,14 +10,18 @@
  * only when the CPU has AVX2, FMA and F16C (checked at import); everything else takes the torch
  * path. Every function here is checked against an independent torch reference in the tests.
  *
- * Calling convention: the Python wrapper (gradsync/codecs/ops/native.py) validates dtypes,
- * sizes and contiguity and passes raw data pointers as integers. The GIL is released around
- * every kernel so that compression can overlap with autograd on another thread.
+ * Calling convention: the Python callers (through gradsync/codecs/ops/native.py) validate
+ * dtypes, devices and contiguity and pass raw data pointers as integers, each buffer a kernel
+ * writes with its size in bytes. The bindings check every size before a kernel runs and raise
+ * (ValueError, TypeError, IndexError) instead of writing past a buffer or computing with garbage;
+ * gradsync/_native.pyi declares the typed signatures. The GIL is released around every kernel
+ * so that compression can overlap with autograd on another thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <limits.h>
 #include <math.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -813,8 +817,12 @@ static KERNEL int k_copy_check(const float *x, int64_t n, float *out) {
     return top >= 0x7f800000;
 }
 
-/* range_positions: positions j (ascending) with lo <= keys[j] < hi; returns their count. */
-static KERNEL int64_t k_range_positions(const float *keys, int64_t n, float lo, float hi, int32_t *pos) {
+/*
+ * range_positions: positions j (ascending) with lo <= keys[j] < hi. Writes at most cap of them
+ * but returns the full count, so the caller can tell that pos was too small.
+ */
+static KERNEL int64_t k_range_positions(const float *keys, int64_t n, float lo, float hi, int32_t *pos,
+                                        int64_t cap) {
     const __m256 lv = _mm256_set1_ps(lo), hv = _mm256_set1_ps(hi);
     int64_t cnt = 0, i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -824,11 +832,15 @@ static KERNEL int64_t k_range_positions(const float *keys, int64_t n, float lo, 
         while (m) {
             int b = __builtin_ctz(m);
             m &= m - 1;
-            pos[cnt++] = (int32_t)(i + b);
+            if (cnt < cap) pos[cnt] = (int32_t)(i + b);
+            cnt++;
         }
     }
     for (; i < n; i++)
-        if (keys[i] >= lo && keys[i] < hi) pos[cnt++] = (int32_t)i;
+        if (keys[i] >= lo && keys[i] < hi) {
+            if (cnt < cap) pos[cnt] = (int32_t)i;
+            cnt++;
+        }
     return cnt;
 }
 
@@ -866,29 +878,95 @@ static void k_random_subset(int64_t n, int64_t k, uint64_t seed, int32_t *idx, u
     }
 }
 
-/* gather: val[j] = x[idx[j]] (indices already known to be in range) */
-static void k_gather(const float *x, const int32_t *idx, int64_t m, float *val) {
-    for (int64_t j = 0; j < m; j++) val[j] = x[idx[j]];
+/*
+ * gather: val[j] = x[idx[j]] for the m indices. Stops at the first index outside [0, n) and
+ * returns its position j (val[0..j) written); returns -1 when every index was in range.
+ */
+static int64_t k_gather(const float *x, int64_t n, const int32_t *idx, int64_t m, float *val) {
+    for (int64_t j = 0; j < m; j++) {
+        int32_t t = idx[j];
+        if (t < 0 || (int64_t)t >= n) return j;
+        val[j] = x[t];
+    }
+    return -1;
 }
 
 #endif /* GS_X86 */
 
 /* ------------------------------------------------------------------------------------------ */
 /* Python bindings. Pointers arrive as unsigned long long ("K"), sizes as long long ("L").     */
-
-#define PTR(T, v) ((T *)(uintptr_t)(v))
+/*                                                                                            */
+/* Every buffer a kernel writes comes with its capacity in bytes (the `*_nbytes` arguments,   */
+/* tensor.nbytes on the Python side), and every binding checks the sizes before the kernel     */
+/* runs: a buffer too small for what the kernel would write raises ValueError naming it and    */
+/* the sizes; nothing is written past its end. Element counts must be non-negative (and fit    */
+/* int32 where the kernel writes int32 indices). The typed signatures are in _native.pyi.      */
 
 #if GS_X86
+#define PTR(T, v) ((T *)(uintptr_t)(v))
+
+/* Largest element count taken anywhere: keeps every byte count below 2^63. */
+#define MAX_COUNT (1LL << 56)
+/* Largest element count where the kernel writes int32 indices. */
+#define MAX_INDEXED 2147483647LL
+
+/* An element or byte count from Python: refuse a negative one or one above max. */
+static int check_count(const char *fn, const char *name, long long v, long long max) {
+    if (v < 0 || v > max) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be in [0, %lld], got %lld", fn, name, max, v);
+        return -1;
+    }
+    return 0;
+}
+
+/* The kernel would touch `need` bytes (for `items` items) of a buffer the caller says holds `have`. */
+static int check_room(const char *fn, const char *buf, long long have, long long need, long long items,
+                      const char *what) {
+    if (have < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %s_nbytes must be >= 0, got %lld", fn, buf, have);
+        return -1;
+    }
+    if (have < need) {
+        PyErr_Format(PyExc_ValueError, "%s: %s holds %lld bytes but %lld %s need %lld", fn, buf, have, items,
+                     what, need);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * m floats from a sequence (already a PySequence_Fast) into dst. Stops at the first item that
+ * is not a real number and raises TypeError naming it (other conversion errors, such as
+ * OverflowError, pass through unchanged).
+ */
+static int read_floats(const char *fn, const char *arg, PyObject *fast, float *dst, Py_ssize_t m) {
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, j);
+        double v = PyFloat_AsDouble(item);
+        if (v == -1.0 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "%s: %s[%zd] must be a real number, not %.100s", fn, arg, j,
+                             Py_TYPE(item)->tp_name);
+            }
+            return -1;
+        }
+        dst[j] = (float)v;
+    }
+    return 0;
+}
+
 static PyObject *py_stats(PyObject *self, PyObject *args) {
     unsigned long long x;
     long long n;
     double st[4];
     if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    if (check_count("stats", "n", n, MAX_COUNT) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS k_stats(PTR(const float, x), n, st);
     Py_END_ALLOW_THREADS return Py_BuildValue("(ddLd)", st[0], st[1], (long long)st[2], st[3]);
 }
 
-/* returns (count, sum |x| or NaN, max |x|, non-finite flag) */
+/* returns (count, sum |x| or NaN, max |x|, non-finite flag); idx and val hold cap entries each */
 static PyObject *py_scan_select(PyObject *self, PyObject *args) {
     unsigned long long x, idx, val;
     long long n, cap, cnt;
@@ -896,6 +974,8 @@ static PyObject *py_scan_select(PyObject *self, PyObject *args) {
     int mode, want_sum;
     double st[3];
     if (!PyArg_ParseTuple(args, "KLfipKKL", &x, &n, &t, &mode, &want_sum, &idx, &val, &cap)) return NULL;
+    if (check_count("scan_select", "n", n, MAX_INDEXED) < 0 || check_count("scan_select", "cap", cap, MAX_COUNT) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS cnt = k_scan_select(PTR(const float, x), n, t, mode, want_sum, PTR(int32_t, idx),
                                                PTR(float, val), cap, st);
     Py_END_ALLOW_THREADS return Py_BuildValue("(LddL)", cnt, st[0], st[1], (long long)st[2]);
@@ -910,46 +990,56 @@ static PyObject *py_count_ge(PyObject *self, PyObject *args) {
     float ts[16];
     int64_t out[16];
     if (!PyArg_ParseTuple(args, "KLOi", &x, &n, &seq, &mode)) return NULL;
-    PyObject *fast = PySequence_Fast(seq, "thresholds must be a sequence");
+    if (check_count("count_ge", "n", n, MAX_COUNT) < 0) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "count_ge: thresholds must be a sequence");
     if (fast == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(fast);
     if (m < 1 || m > 16) {
         Py_DECREF(fast);
-        PyErr_SetString(PyExc_ValueError, "count_ge takes 1 to 16 thresholds");
+        PyErr_Format(PyExc_ValueError, "count_ge takes 1 to 16 thresholds, got %zd", m);
         return NULL;
     }
-    for (Py_ssize_t j = 0; j < m; j++) {
-        ts[j] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, j));
-    }
+    int bad = read_floats("count_ge", "thresholds", fast, ts, m);
     Py_DECREF(fast);
-    if (PyErr_Occurred()) return NULL;
+    if (bad) return NULL;
     Py_BEGIN_ALLOW_THREADS k_count_ge(PTR(const float, x), n, ts, (int)m, mode, out);
     Py_END_ALLOW_THREADS PyObject *res = PyList_New(m);
     if (res == NULL) return NULL;
-    for (Py_ssize_t j = 0; j < m; j++) PyList_SET_ITEM(res, j, PyLong_FromLongLong(out[j]));
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *c = PyLong_FromLongLong(out[j]);
+        if (c == NULL) {
+            Py_DECREF(res);
+            return NULL;
+        }
+        PyList_SET_ITEM(res, j, c);
+    }
     return res;
 }
 
 static PyObject *py_kth_largest(PyObject *self, PyObject *args) {
     unsigned long long v, scratch;
-    long long n, k;
+    long long n, k, scratch_nbytes;
     int mode;
     float r;
-    if (!PyArg_ParseTuple(args, "KLLiK", &v, &n, &k, &mode, &scratch)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLLiKL", &v, &n, &k, &mode, &scratch, &scratch_nbytes)) return NULL;
+    if (check_count("kth_largest", "n", n, MAX_COUNT) < 0) return NULL;
     if (k < 1 || k > n) {
-        PyErr_SetString(PyExc_ValueError, "kth_largest needs 1 <= k <= n");
+        PyErr_Format(PyExc_ValueError, "kth_largest needs 1 <= k <= n, got k=%lld, n=%lld", k, n);
         return NULL;
     }
+    if (check_room("kth_largest", "scratch", scratch_nbytes, 4 * n, n, "floats") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS r = k_kth_largest(PTR(const float, v), n, k, mode, PTR(float, scratch));
     Py_END_ALLOW_THREADS return PyFloat_FromDouble((double)r);
 }
 
+/* in place on the first n entries of idx and val */
 static PyObject *py_keep_top(PyObject *self, PyObject *args) {
     unsigned long long idx, val;
     long long n, k, r;
     float kth;
     int mode;
     if (!PyArg_ParseTuple(args, "KKLLfi", &idx, &val, &n, &k, &kth, &mode)) return NULL;
+    if (check_count("keep_top", "n", n, MAX_COUNT) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS r = k_keep_top(PTR(int32_t, idx), PTR(float, val), n, k, kth, mode);
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(r);
 }
@@ -957,9 +1047,12 @@ static PyObject *py_keep_top(PyObject *self, PyObject *args) {
 /* returns (sum of non-negatives, their count, sum of negatives, non-finite count) */
 static PyObject *py_sign_pack(PyObject *self, PyObject *args) {
     unsigned long long x, bits;
-    long long n;
+    long long n, bits_nbytes;
     double st[4];
-    if (!PyArg_ParseTuple(args, "KLK", &x, &n, &bits)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLKL", &x, &n, &bits, &bits_nbytes)) return NULL;
+    if (check_count("sign_pack", "n", n, MAX_COUNT) < 0 ||
+        check_room("sign_pack", "bits", bits_nbytes, (n + 7) / 8, n, "sign bits") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS k_sign_pack(PTR(const float, x), n, PTR(uint8_t, bits), st);
     Py_END_ALLOW_THREADS return Py_BuildValue("(dLdL)", st[0], (long long)st[1], st[2], (long long)st[3]);
 }
@@ -967,10 +1060,13 @@ static PyObject *py_sign_pack(PyObject *self, PyObject *args) {
 /* returns (non-zero codes, non-finite count) */
 static PyObject *py_ternary_pack(PyObject *self, PyObject *args) {
     unsigned long long x, out;
-    long long n;
+    long long n, out_nbytes;
     float tau;
     double st[2];
-    if (!PyArg_ParseTuple(args, "KLfK", &x, &n, &tau, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLfKL", &x, &n, &tau, &out, &out_nbytes)) return NULL;
+    if (check_count("ternary_pack", "n", n, MAX_COUNT) < 0 ||
+        check_room("ternary_pack", "out", out_nbytes, (n + 3) / 4, n, "2-bit codes") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS k_ternary_pack(PTR(const float, x), n, tau, PTR(uint8_t, out), st);
     Py_END_ALLOW_THREADS return Py_BuildValue("(LL)", (long long)st[0], (long long)st[1]);
 }
@@ -981,47 +1077,64 @@ static PyObject *py_absmax(PyObject *self, PyObject *args) {
     long long n;
     double st[2];
     if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    if (check_count("absmax", "n", n, MAX_COUNT) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS k_absmax(PTR(const float, x), n, st);
     Py_END_ALLOW_THREADS return Py_BuildValue("(dL)", st[0], (long long)st[1]);
 }
 
 static PyObject *py_stoch_pack(PyObject *self, PyObject *args) {
     unsigned long long x, out;
-    long long n;
+    long long n, out_nbytes;
     float mult;
     int L, bits;
     unsigned int k1, k2;
-    if (!PyArg_ParseTuple(args, "KLfiiIIK", &x, &n, &mult, &L, &bits, &k1, &k2, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLfiiIIKL", &x, &n, &mult, &L, &bits, &k1, &k2, &out, &out_nbytes))
+        return NULL;
     if (bits != 2 && bits != 4 && bits != 8) {
-        PyErr_SetString(PyExc_ValueError, "stoch_pack takes bits in {2, 4, 8}");
+        PyErr_Format(PyExc_ValueError, "stoch_pack takes bits in {2, 4, 8}, got %d", bits);
         return NULL;
     }
+    /* a larger level would spill into the sign bit and the neighbouring codes */
+    if (L < 0 || L > (1 << (bits - 1)) - 1) {
+        PyErr_Format(PyExc_ValueError, "stoch_pack: %d-bit codes take levels in [0, %d], got %d", bits,
+                     (1 << (bits - 1)) - 1, L);
+        return NULL;
+    }
+    if (check_count("stoch_pack", "n", n, MAX_COUNT) < 0 ||
+        check_room("stoch_pack", "out", out_nbytes, (n * bits + 7) / 8, n, "codes") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS k_stoch_pack(PTR(const float, x), n, mult, L, bits, k1, k2, PTR(uint8_t, out));
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* lut_unpack(codes, n, bits, lut (sequence of 2^bits floats), out, accumulate) */
+/* lut_unpack(codes, codes_nbytes, n, bits, lut (sequence of 2^bits floats), out, out_nbytes, accumulate) */
 static PyObject *py_lut_unpack(PyObject *self, PyObject *args) {
     unsigned long long codes, out;
-    long long n;
+    long long codes_nbytes, n, out_nbytes;
     int bits, acc;
     PyObject *seq;
     float lut[256];
-    if (!PyArg_ParseTuple(args, "KLiOKp", &codes, &n, &bits, &seq, &out, &acc)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLLiOKLp", &codes, &codes_nbytes, &n, &bits, &seq, &out, &out_nbytes, &acc))
+        return NULL;
     if (bits != 1 && bits != 2 && bits != 4 && bits != 8) {
-        PyErr_SetString(PyExc_ValueError, "lut_unpack takes bits in {1, 2, 4, 8}");
+        PyErr_Format(PyExc_ValueError, "lut_unpack takes bits in {1, 2, 4, 8}, got %d", bits);
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(seq, "lut must be a sequence");
+    if (check_count("lut_unpack", "n", n, MAX_COUNT) < 0 ||
+        check_room("lut_unpack", "codes", codes_nbytes, (n * bits + 7) / 8, n, "codes") < 0 ||
+        check_room("lut_unpack", "out", out_nbytes, 4 * n, n, "floats") < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "lut_unpack: lut must be a sequence");
     if (fast == NULL) return NULL;
     if (PySequence_Fast_GET_SIZE(fast) != (1 << bits)) {
+        PyErr_Format(PyExc_ValueError, "lut_unpack: a %d-bit lut must have %d entries, got %zd", bits, 1 << bits,
+                     PySequence_Fast_GET_SIZE(fast));
         Py_DECREF(fast);
-        PyErr_SetString(PyExc_ValueError, "lut must have 2^bits entries");
         return NULL;
     }
-    for (int j = 0; j < (1 << bits); j++) lut[j] = (float)PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, j));
+    int bad = read_floats("lut_unpack", "lut", fast, lut, 1 << bits);
     Py_DECREF(fast);
-    if (PyErr_Occurred()) return NULL;
+    if (bad) return NULL;
     Py_BEGIN_ALLOW_THREADS k_lut_unpack(PTR(const uint8_t, codes), n, bits, lut, PTR(float, out), acc);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
@@ -1029,103 +1142,152 @@ static PyObject *py_lut_unpack(PyObject *self, PyObject *args) {
 /* returns (max |x|, non-finite count, overflow count) */
 static PyObject *py_to_half(PyObject *self, PyObject *args) {
     unsigned long long x, out;
-    long long n;
+    long long n, out_nbytes;
     float scale;
     int bf16;
     double st[3];
-    if (!PyArg_ParseTuple(args, "KLfKp", &x, &n, &scale, &out, &bf16)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLfKLp", &x, &n, &scale, &out, &out_nbytes, &bf16)) return NULL;
+    if (check_count("to_half", "n", n, MAX_COUNT) < 0 ||
+        check_room("to_half", "out", out_nbytes, 2 * n, n, "16-bit values") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS k_to_16bit(PTR(const float, x), n, scale, PTR(uint16_t, out), st, bf16);
     Py_END_ALLOW_THREADS return Py_BuildValue("(dLL)", st[0], (long long)st[1], (long long)st[2]);
 }
 
 static PyObject *py_from_half(PyObject *self, PyObject *args) {
     unsigned long long h, out;
-    long long n;
+    long long n, out_nbytes;
     float scale;
     int bf16, acc;
-    if (!PyArg_ParseTuple(args, "KLfKpp", &h, &n, &scale, &out, &bf16, &acc)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLfKLpp", &h, &n, &scale, &out, &out_nbytes, &bf16, &acc)) return NULL;
+    if (check_count("from_half", "n", n, MAX_COUNT) < 0 ||
+        check_room("from_half", "out", out_nbytes, 4 * n, n, "floats") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS if (bf16) k_from_bf16(PTR(const uint16_t, h), n, scale, PTR(float, out), acc);
     else k_from_half(PTR(const uint16_t, h), n, scale, PTR(float, out), acc);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* out holds n floats (indices outside [0, n) are skipped and counted); idx and val hold m entries */
 static PyObject *py_sparse_add(PyObject *self, PyObject *args) {
     unsigned long long out, idx, val;
     long long n, m, bad;
     float alpha;
     if (!PyArg_ParseTuple(args, "KLKKLf", &out, &n, &idx, &val, &m, &alpha)) return NULL;
+    if (check_count("sparse_add", "n", n, MAX_COUNT) < 0 || check_count("sparse_add", "m", m, MAX_COUNT) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS bad = k_sparse_add(PTR(float, out), n, PTR(const int32_t, idx), PTR(const float, val), m, alpha);
     Py_END_ALLOW_THREADS return PyLong_FromLongLong(bad);
 }
 
+/* out holds n floats; idx and val hold m entries */
 static PyObject *py_sparse_to_dense(PyObject *self, PyObject *args) {
     unsigned long long out, idx, val;
     long long n, m;
     int r;
     if (!PyArg_ParseTuple(args, "KLKKL", &out, &n, &idx, &val, &m)) return NULL;
+    if (check_count("sparse_to_dense", "n", n, MAX_COUNT) < 0 ||
+        check_count("sparse_to_dense", "m", m, MAX_COUNT) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS r = k_sparse_to_dense(PTR(float, out), n, PTR(const int32_t, idx), PTR(const float, val), m);
     Py_END_ALLOW_THREADS return PyLong_FromLong(r);
 }
 
 static PyObject *py_range_positions(PyObject *self, PyObject *args) {
     unsigned long long keys, pos;
-    long long n, cnt;
+    long long n, pos_nbytes, cnt;
     float lo, hi;
-    if (!PyArg_ParseTuple(args, "KLffK", &keys, &n, &lo, &hi, &pos)) return NULL;
-    Py_BEGIN_ALLOW_THREADS cnt = k_range_positions(PTR(const float, keys), n, lo, hi, PTR(int32_t, pos));
-    Py_END_ALLOW_THREADS return PyLong_FromLongLong(cnt);
+    if (!PyArg_ParseTuple(args, "KLffKL", &keys, &n, &lo, &hi, &pos, &pos_nbytes)) return NULL;
+    if (check_count("range_positions", "n", n, MAX_INDEXED) < 0 ||
+        check_count("range_positions", "pos_nbytes", pos_nbytes, LLONG_MAX) < 0)
+        return NULL;
+    long long cap = pos_nbytes / 4;
+    Py_BEGIN_ALLOW_THREADS cnt = k_range_positions(PTR(const float, keys), n, lo, hi, PTR(int32_t, pos), cap);
+    Py_END_ALLOW_THREADS if (cnt > cap) {
+        PyErr_Format(PyExc_ValueError, "range_positions: pos holds %lld bytes but %lld positions need %lld",
+                     pos_nbytes, cnt, 4 * cnt);
+        return NULL;
+    }
+    return PyLong_FromLongLong(cnt);
 }
 
 static PyObject *py_copy_check(PyObject *self, PyObject *args) {
     unsigned long long x, out;
-    long long n;
+    long long n, out_nbytes;
     int r;
-    if (!PyArg_ParseTuple(args, "KLK", &x, &n, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "KLKL", &x, &n, &out, &out_nbytes)) return NULL;
+    if (check_count("copy_check", "n", n, MAX_COUNT) < 0 ||
+        check_room("copy_check", "out", out_nbytes, 4 * n, n, "floats") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS r = k_copy_check(PTR(const float, x), n, PTR(float, out));
     Py_END_ALLOW_THREADS return PyBool_FromLong(r);
 }
 
 static PyObject *py_random_subset(PyObject *self, PyObject *args) {
-    long long n, k;
+    long long n, k, idx_nbytes, bitmap_nbytes;
     unsigned long long seed, idx, bitmap;
-    if (!PyArg_ParseTuple(args, "LLKKK", &n, &k, &seed, &idx, &bitmap)) return NULL;
+    if (!PyArg_ParseTuple(args, "LLKKLKL", &n, &k, &seed, &idx, &idx_nbytes, &bitmap, &bitmap_nbytes)) return NULL;
+    if (check_count("random_subset", "n", n, MAX_INDEXED) < 0) return NULL;
     if (k < 0 || k > n) {
-        PyErr_SetString(PyExc_ValueError, "random_subset needs 0 <= k <= n");
+        PyErr_Format(PyExc_ValueError, "random_subset needs 0 <= k <= n, got k=%lld, n=%lld", k, n);
         return NULL;
     }
+    if (check_room("random_subset", "idx", idx_nbytes, 4 * k, k, "indices") < 0 ||
+        check_room("random_subset", "bitmap", bitmap_nbytes, 8 * ((n + 63) / 64), n, "bits") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS k_random_subset(n, k, seed, PTR(int32_t, idx), PTR(uint64_t, bitmap));
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* val = x[idx] for the m indices, each checked against the n floats of x (IndexError) */
 static PyObject *py_gather(PyObject *self, PyObject *args) {
     unsigned long long x, idx, val;
-    long long m;
-    if (!PyArg_ParseTuple(args, "KKLK", &x, &idx, &m, &val)) return NULL;
-    Py_BEGIN_ALLOW_THREADS k_gather(PTR(const float, x), PTR(const int32_t, idx), m, PTR(float, val));
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    long long n, m, val_nbytes, bad;
+    if (!PyArg_ParseTuple(args, "KLKLKL", &x, &n, &idx, &m, &val, &val_nbytes)) return NULL;
+    if (check_count("gather", "n", n, MAX_COUNT) < 0 || check_count("gather", "m", m, MAX_COUNT) < 0 ||
+        check_room("gather", "val", val_nbytes, 4 * m, m, "floats") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS bad = k_gather(PTR(const float, x), n, PTR(const int32_t, idx), m, PTR(float, val));
+    Py_END_ALLOW_THREADS if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "gather: idx[%lld] = %d is outside x of %lld elements", bad,
+                     (int)PTR(const int32_t, idx)[bad], n);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 #endif
 
 static PyMethodDef methods[] = {
 #if GS_X86
-    {"stats", py_stats, METH_VARARGS, "sum|x|, max|x|, non-finite count, sum x^2"},
-    {"absmax", py_absmax, METH_VARARGS, "max|x| and a non-finite flag"},
-    {"scan_select", py_scan_select, METH_VARARGS, "stats + compaction of key(x) >= t"},
-    {"count_ge", py_count_ge, METH_VARARGS, "counts of key(x) >= t for up to 16 thresholds"},
-    {"kth_largest", py_kth_largest, METH_VARARGS, "k-th largest key by quickselect"},
-    {"keep_top", py_keep_top, METH_VARARGS, "keep the k largest candidates in index order"},
-    {"sign_pack", py_sign_pack, METH_VARARGS, "sign bits with sums of both signs"},
-    {"ternary_pack", py_ternary_pack, METH_VARARGS, "2-bit threshold codes"},
-    {"stoch_pack", py_stoch_pack, METH_VARARGS, "stochastic symmetric quantization codes"},
-    {"lut_unpack", py_lut_unpack, METH_VARARGS, "codes to values through a lookup table"},
-    {"to_half", py_to_half, METH_VARARGS, "float32 to fp16/bf16 with range statistics"},
-    {"from_half", py_from_half, METH_VARARGS, "fp16/bf16 to float32"},
-    {"sparse_add", py_sparse_add, METH_VARARGS, "bounds-checked scatter-add"},
-    {"sparse_to_dense", py_sparse_to_dense, METH_VARARGS, "dense tensor from sorted sparse entries"},
-    {"copy_check", py_copy_check, METH_VARARGS, "copy with a non-finite check"},
-    {"range_positions", py_range_positions, METH_VARARGS, "positions of keys in [lo, hi)"},
-    {"random_subset", py_random_subset, METH_VARARGS, "sorted uniform k-subset of range(n)"},
-    {"gather", py_gather, METH_VARARGS, "val = x[idx]"},
+    {"stats", py_stats, METH_VARARGS, "stats(x, n): sum|x|, max|x|, non-finite count, sum x^2"},
+    {"absmax", py_absmax, METH_VARARGS, "absmax(x, n): max|x| and a non-finite flag"},
+    {"scan_select", py_scan_select, METH_VARARGS,
+     "scan_select(x, n, t, mode, want_sum, idx, val, cap): stats + compaction of key(x) >= t"},
+    {"count_ge", py_count_ge, METH_VARARGS,
+     "count_ge(x, n, thresholds, mode): counts of key(x) >= t for up to 16 thresholds"},
+    {"kth_largest", py_kth_largest, METH_VARARGS,
+     "kth_largest(v, n, k, mode, scratch, scratch_nbytes): k-th largest key by quickselect"},
+    {"keep_top", py_keep_top, METH_VARARGS,
+     "keep_top(idx, val, n, k, kth, mode): keep the k largest candidates in index order"},
+    {"sign_pack", py_sign_pack, METH_VARARGS, "sign_pack(x, n, bits, bits_nbytes): sign bits, sums of both signs"},
+    {"ternary_pack", py_ternary_pack, METH_VARARGS, "ternary_pack(x, n, tau, out, out_nbytes): 2-bit codes"},
+    {"stoch_pack", py_stoch_pack, METH_VARARGS,
+     "stoch_pack(x, n, mult, levels, bits, k1, k2, out, out_nbytes): stochastic quantization codes"},
+    {"lut_unpack", py_lut_unpack, METH_VARARGS,
+     "lut_unpack(codes, codes_nbytes, n, bits, lut, out, out_nbytes, accumulate): codes to values"},
+    {"to_half", py_to_half, METH_VARARGS,
+     "to_half(x, n, scale, out, out_nbytes, bf16): float32 to fp16/bf16 with range statistics"},
+    {"from_half", py_from_half, METH_VARARGS,
+     "from_half(h, n, scale, out, out_nbytes, bf16, accumulate): fp16/bf16 to float32"},
+    {"sparse_add", py_sparse_add, METH_VARARGS, "sparse_add(out, n, idx, val, m, alpha): bounds-checked scatter-add"},
+    {"sparse_to_dense", py_sparse_to_dense, METH_VARARGS,
+     "sparse_to_dense(out, n, idx, val, m): dense tensor from sorted sparse entries"},
+    {"copy_check", py_copy_check, METH_VARARGS, "copy_check(x, n, out, out_nbytes): copy with a non-finite check"},
+    {"range_positions", py_range_positions, METH_VARARGS,
+     "range_positions(keys, n, lo, hi, pos, pos_nbytes): positions of keys in [lo, hi)"},
+    {"random_subset", py_random_subset, METH_VARARGS,
+     "random_subset(n, k, seed, idx, idx_nbytes, bitmap, bitmap_nbytes): sorted uniform k-subset of range(n)"},
+    {"gather", py_gather, METH_VARARGS, "gather(x, n, idx, m, val, val_nbytes): val = x[idx], indices checked"},
 #endif
     {NULL, NULL, 0, NULL}};
 
