@@ -16,7 +16,10 @@ if platform.machine().lower() in {"x86_64", "amd64"} and platform.system() != "W
         Extension(
             "gradsync._native",
             sources=["src/gradsync/_native.c"],
-            extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
+            # -falign-loops=64: every kernel loop starts on a cache line, so a short hot loop never
+            # straddles two (measured: the 2-bit lut_unpack loop ran 25% slower when an unrelated
+            # edit of the file moved it across a 64-byte boundary)
+            extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", "-falign-loops=64"],
             optional=True,
         )
     )
