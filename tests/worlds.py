@@ -73,8 +73,11 @@ def _entry(
         # for run_world, which shows every rank's error (torch.multiprocessing shows one)
         text, checks = traceback.format_exc(), isinstance(e, ChecksFailed)
         error = {"rank": rank, "time": time.time(), "text": text, "checks": checks}
-        with open(os.path.join(os.path.dirname(store_path), f"error-rank{rank}.json"), "w") as fh:
-            json.dump(error, fh)
+        path = os.path.join(os.path.dirname(store_path), f"error-rank{rank}.json")
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as fh:
+                json.dump(error, fh)
+            os.replace(path + ".tmp", path)  # whole, or not there (run_world may be reading)
         raise
     finally:
         if dist.is_initialized():
