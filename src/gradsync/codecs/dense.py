@@ -64,7 +64,7 @@ class NoCompression(Codec[Stream]):
         vals = lay.view(data, "val")
         flags = Flag.NONE
         if native.usable(x) and x.numel():
-            bad = native.ext().copy_check(native.ptr(x), x.numel(), vals.data_ptr())
+            bad = native.ext().copy_check(native.ptr(x), x.numel(), native.ptr(vals), vals.nbytes)
         else:
             vals.copy_(x)
             bad = x.is_floating_point() and abs_max(x)[1]

@@ -72,8 +72,10 @@ def lut_decode(
     if len(lut) != 1 << bits:
         raise ValueError(f"a {bits}-bit lookup table needs {1 << bits} entries, got {len(lut)}")
     n = out.numel()
-    if native.usable(out):
-        native.ext().lut_unpack(native.ptr(packed), n, bits, lut, native.ptr(out), accumulate)
+    if native.usable(out) and packed.is_cpu and packed.is_contiguous():
+        native.ext().lut_unpack(
+            native.ptr(packed), packed.nbytes, n, bits, lut, native.ptr(out), out.nbytes, accumulate
+        )
         return out
     table = torch.tensor(lut, dtype=torch.float32, device=out.device)
     vals = _lut(packed, table, bits, n).to(out.dtype)
@@ -100,7 +102,7 @@ def sign_pack(x: torch.Tensor, out: torch.Tensor) -> SignStats:
     """Write one bit per element (1 where ``x >= 0``) into ``out``; return the sums by sign."""
     n = x.numel()
     if native.usable(x):
-        sp, cp, sn, nf = native.ext().sign_pack(native.ptr(x), n, native.ptr(out))
+        sp, cp, sn, nf = native.ext().sign_pack(native.ptr(x), n, native.ptr(out), out.nbytes)
         return SignStats(sp, cp, sn, n - cp, nf)
     packed, st = _sign(x)
     out[: packed.numel()].copy_(packed)
@@ -129,7 +131,7 @@ def threshold_pack(x: torch.Tensor, tau: float, out: torch.Tensor) -> tuple[int,
     """
     n = x.numel()
     if native.usable(x):
-        return native.ext().ternary_pack(native.ptr(x), n, tau, native.ptr(out))
+        return native.ext().ternary_pack(native.ptr(x), n, tau, native.ptr(out), out.nbytes)
     packed, st = _threshold(x, torch.tensor(tau, dtype=torch.float32, device=x.device))
     out[: packed.numel()].copy_(packed)
     nz, nf = st.tolist()
@@ -159,7 +161,7 @@ def stochastic_pack(
     n = x.numel()
     k1, k2 = words
     if native.usable(x):
-        native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out))
+        native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), out.nbytes)
         return
     dev = x.device
     keys = torch.tensor([k1, k2], dtype=torch.int64, device=dev)

@@ -36,7 +36,7 @@ def cast_checked(x: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.T
         return CastStats(0.0, 0, 0)
     if native.usable(x):
         bf16 = dtype == torch.bfloat16
-        return CastStats(*native.ext().to_half(native.ptr(x), n, scale, native.ptr(out), bf16))
+        return CastStats(*native.ext().to_half(native.ptr(x), n, scale, native.ptr(out), out.nbytes, bf16))
     y, st = _cast(x, torch.tensor(scale, dtype=torch.float32, device=x.device), dtype)
     out.view(dtype).copy_(y)
     max_abs, nonfinite, inf = st.tolist()
@@ -59,7 +59,9 @@ def uncast(
     """``out (+)= float(h) * scale`` where ``h`` holds ``dtype`` bits."""
     if native.usable(out) and out.numel() == h.numel():
         bf16 = dtype == torch.bfloat16
-        native.ext().from_half(native.ptr(h), out.numel(), scale, native.ptr(out), bf16, accumulate)
+        native.ext().from_half(
+            native.ptr(h), out.numel(), scale, native.ptr(out), out.nbytes, bf16, accumulate
+        )
         return out
     v = _uncast(h.view(dtype), torch.tensor(scale, dtype=torch.float32, device=h.device), out.dtype)
     return out.add_(v) if accumulate else out.copy_(v)

@@ -104,7 +104,9 @@ def random_subset(n: int, k: int, gen: torch.Generator, device: torch.device | s
         lo, hi = draw_words(gen)
         idx = torch.empty(k, dtype=torch.int32)
         bitmap = torch.empty((n + 63) // 64, dtype=torch.int64)
-        native.ext().random_subset(n, k, lo | (hi << 32), native.ptr(idx), bitmap.data_ptr())
+        native.ext().random_subset(
+            n, k, lo | (hi << 32), native.ptr(idx), idx.nbytes, native.ptr(bitmap), bitmap.nbytes
+        )
         return idx
     perm = torch.randperm(n, generator=gen)[:k]
     return perm.sort().values.to(device)

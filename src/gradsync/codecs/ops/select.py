@@ -94,7 +94,9 @@ def kth_largest(keys: torch.Tensor, k: int, ws: Workspace | None = None) -> floa
         raise ValueError(f"k must be in [1, {n}], got {k}")
     if native.usable(keys):
         scratch = (ws or Workspace()).get("kth", n, torch.float32)
-        return native.ext().kth_largest(native.ptr(keys), n, k, int(Key.POS), scratch.data_ptr())
+        return native.ext().kth_largest(
+            native.ptr(keys), n, k, int(Key.POS), native.ptr(scratch), scratch.nbytes
+        )
     return float(torch.topk(keys.float(), k, sorted=False).values.min())
 
 
@@ -235,7 +237,9 @@ class CandidateSet:
         keep: torch.Tensor
         if native.usable(self.keys):
             pos = torch.empty(self.count, dtype=torch.int32, device=self.keys.device)
-            m = native.ext().range_positions(native.ptr(self.keys), self.count, lo, hi, native.ptr(pos))
+            m = native.ext().range_positions(
+                native.ptr(self.keys), self.count, lo, hi, native.ptr(pos), pos.nbytes
+            )
             keep = pos[:m]
         else:
             keep = (self.keys >= lo) & (self.keys < hi)

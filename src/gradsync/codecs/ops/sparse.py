@@ -72,6 +72,8 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for in-range indices."""
     if native.usable(x) and idx.dtype == torch.int32 and idx.is_contiguous():
         val = torch.empty(idx.numel(), dtype=torch.float32)
-        native.ext().gather(native.ptr(x), native.ptr(idx), idx.numel(), native.ptr(val))
+        native.ext().gather(
+            native.ptr(x), x.numel(), native.ptr(idx), idx.numel(), native.ptr(val), val.nbytes
+        )
         return val
     return x[idx.long()]
