@@ -706,6 +706,17 @@ static KERNEL void k_to_16bit(const float *x, int64_t n, float scale, uint16_t *
     const __m256i am = _mm256_set1_epi32(0x7fffffff);
     __m256i mb = _mm256_setzero_si256();
     int64_t i = 0;
+    if (scale == 1.0f && bf16) {
+        /* two vectors per iteration: the one-vector bf16 loop ran at 0.09 or 0.135 ms per 2^20
+           depending only on where the linker placed it (identical machine code, this AMD EPYC) */
+        for (; i + 16 <= n; i += 16) {
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)(x + i));
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(x + i + 8));
+            mb = _mm256_max_epi32(mb, _mm256_max_epi32(_mm256_and_si256(b0, am), _mm256_and_si256(b1, am)));
+            _mm_storeu_si128((__m128i *)(out + i), bf16_round8(b0));
+            _mm_storeu_si128((__m128i *)(out + i + 8), bf16_round8(b1));
+        }
+    }
     if (scale == 1.0f) {
         for (; i + 8 <= n; i += 8) {
             __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
