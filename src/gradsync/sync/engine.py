@@ -567,7 +567,10 @@ class SyncEngine:
             self._report_plan(0.0)
 
     def close(self) -> None:
+        """Stop the threads and drop this step's tasks (nothing of them outlives the engine)."""
         self.manager.close()
+        self._tasks = []
+        self.join_work = None
 
 
 def _short(v: object) -> str:

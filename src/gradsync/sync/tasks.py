@@ -174,6 +174,7 @@ class TaskManager:
             if t.on_error is not None:
                 with contextlib.suppress(Exception):
                     t.on_error(t.error or error)
+            _release(t)
             t._done.set()
 
     def _compute_loop(self) -> None:
@@ -260,3 +261,12 @@ class TaskManager:
                 task._result = result
                 heapq.heappush(self._compute, (task.seq, task))
                 self._cv.notify_all()
+
+
+def _release(task: Task) -> None:
+    """Let go of a failed task's suspended program: its frame may hold a collective still in
+    flight (an asynchronous gather's work and buffers), which must not outlive the process
+    group nor be finalized with the interpreter (gloo aborts the process then)."""
+    with contextlib.suppress(ValueError):  # "generator already executing" on another thread
+        task.program.close()
+    task._result = task._step = None
