@@ -707,8 +707,9 @@ static KERNEL void k_to_16bit(const float *x, int64_t n, float scale, uint16_t *
     __m256i mb = _mm256_setzero_si256();
     int64_t i = 0;
     if (scale == 1.0f && bf16) {
-        /* two vectors per iteration: the one-vector bf16 loop ran at 0.09 or 0.135 ms per 2^20
-           depending only on where the linker placed it (identical machine code, this AMD EPYC) */
+        /* two vectors per iteration: the one-vector bf16 loop ran up to 1.5x slower depending
+           only on where it landed in the library (identical machine code; `gradsync bench
+           codecs --codecs bf16`, docs/benchmarks.md) */
         for (; i + 16 <= n; i += 16) {
             __m256i b0 = _mm256_loadu_si256((const __m256i *)(x + i));
             __m256i b1 = _mm256_loadu_si256((const __m256i *)(x + i + 8));
