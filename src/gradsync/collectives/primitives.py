@@ -89,8 +89,10 @@ def _account(level: str, nbytes: float) -> None:
 
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device a collective on ``group`` needs its tensors on."""
-    return backend_device(dist.get_backend(group)) if dist.is_initialized() else torch.device("cpu")
+    """The device a collective on ``group`` (``None``: the default group) needs its tensors on."""
+    if dist.is_available() and dist.is_initialized():
+        return backend_device(dist.get_backend(group))
+    return torch.device("cpu")
 
 
 def _staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
 from torch import nn
 
 from gradsync.collectives import primitives as P
-from gradsync.collectives.topology import Topology, backend_device
+from gradsync.collectives.topology import Topology
 
 T = TypeVar("T")
 
@@ -80,12 +79,3 @@ def agreed(
     if error is not None:
         raise error
     return value
-
-
-def comm_device() -> torch.device:
-    """Where the default process group's tensors must live (the current GPU under NCCL)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return backend_device(dist.get_backend())
-    return torch.device("cpu")

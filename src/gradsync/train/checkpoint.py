@@ -296,9 +296,9 @@ def _world() -> int:
 
 
 def _device() -> torch.device:
-    from gradsync.integrate.agreement import comm_device
+    from gradsync.collectives.primitives import comm_device
 
-    return comm_device()
+    return comm_device(None)  # the default group's
 
 
 def _barrier() -> None:

@@ -27,8 +27,8 @@ from torch import nn
 
 import gradsync
 from gradsync.collectives import Topology
+from gradsync.collectives.primitives import comm_device
 from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
-from gradsync.integrate.agreement import comm_device
 from gradsync.models import build_model_for, parameter_count
 from gradsync.train import checkpoint
 from gradsync.train.metrics import EpochMeter, epoch_record
@@ -138,7 +138,7 @@ class Trainer:
                 store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
                 store = dist.PrefixStore(f"gradsync/attempt-{attempt}", store)
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        dev = comm_device()
+        dev = comm_device(None)
         return dev
 
     def identity(self) -> dict[str, Any]:
