@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from gradsync import cluster, train
+    from gradsync import cluster, profile_cli, train
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(check=None, func=_cmd_cluster)
     p = sub.add_parser("codecs", help="list the codecs and their options")
     p.set_defaults(check=None, func=_cmd_codecs)
+    p = sub.add_parser("profile", help="each gradient's ready time in a training step, and the phases")
+    profile_cli.add_arguments(p)
+    p.set_defaults(check=profile_cli.check, func=profile_cli.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

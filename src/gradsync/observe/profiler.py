@@ -41,6 +41,11 @@ import gradsync
 
 PROFILE_FORMAT = "gradsync.profile/1"
 
+
+class ProfileError(ValueError):
+    """What was handed to :func:`profile_step` cannot be profiled (a batch without a target, a
+    loss function that returns no scalar, a loader that yields nothing usable)."""
+
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "step")
 
 # How the step got its inputs: one batch given once (no data time), a loss function that makes
@@ -567,7 +572,7 @@ class _Stepper:
         if _is_batch(source):
             batch = list(cast(Batch, source))
             if len(batch) < 2:
-                raise ValueError("a batch needs at least one input and a target (the last tensor)")
+                raise ProfileError("a batch needs at least one input and a target (the last tensor)")
             self.batch = _to(batch, device, dtype)  # moved once: no data time
             self.data_source = "batch"
         elif callable(source):
@@ -577,7 +582,7 @@ class _Stepper:
             self.loader = cast(Iterable[Batch], source)
             self.data_source = "loader"
         else:
-            raise TypeError(
+            raise ProfileError(
                 "batch_or_loss_fn must be a tuple of tensors (inputs..., target), a callable "
                 f"loss_fn(model) -> loss, or an iterable of such batches; got {type(source).__name__}"
             )
@@ -624,9 +629,9 @@ class _Stepper:
             try:
                 batch = next(self._it)
             except StopIteration:
-                raise ValueError("the data loader yields no batches") from None
+                raise ProfileError("the data loader yields no batches") from None
         if not _is_batch(batch) or len(batch) < 2:
-            raise ValueError(
+            raise ProfileError(
                 "the data loader must yield tuples of tensors (inputs..., target), got "
                 f"{type(batch).__name__}"
             )
@@ -638,7 +643,7 @@ class _Stepper:
         if self.loss_fn is not None:
             loss = self.loss_fn(self.model)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
+                raise ProfileError(
                     f"loss_fn(model) must return a one-element loss tensor, got {type(loss).__name__}"
                     + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 )
@@ -835,6 +840,7 @@ __all__ = [
     "Overhead",
     "ParamProfile",
     "Profile",
+    "ProfileError",
     "Spread",
     "default_loss",
     "device_info",
