@@ -178,6 +178,10 @@ class Compressor(abc.ABC):
         """Undo what this round did to the state; return how many streams changed."""
         return 0
 
+    def residual_norm(self) -> float | None:
+        """The L2 norm over every stream's residual (unscaled units), None without error feedback."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec()!r})"
 

@@ -140,6 +140,18 @@ class ErrorFeedback(Compressor):
             self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
         return payload
 
+    def residual_norm(self) -> float | None:
+        """The L2 norm over every stream's residual, in unscaled units (the gradient still owed
+        to the model). One pass over the residuals: for telemetry every few steps, not every step."""
+        squares = [
+            (torch.linalg.vector_norm(s.residual) / s.scale) ** 2
+            for s in self._streams.values()
+            if s.residual is not None
+        ]
+        if not squares:
+            return 0.0
+        return math.sqrt(float(torch.stack([q.cpu() for q in squares]).sum()))
+
     # The three steps of encode(), for protocols that compress in several rounds (PowerSGD in a
     # collective): accumulate() returns the buffer to compress, commit() takes what was sent.
     def accumulate(self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0) -> torch.Tensor:

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -44,12 +45,21 @@ class Traffic:
 
     sent: dict[str, int] = field(default_factory=dict)
     calls: int = 0
+    total_sent: int = 0
+    """All bytes counted since this object was made (:meth:`take` does not reset it)."""
+    log: list[tuple[str, str, int, float]] | None = None
+    """When a list: every collective appends ``(op, level, bytes, perf_counter() at its end)``
+    (a timeline asks for it; off by default)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, level: str, nbytes: float) -> None:
+    def add(self, level: str, nbytes: float, op: str = "collective") -> None:
         with self._lock:
-            self.sent[level] = self.sent.get(level, 0) + int(nbytes)
+            if nbytes:
+                self.sent[level] = self.sent.get(level, 0) + int(nbytes)
+                self.total_sent += int(nbytes)
             self.calls += 1
+            if self.log is not None:
+                self.log.append((op, level, int(nbytes), time.perf_counter()))
 
     def take(self) -> dict[str, int]:
         """The bytes per level counted so far, and start counting afresh."""
@@ -82,10 +92,10 @@ def set_traffic(traffic: Traffic | None) -> None:
     _traffic.set(traffic)
 
 
-def _account(level: str, nbytes: float) -> None:
+def _account(level: str, nbytes: float, op: str) -> None:
     t = _traffic.get()
     if t is not None:
-        t.add(level, nbytes)
+        t.add(level, nbytes, op)
 
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -129,7 +139,7 @@ def all_reduce(
         dist.all_reduce(w, op=op, group=group)
         if w is not t:
             t.copy_(w)
-        _account(level, 2 * (p - 1) / p * _nbytes(t))
+        _account(level, 2 * (p - 1) / p * _nbytes(t), "all_reduce")
 
 
 def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None, level: str) -> None:
@@ -139,17 +149,16 @@ def reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None, level: st
         dist.reduce(w, dst=dst, group=group)
         if w is not t and dist.get_rank() == dst:
             t.copy_(w)
-        _account(level, _nbytes(t))
+        _account(level, _nbytes(t), "reduce")
 
 
 def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str) -> None:
     if size(group) > 1 and t.numel():
         w = _staged(t, comm_device(group))
         dist.broadcast(w, src=src, group=group)
-        if dist.get_rank() == src:
-            _account(level, _nbytes(t))
-        elif w is not t:
+        if w is not t and dist.get_rank() != src:
             t.copy_(w)
+        _account(level, _nbytes(t) if dist.get_rank() == src else 0, "broadcast")  # receivers send nothing
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -193,7 +202,7 @@ def reduce_scatter(
         dist.reduce_scatter_tensor(out, inp, group=group)
     if out is not result:
         result.copy_(out)
-    _account(level, (p - 1) / p * _nbytes(inp))
+    _account(level, (p - 1) / p * _nbytes(inp), "reduce_scatter")
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, level: str) -> None:
@@ -217,7 +226,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | 
         _all_gather_single(out, inp, group=group)
     if out is not result:
         result.copy_(out)
-    _account(level, (p - 1) * _nbytes(inp))
+    _account(level, (p - 1) * _nbytes(inp), "all_gather")
 
 
 def all_gather_bytes(
@@ -290,7 +299,7 @@ def start_all_gather_fixed(
         return PendingGather(None, buf.to(data.device), capacity, 1)
     out = torch.empty(p * capacity, dtype=data.dtype, device=dev)
     work = _all_gather_single(out, buf, group=group, async_op=True)
-    _account(level, (p - 1) * capacity)
+    _account(level, (p - 1) * capacity, "all_gather_start")
     return PendingGather(work, out, capacity, p, buf, None if dev == data.device else data.device)
 
 
@@ -307,13 +316,13 @@ def all_to_all_bytes(
     send_sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_sizes = torch.empty(p, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    _account(level, (p - 1) * 8)
+    _account(level, (p - 1) * 8, "all_to_all_sizes")
     ins, outs = send_sizes.tolist(), recv_sizes.tolist()
     inp = _staged(torch.cat(chunks), device)
     out = torch.empty(sum(outs), dtype=torch.uint8, device=device)
     dist.all_to_all_single(out, inp, output_split_sizes=outs, input_split_sizes=ins, group=group)
     me = group_rank(group)
-    _account(level, sum(s for j, s in enumerate(ins) if j != me))
+    _account(level, sum(s for j, s in enumerate(ins) if j != me), "all_to_all")
     return list(torch.split(_staged(out, home), outs))
 
 
@@ -333,7 +342,7 @@ def send_recv(
             req.wait()
     if recv is not result:
         result.copy_(recv)
-    _account(level, _nbytes(send))
+    _account(level, _nbytes(send), "send_recv")
 
 
 def send_recv_bytes(

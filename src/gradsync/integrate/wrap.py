@@ -12,8 +12,11 @@ deferred to :meth:`GradSync.finish_sync` (or :class:`SyncedOptimizer.step`).
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,9 @@ from gradsync.integrate.checks import check_model
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.engine import SyncEngine
 from gradsync.sync.stats import StepStats
+
+if TYPE_CHECKING:
+    from gradsync.observe.trace import TraceRecorder
 
 
 def build_config(scheme: str | SyncConfig, config: SyncConfig | None, options: dict[str, Any]) -> SyncConfig:
@@ -56,11 +62,17 @@ class GradSync(nn.Module, Joinable):
     whole world size unless ``Join([model], divide_by_initial_world_size=False)``.
     """
 
-    def __init__(self, module: nn.Module, engine: SyncEngine) -> None:
+    def __init__(
+        self, module: nn.Module, engine: SyncEngine, trace: str | os.PathLike[str] | None = None
+    ) -> None:
         super().__init__()
         Joinable.__init__(self)
         self.module = module
         self.engine = engine
+        self.tracer: TraceRecorder | None = None
+        self._trace_path: str | os.PathLike[str] | None = None
+        if trace is not None:
+            self.start_trace(trace)
         self._callback_queued = False
         self._handles = []
         for slot in engine.slots:
@@ -73,6 +85,11 @@ class GradSync(nn.Module, Joinable):
             work = Join.notify_join_context(self)
             if work is not None:
                 engine.join_work = work
+            if self.tracer is not None:
+                t0 = time.perf_counter()
+                out = self.module(*args, **kwargs)
+                self.tracer.span("forward", t0, time.perf_counter())
+                return out
         return self.module(*args, **kwargs)
 
     def _hook(self, index: int) -> Any:
@@ -127,8 +144,48 @@ class GradSync(nn.Module, Joinable):
     def load_sync_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         self.engine.load_state_dict(state, reset_compression_state)
 
+    # ------------------------------------------------------------------ timeline
+    def start_trace(self, path: str | os.PathLike[str]) -> None:
+        """Record a timeline of the following steps, written to ``path`` by :meth:`write_trace`
+        (or :meth:`close`): see :mod:`gradsync.observe.trace`. Every rank must do the same."""
+        # the timeline lives one layer down (observe reads the engine's events); only a traced
+        # model imports it
+        from gradsync.observe.trace import TraceRecorder
+
+        if self.tracer is not None:
+            raise RuntimeError(f"gradsync: a trace is already being recorded (to {self._trace_path})")
+        check_trace_path(path)
+        self.tracer = TraceRecorder(self.engine.topo)
+        self._trace_path = path
+        self.tracer.attach(self.engine)
+        self.tracer.record_optimizers()
+
+    def write_trace(self) -> Path | None:
+        """Stop recording and write the timeline (collective: every rank calls it). Returns the
+        merged file on rank 0, this rank's own file elsewhere; None when nothing was traced."""
+        tracer, path = self.tracer, self._trace_path
+        self.tracer, self._trace_path = None, None
+        if tracer is None or path is None:
+            return None
+        return tracer.write(path)
+
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike[str]) -> Iterator[None]:
+        """Trace the steps inside the block; the file is written when it ends (on every rank:
+        writing is collective, so every rank must run the block)."""
+        self.start_trace(path)
+        try:
+            yield
+        finally:
+            self.write_trace()
+
     def close(self) -> None:
-        """Remove the hooks and stop the engine's threads."""
+        """Write a pending trace (collective), remove the hooks and stop the engine's threads."""
+        if self.tracer is not None and self.engine._error is None:
+            self.write_trace()
+        elif self.tracer is not None:  # a failed engine's peers may be gone: nothing collective
+            self.tracer.detach()
+            self.tracer = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -174,6 +231,20 @@ class _JoinHook(JoinHook):
         self.model._sync_final_model(is_last_joiner)
 
 
+def check_trace_path(path: object) -> None:
+    """Refuse a ``trace`` that cannot name a file to write (``ValueError`` naming it)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"trace must be a file path (e.g. 'trace.json'), got {path!r}")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"trace must be a file path, {str(p)!r} is a directory")
+    parent = next((q for q in p.absolute().parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"trace: {str(parent)!r} is a file, so {str(p)!r} cannot be written")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise ValueError(f"trace: {str(parent)!r} is not writable, so {str(p)!r} cannot be written")
+
+
 def _check_not_stale(engine: SyncEngine) -> None:
     """A one-rank engine while a multi-rank process group exists: wrap() ran before
     init_process_group, and training would go on without synchronizing, silently."""
@@ -192,6 +263,7 @@ def wrap(
     *,
     grad_scaler: Any | None = None,
     config: SyncConfig | None = None,
+    trace: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> GradSync:
     """Synchronize ``model``'s gradients with gradsync.
@@ -205,19 +277,26 @@ def wrap(
     Every rank must call ``wrap`` with the same arguments on the same model; that is checked
     (one tiny all-gather) and a difference raises on every rank, naming the ranks. With world
     size 1 nothing is communicated and the gradients are left as they are.
+
+    ``trace="trace.json"`` records a timeline of every step (Chrome trace events, opens in
+    Perfetto), written when the model is closed (:meth:`GradSync.close`, on every rank) or by
+    :meth:`GradSync.write_trace`; :meth:`GradSync.tracing` traces a block instead.
     """
     check_model(model)
     topo = topology.bind() if topology is not None else Topology()
 
     def build() -> SyncEngine:
+        if trace is not None:
+            check_trace_path(trace)
         return SyncEngine(model.named_parameters(), topo, build_config(scheme, config, options), grad_scaler)
 
-    engine = agreed(topo, build, lambda e: e.config.spec(), model)
+    # whether a trace is recorded is agreed too: writing one is collective
+    engine = agreed(topo, build, lambda e: e.config.spec() + (" +trace" if trace is not None else ""), model)
     if topo.world > 1 and engine.config.broadcast_parameters:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 P.broadcast(t.data, 0, topo.control_group, "world")
-    return GradSync(model, engine)
+    return GradSync(model, engine, trace)
 
 
 class SyncedOptimizer:

@@ -43,8 +43,8 @@ from gradsync.sync.explain import PlanReport, explain_plan
 from gradsync.sync.plan import Plan
 from gradsync.sync.planner import FirstStep, plan_after_first_step
 from gradsync.sync.scheme import Scheme
-from gradsync.sync.sequence import UNEVEN_HINT, sequence_program
-from gradsync.sync.stats import StepStats
+from gradsync.sync.sequence import UNEVEN_HINT, LagClock, sequence_program
+from gradsync.sync.stats import BucketStats, StepStats
 from gradsync.sync.tasks import Task, TaskError, TaskManager
 
 log = logging.getLogger("gradsync")
@@ -112,6 +112,13 @@ class SyncEngine:
         self.join_divide_by_world = True
         self._error: BaseException | None = None  # the first failure; every later call re-raises it
         self.report: PlanReport | None = None
+        self.observers: list[Callable[[StepStats, list[Task], list[int]], None]] = []
+        """Called on the training thread after every synchronized step with its stats, its tasks
+        and each task's bucket (-1: the step check or flags). A timeline sets
+        ``manager.record`` so that the tasks keep their spans."""
+        self._lag = LagClock()
+        self._task_bucket: list[int] = []
+        self._launched_at: list[float] = []
         if self.active:
             self._check_codecs_fit()
 
@@ -240,6 +247,8 @@ class SyncEngine:
             if self.join_work is not None:
                 self._rescale_for_join()
             stats = self._stats(in_backward, overflow)
+            for observe in self.observers:
+                observe(stats, self._tasks, self._task_bucket)
             self.history.append(stats)
             if len(self.history) > 1000:
                 del self.history[:-1000]
@@ -285,6 +294,8 @@ class SyncEngine:
         self._shadow = shadow
         self._next = 0
         self._tasks = []
+        self._task_bucket = []
+        self._launched_at = [0.0] * len(self._buckets)
         self._ready_at = [None] * len(self.slots)
         self._order = []
         self._backward_end_at = 0.0
@@ -304,19 +315,22 @@ class SyncEngine:
         for codec in self.codecs:
             codec.begin_round()
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
-            program = sequence_program(self.topo, self.step, None if shadow else self.forwards)
+            program = sequence_program(self.topo, self.step, None if shadow else self.forwards, self._lag)
             self._tasks.append(self.manager.submit(program, "step check"))
+            self._task_bucket.append(-1)
 
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
         compress = self._compress[b] and not self._dense_step
         parts = self._parts[b] if compress else 1
         bucket.parts_left = parts
+        self._launched_at[b] = time.perf_counter()
         done = self._unpacker(bucket)
         for part in range(parts):
             program = self._program(bucket, part, parts, compress)
             name = f"bucket {b} [{bucket.key}]" + (f" part {part + 1}/{parts}" if parts > 1 else "")
             self._tasks.append(self.manager.submit(program, name, done))
+            self._task_bucket.append(b)
         self._next = b + 1
 
     def _unpacker(self, bucket: Bucket) -> Callable[[], None]:
@@ -381,6 +395,7 @@ class SyncEngine:
             return lambda: flags.copy_(out)
 
         self._tasks.append(self.manager.submit(program(), "step flags"))
+        self._task_bucket.append(-1)
         return flags
 
     def _apply_flags(self, flags: torch.Tensor) -> bool:
@@ -482,6 +497,9 @@ class SyncEngine:
         tasks = self._tasks
         first_ready = min((t for t in self._ready_at if t is not None), default=self._backward_end_at)
         comm_starts = [t.first_comm_at for t in tasks if t.first_comm_at is not None]
+        buckets = self._bucket_stats()
+        raw = sum(b.raw_bytes for b in buckets)
+        p = self.topo.world
         return StepStats(
             step=self.step,
             dense=self._dense_step,
@@ -499,7 +517,35 @@ class SyncEngine:
             backward_end_at=self._backward_end_at,
             first_comm_at=min(comm_starts) if comm_starts else None,
             done_at=now,
+            raw_bytes=raw,
+            dense_wire_bytes=int(2 * (p - 1) / p * raw),
+            check_wait_s=self._lag.wait_s if self.config.check_steps else None,
+            lag_s=self._lag.lag_s if self.config.check_steps else None,
+            bucket_stats=buckets,
         )
+
+    def _bucket_stats(self) -> list[BucketStats]:
+        out = [
+            BucketStats(
+                index=b.index, key=b.key, raw_bytes=b.nbytes, wire_bytes=0,
+                compressed=self._compress[b.index] and not self._dense_step, parts=0,
+                ready_at=max((r for r in (self._ready_at[s.index] for s in b.slots) if r is not None),
+                             default=self._launched_at[b.index]),
+                launched_at=self._launched_at[b.index], done_at=0.0, compute_s=0.0, decode_s=0.0, comm_s=0.0,
+            )
+            for b in self._buckets
+        ]
+        for task, b in zip(self._tasks, self._task_bucket, strict=True):
+            if b < 0:
+                continue
+            st = out[b]
+            st.parts += 1
+            st.wire_bytes += task.sent_bytes
+            st.compute_s += task.compute_s
+            st.decode_s += task.finish_s
+            st.comm_s += task.comm_s
+            st.done_at = max(st.done_at, task.done_at or 0.0)
+        return out
 
     @property
     def last_stats(self) -> StepStats | None:

@@ -7,6 +7,32 @@ from typing import Any
 
 
 @dataclass
+class BucketStats:
+    """One bucket of one step, on this rank. Times in seconds; ``*_at`` are ``perf_counter()``
+    values. ``compute_s`` is packing and encoding (and merging between collectives), ``decode_s``
+    decoding and unpacking, ``comm_s`` the time inside its collectives; ``wire_bytes`` what its
+    collectives sent from this rank (all levels)."""
+
+    index: int
+    key: str
+    raw_bytes: int
+    wire_bytes: int
+    compressed: bool
+    parts: int
+    ready_at: float
+    launched_at: float
+    done_at: float
+    compute_s: float
+    decode_s: float
+    comm_s: float
+
+    @property
+    def ratio(self) -> float | None:
+        """Gradient bytes over bytes sent (None when nothing was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else None
+
+
+@dataclass
 class StepStats:
     """Times in seconds, measured on this rank.
 
@@ -34,6 +60,30 @@ class StepStats:
     backward_end_at: float = 0.0
     first_comm_at: float | None = None
     done_at: float = 0.0
+    raw_bytes: int = 0
+    """Bytes of the gradients synchronized this step."""
+    dense_wire_bytes: int = 0
+    """What a flat ring all-reduce of the same gradients would send from this rank, 2(p-1)/p of
+    ``raw_bytes``: the reference of :attr:`reduction`."""
+    check_wait_s: float | None = None
+    """This rank's wait in the step check (the first collective of the step, issued when its
+    first gradient is ready): how long the slowest rank kept it waiting."""
+    lag_s: float | None = None
+    """The largest ``check_wait_s`` over all ranks, of the *previous* step (it travels in this
+    step's check): how far the slowest rank lagged behind the fastest. None without the check."""
+    residual_norm: float | None = None
+    """The error-feedback residual's norm, filled only when telemetry asks (it costs a pass)."""
+    bucket_stats: list[BucketStats] = field(default_factory=list)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank sent this step, all levels."""
+        return sum(self.sent_bytes.values())
+
+    @property
+    def reduction(self) -> float | None:
+        """How many times fewer bytes than a dense ring all-reduce this rank sent (1.0 dense)."""
+        return self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else None
 
     @property
     def overlapped_s(self) -> float:
@@ -45,4 +95,6 @@ class StepStats:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["overlapped_s"] = self.overlapped_s
+        d["wire_bytes"] = self.wire_bytes
+        d["reduction"] = self.reduction
         return d

@@ -45,6 +45,19 @@ class TaskError(RuntimeError):
 
 
 @dataclass
+class Span:
+    """One piece of a task's work: ``kind`` is ``"compute"`` (local work before or between
+    communication steps), ``"comm"`` (one communication step; ``calls`` lists its collectives as
+    ``(op, level, bytes, end time)``) or ``"finish"`` (the finisher: decoding, unpacking).
+    Times are ``time.perf_counter()`` values."""
+
+    kind: str
+    start: float
+    end: float
+    calls: list[tuple[str, str, int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Task:
     """One step program in the manager, with what it cost."""
 
@@ -56,12 +69,15 @@ class Task:
     compute_s: float = 0.0  # local work between steps (packing, encoding, merging)
     finish_s: float = 0.0  # the finisher (decoding, unpacking)
     comm_s: float = 0.0  # time inside communication steps
+    sent_bytes: int = 0  # what its collectives sent from this rank, all levels
     steps: int = 0
     submitted_at: float = 0.0
     first_comm_at: float | None = None
     comm_done_at: float | None = None
     done_at: float | None = None
     error: BaseException | None = None
+    spans: list[Span] | None = None
+    """With the manager's ``record`` on: what the task did, in order (for timelines)."""
     # hand-over state, guarded by the manager's lock
     _started: bool = False
     _result: Any = None
@@ -89,6 +105,18 @@ class TaskManager:
         self._threads: list[threading.Thread] = []
         # bytes the communication steps sent, per level (read and reset with take_traffic)
         self._traffic = P.Traffic()
+        self._record = False
+
+    @property
+    def record(self) -> bool:
+        """Whether tasks submitted from now on keep their :class:`Span` list (a timeline asks)."""
+        return self._record
+
+    @record.setter
+    def record(self, on: bool) -> None:
+        self._record = on
+        if on and self._traffic.log is None:
+            self._traffic.log = []
 
     # ------------------------------------------------------------------ public
     def submit(
@@ -106,6 +134,8 @@ class TaskManager:
         self._start()
         with self._cv:
             task = Task(self._seq, name, program, on_done, on_error, submitted_at=time.perf_counter())
+            if self._record:
+                task.spans = []
             self._seq += 1
             heapq.heappush(self._compute, (task.seq, task))
             self._comm.append(task)
@@ -196,7 +226,10 @@ class TaskManager:
                     task._started = True
                     step = next(task.program)
             except StopIteration as stop:
-                task.compute_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                task.compute_s += t1 - t0
+                if task.spans is not None:
+                    task.spans.append(Span("compute", t0, t1))
                 with self._cv:
                     task._comm_done = True
                     task.comm_done_at = time.perf_counter()
@@ -206,7 +239,10 @@ class TaskManager:
             except BaseException as e:
                 self._fail(task, e)
                 continue
-            task.compute_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            task.compute_s += t1 - t0
+            if task.spans is not None:
+                task.spans.append(Span("compute", t0, t1))
             with self._cv:
                 task._step = step
                 self._cv.notify_all()
@@ -226,8 +262,10 @@ class TaskManager:
         except BaseException as e:
             self._fail(task, e)
             return
-        task.finish_s += time.perf_counter() - t0
         task.done_at = time.perf_counter()
+        task.finish_s += task.done_at - t0
+        if task.spans is not None:
+            task.spans.append(Span("finish", t0, task.done_at))
         task._done.set()
 
     def _comm_loop(self) -> None:
@@ -247,6 +285,7 @@ class TaskManager:
                     continue
                 step, task._step = task._step, None
                 assert step is not None  # the wait above ends on a step, or on _comm_done (handled)
+            sent_before = self._traffic.total_sent  # only this thread adds to it
             t0 = time.perf_counter()
             if task.first_comm_at is None:
                 task.first_comm_at = t0
@@ -255,8 +294,15 @@ class TaskManager:
             except BaseException as e:
                 self._fail(task, e)
                 continue
-            task.comm_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            task.sent_bytes += self._traffic.total_sent - sent_before
+            task.comm_s += t1 - t0
             task.steps += 1
+            log = self._traffic.log
+            if log is not None:  # only this thread appends to it
+                if task.spans is not None:
+                    task.spans.append(Span("comm", t0, t1, list(log)))
+                log.clear()
             with self._cv:
                 task._result = result
                 heapq.heappush(self._compute, (task.seq, task))
