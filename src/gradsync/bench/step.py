@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
+from gradsync.bench import nic as bench_nic
 from gradsync.bench.output import save_result
 from gradsync.bench.world import CableMeter, join_world
 from gradsync.collectives import Topology
@@ -56,6 +57,11 @@ class StepRow:
     cable_mb: float | None = None
     compressed_buckets: str = ""
     steps: int = 0
+    # with --nic (see gradsync.bench.nic): the communication phase's throughput, mean over nodes
+    nic_mb_per_s: float | None = None
+    nic_link_pct: float | None = None
+    nic_peak_pct: float | None = None
+    nic_busy_pct: float | None = None
 
 
 def _contender(name: str) -> str:
@@ -132,9 +138,11 @@ def _measure(
     samples: list[list[float]] = []
     sent: list[dict[str, int]] = []
     meter = CableMeter(topo)
+    probe = bench_nic.NicProbe(args, topo)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             meter.start()
+            probe.start()
         dist.barrier()
         t0 = time.perf_counter()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -145,6 +153,11 @@ def _measure(
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         st = synced.last_stats if synced is not None else None
+        if step >= args.warmup:
+            # the communication phase: from backward's start to the end of the synchronization
+            # (gradsync's engine says when; DDP's is over when backward returns)
+            end = st.done_at if st is not None and t1 <= st.done_at <= t2 else t2
+            probe.record(t0, t1, end, t3)
         row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
         row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
         row = _max(row)
@@ -153,6 +166,7 @@ def _measure(
             if st is not None:
                 sent.append(st.sent_bytes)
     cable = meter.stop(args.steps)
+    nic_row, nic_details = probe.finish()
     med = [statistics.median(col) * 1e3 for col in zip(*samples, strict=True)]
     levels = sorted({k for s in sent for k in s})
     result = StepRow(
@@ -162,6 +176,8 @@ def _measure(
         sent_mb={k: statistics.median(s.get(k, 0) for s in sent) / 2**20 for k in levels},
         cable_mb=cable / 2**20 if cable is not None else None, steps=args.steps,
     )  # fmt: skip
+    for key, value in nic_row.items():
+        setattr(result, key, value)
     extra: dict[str, Any] = {}
     if synced is not None:
         st = synced.last_stats
@@ -174,6 +190,8 @@ def _measure(
             "last_step": st.to_dict(),
         }
         synced.close()
+    if nic_details:
+        extra["nic"] = nic_details
     return result, extra
 
 
@@ -228,6 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "rows": [asdict(r) for r in rows],
         "details": extras,
     }
+    if bench_nic.enabled(args):
+        result["nic"] = bench_nic.summary(result)
     ddp = next((r for r in rows if r.contender == "ddp"), None)
     ours = [
         r for r in rows if r.contender != "local" and not is_ddp(r.contender) and r.exposed_ms is not None
@@ -258,9 +278,19 @@ def _cells(r: dict[str, Any]) -> list[str]:
             r["compressed_buckets"]]  # fmt: skip
 
 
+def columns(result: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: the NIC figures' only with ``--nic``."""
+    return COLUMNS + bench_nic.COLUMNS if "nic" in result else COLUMNS
+
+
+def cells(result: dict[str, Any], r: dict[str, Any]) -> list[str]:
+    return _cells(r) + bench_nic.cells(r) if "nic" in result else _cells(r)
+
+
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    cols = columns(result)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cells(result, r)) + " |" for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -281,6 +311,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
+    bench_nic.add_arguments(p)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -298,6 +329,7 @@ def check(args: argparse.Namespace) -> None:
         if c.strip():
             _contender(c.strip())
     SyncConfig.from_options(_options(args.sync_option))
+    bench_nic.check(args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -310,11 +342,12 @@ def main(args: argparse.Namespace) -> int:
 
         where = f"{result['nodes']} x {result['per_node']} ranks, link {result['link']}"
         table = Table(title=f"training step, {result['model']}, {where}")
-        for col in COLUMNS:
+        for col in columns(result):
             table.add_column(col, justify="left" if col == "contender" else "right")
         for r in result["rows"]:
-            table.add_row(*_cells(r))
-        (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
+            table.add_row(*cells(result, r))
+        (Console() if sys.stdout.isatty() else Console(width=260)).print(table)
+        bench_nic.say_reason(result)
         if "best" in result:
             b = result["best"]
             share, speedup = 100 * b["exposed_over_ddp"], b["speedup_over_ddp"]
@@ -323,6 +356,8 @@ def main(args: argparse.Namespace) -> int:
                 f"step {speedup:.2f}x faster"
             )
         save_result(result, args.json, args.markdown, markdown(result))
+        if args.nic_png and bench_nic.plot(result, args.nic_png):
+            print(f"NIC throughput plot: {args.nic_png}")
     if owned and dist.is_initialized():
         dist.destroy_process_group()
     return 0

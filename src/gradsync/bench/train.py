@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.bench import nic as bench_nic
 from gradsync.bench import step as bench_step
 from gradsync.bench.output import save_result
 from gradsync.bench.world import join_world
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     derive(rows, topo.world, topo.per_node, args.batch_size, single_s)
     if not rank0:
         return None
-    return {
+    result = {
         "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
         "model": args.model,
         "parameters": parameter_count(base),
@@ -161,6 +162,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "summary": summarize(rows),
         "details": details,
     }
+    if bench_nic.enabled(args):
+        result["nic"] = bench_nic.summary(result)
+    return result
 
 
 COLUMNS = (
@@ -216,9 +220,19 @@ def headline(summary: dict[str, Any]) -> str | None:
     return " ".join(parts)
 
 
+def columns(result: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: the NIC figures' only with ``--nic``."""
+    return COLUMNS + bench_nic.COLUMNS if "nic" in result else COLUMNS
+
+
+def cells(result: dict[str, Any], r: dict[str, Any]) -> list[str]:
+    return _cells(r) + bench_nic.cells(r) if "nic" in result else _cells(r)
+
+
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
+    cols = columns(result)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cells(result, r)) + " |" for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -291,6 +305,7 @@ def check(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    bench_nic.check(args)
     if args.emulate and "RANK" not in os.environ:
         _emulated(args.emulate)
         from gradsync.cluster.netns import parse_rate
@@ -323,17 +338,20 @@ def main(args: argparse.Namespace) -> int:
             title=f"training throughput, {result['model']}, {result['nodes']} x {result['per_node']} "
             f"ranks, link {result['link']}"
         )
-        for col in COLUMNS:
+        for col in columns(result):
             table.add_column(col, justify="left" if col == "contender" else "right")
         for r in result["rows"]:
-            table.add_row(*_cells(r))
-        (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
+            table.add_row(*cells(result, r))
+        (Console() if sys.stdout.isatty() else Console(width=260)).print(table)
+        bench_nic.say_reason(result)
         line = headline(result["summary"])
         if line is not None:
             print(line)
         save_result(result, args.json, args.markdown, markdown(result))
         if args.png:
             plot(result, args.png)
+        if args.nic_png and bench_nic.plot(result, args.nic_png):
+            print(f"NIC throughput plot: {args.nic_png}")
     if owned and dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -302,7 +302,9 @@ class NicSampler:
         while not self._stop.is_set():
             try:
                 self._append(self.read())
-            except (OSError, ValueError) as e:  # the interface went away
+            except ValueError:  # a counter caught mid-update (not on sysfs): skip this sample
+                pass
+            except OSError as e:  # the interface went away
                 self.reason = f"stopped: {e}"
                 return
             next_t += self.interval_s
@@ -354,8 +356,8 @@ class NicSampler:
     ) -> None:
         self.stop()
 
-    def __del__(self) -> None:
-        if getattr(self, "_thread", None) is None:
+    def __del__(self) -> None:  # the counter files, if close() was never called
+        if getattr(self, "_thread", None) is None and getattr(self, "_fds", None):
             self._close()
 
 
