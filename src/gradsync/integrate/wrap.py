@@ -63,7 +63,11 @@ class GradSync(nn.Module, Joinable):
     """
 
     def __init__(
-        self, module: nn.Module, engine: SyncEngine, trace: str | os.PathLike[str] | None = None
+        self,
+        module: nn.Module,
+        engine: SyncEngine,
+        trace: str | os.PathLike[str] | None = None,
+        trace_steps: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -72,7 +76,7 @@ class GradSync(nn.Module, Joinable):
         self.tracer: TraceRecorder | None = None
         self._trace_path: str | os.PathLike[str] | None = None
         if trace is not None:
-            self.start_trace(trace)
+            self.start_trace(trace, trace_steps)
         self._callback_queued = False
         self._handles = []
         for slot in engine.slots:
@@ -145,9 +149,10 @@ class GradSync(nn.Module, Joinable):
         self.engine.load_state_dict(state, reset_compression_state)
 
     # ------------------------------------------------------------------ timeline
-    def start_trace(self, path: str | os.PathLike[str]) -> None:
-        """Record a timeline of the following steps, written to ``path`` by :meth:`write_trace`
-        (or :meth:`close`): see :mod:`gradsync.observe.trace`. Every rank must do the same."""
+    def start_trace(self, path: str | os.PathLike[str], steps: tuple[int, int] | None = None) -> None:
+        """Record a timeline of the following steps (only synchronized steps ``START <= step <
+        STOP`` with ``steps``), written to ``path`` by :meth:`write_trace` (or :meth:`close`):
+        see :mod:`gradsync.observe.trace`. Every rank must do the same."""
         # the timeline lives one layer down (observe reads the engine's events); only a traced
         # model imports it
         from gradsync.observe.trace import TraceRecorder
@@ -155,7 +160,7 @@ class GradSync(nn.Module, Joinable):
         if self.tracer is not None:
             raise RuntimeError(f"gradsync: a trace is already being recorded (to {self._trace_path})")
         check_trace_path(path)
-        self.tracer = TraceRecorder(self.engine.topo)
+        self.tracer = TraceRecorder(self.engine.topo, steps)
         self._trace_path = path
         self.tracer.attach(self.engine)
         self.tracer.record_optimizers()
@@ -173,7 +178,7 @@ class GradSync(nn.Module, Joinable):
     def tracing(self, path: str | os.PathLike[str]) -> Iterator[None]:
         """Trace the steps inside the block; the file is written when it ends (on every rank:
         writing is collective, so every rank must run the block)."""
-        self.start_trace(path)
+        self.start_trace(path, None)
         try:
             yield
         finally:
@@ -245,6 +250,18 @@ def check_trace_path(path: object) -> None:
         raise ValueError(f"trace: {str(parent)!r} is not writable, so {str(p)!r} cannot be written")
 
 
+def check_trace_steps(steps: object) -> None:
+    """Refuse a ``trace_steps`` that is not ``(START, STOP)`` with ``0 <= START < STOP``."""
+    ok = (
+        isinstance(steps, tuple)
+        and len(steps) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in steps)
+        and 0 <= steps[0] < steps[1]
+    )
+    if not ok:
+        raise ValueError(f"trace_steps must be (START, STOP) with 0 <= START < STOP, got {steps!r}")
+
+
 def _check_not_stale(engine: SyncEngine) -> None:
     """A one-rank engine while a multi-rank process group exists: wrap() ran before
     init_process_group, and training would go on without synchronizing, silently."""
@@ -264,6 +281,7 @@ def wrap(
     grad_scaler: Any | None = None,
     config: SyncConfig | None = None,
     trace: str | os.PathLike[str] | None = None,
+    trace_steps: tuple[int, int] | None = None,
     **options: Any,
 ) -> GradSync:
     """Synchronize ``model``'s gradients with gradsync.
@@ -279,8 +297,9 @@ def wrap(
     size 1 nothing is communicated and the gradients are left as they are.
 
     ``trace="trace.json"`` records a timeline of every step (Chrome trace events, opens in
-    Perfetto), written when the model is closed (:meth:`GradSync.close`, on every rank) or by
-    :meth:`GradSync.write_trace`; :meth:`GradSync.tracing` traces a block instead.
+    Perfetto; ``trace_steps=(START, STOP)`` keeps those steps only), written when the model is
+    closed (:meth:`GradSync.close`, on every rank) or by :meth:`GradSync.write_trace`;
+    :meth:`GradSync.tracing` traces a block instead.
     """
     check_model(model)
     topo = topology.bind() if topology is not None else Topology()
@@ -288,6 +307,8 @@ def wrap(
     def build() -> SyncEngine:
         if trace is not None:
             check_trace_path(trace)
+        if trace_steps is not None:
+            check_trace_steps(trace_steps)
         return SyncEngine(model.named_parameters(), topo, build_config(scheme, config, options), grad_scaler)
 
     # whether a trace is recorded is agreed too: writing one is collective
@@ -296,7 +317,7 @@ def wrap(
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 P.broadcast(t.data, 0, topo.control_group, "world")
-    return GradSync(model, engine, trace)
+    return GradSync(model, engine, trace, trace_steps)
 
 
 class SyncedOptimizer:

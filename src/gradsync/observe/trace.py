@@ -81,8 +81,14 @@ class TraceRecorder:
     this recorder; :meth:`span` records a slice of the training thread (forward, optimizer);
     :meth:`write` aligns the clocks and writes (collective)."""
 
-    def __init__(self, topo: Topology, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+    def __init__(
+        self, topo: Topology, steps: tuple[int, int] | None = None, max_events: int = DEFAULT_MAX_EVENTS
+    ) -> None:
+        if steps is not None and not (0 <= steps[0] < steps[1]):
+            raise ValueError(f"trace steps must be a range START:STOP with 0 <= START < STOP, got {steps}")
         self.topo = topo
+        self.window = steps
+        """Record the synchronized steps ``START <= step < STOP`` only (None: every step)."""
         self.rank = topo.rank
         self.max_events = max_events
         self.events: list[dict[str, Any]] = []  # times in seconds, this rank's clock, until write
@@ -114,7 +120,7 @@ class TraceRecorder:
         def post(opt: Any, args: Any, kwargs: Any) -> None:
             t0 = started.pop(id(opt), None)
             if t0 is not None:
-                self.span("optimizer", t0, time.perf_counter())
+                self.span("optimizer", t0, time.perf_counter(), after_step=True)
 
         self._hooks += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
@@ -137,8 +143,13 @@ class TraceRecorder:
                 else:
                     self.events.append(e)
 
-    def span(self, name: str, start: float, end: float, **args: Any) -> None:
-        """A slice of the training thread (``perf_counter()`` times)."""
+    def span(self, name: str, start: float, end: float, after_step: bool = False, **args: Any) -> None:
+        """A slice of the training thread (``perf_counter()`` times); ``after_step``: it follows
+        a synchronized step (the optimizer), else it leads to one (the forward pass)."""
+        if self.window is not None and self._engines:
+            step = self._engines[0].step - (1 if after_step else 0)
+            if not self.window[0] <= step < self.window[1]:
+                return
         self._add([_slice(name, "step", TRAINING, start, end, args)])
 
     def _flow_id(self) -> int:
@@ -147,8 +158,16 @@ class TraceRecorder:
 
     def on_step(self, stats: StepStats, tasks: list[Task], task_bucket: list[int]) -> None:
         """One synchronized step of the engine (called on the training thread)."""
-        self.steps += 1
         step = stats.step
+        if self.window is not None:
+            if step + 1 >= self.window[1]:  # the last step of the window: nothing more to keep
+                for engine in self._engines:
+                    engine.manager.record = False
+                    if self.on_step in engine.observers:
+                        engine.observers.remove(self.on_step)
+            if not self.window[0] <= step < self.window[1]:
+                return
+        self.steps += 1
         ev: list[dict[str, Any]] = []
         by_index = {b.index: b for b in stats.bucket_stats}
         if stats.first_ready_at < stats.backward_end_at:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import warnings
@@ -247,7 +248,7 @@ class SyncEngine:
             if self.join_work is not None:
                 self._rescale_for_join()
             stats = self._stats(in_backward, overflow)
-            for observe in self.observers:
+            for observe in list(self.observers):  # an observer may leave
                 observe(stats, self._tasks, self._task_bucket)
             self.history.append(stats)
             if len(self.history) > 1000:
@@ -546,6 +547,12 @@ class SyncEngine:
             st.comm_s += task.comm_s
             st.done_at = max(st.done_at, task.done_at or 0.0)
         return out
+
+    def residual_norm(self) -> float | None:
+        """The L2 norm of every codec's error-feedback residuals (None without error feedback).
+        A pass over the residuals: call it between steps, every few steps."""
+        norms = [n for c in self.codecs if (n := c.residual_norm()) is not None]
+        return math.sqrt(sum(n * n for n in norms)) if norms else None
 
     @property
     def last_stats(self) -> StepStats | None:

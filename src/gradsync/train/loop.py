@@ -30,10 +30,11 @@ from gradsync.collectives import Topology
 from gradsync.collectives.primitives import comm_device
 from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
 from gradsync.models import build_model_for, parameter_count
+from gradsync.observe.telemetry import format_line, step_record
 from gradsync.train import checkpoint
 from gradsync.train.metrics import EpochMeter, epoch_record
 from gradsync.train.optim import build_optimizer, build_scheduler
-from gradsync.train.options import sync_config
+from gradsync.train.options import sync_config, trace_steps
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
 
@@ -103,7 +104,14 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if args.amp and cuda else None
         self.config = sync_config(args, self.steps_per_epoch)
-        self.model = gradsync.wrap(net, self.config, self.topo, grad_scaler=self.scaler)
+        self.model = gradsync.wrap(
+            net,
+            self.config,
+            self.topo,
+            grad_scaler=self.scaler,
+            trace=args.trace,
+            trace_steps=trace_steps(args.trace_steps) if args.trace else None,
+        )
         self.net = net
         self.optimizer = build_optimizer(
             net, args.optimizer, args.lr, args.momentum, args.nesterov, args.weight_decay
@@ -116,6 +124,7 @@ class Trainer:
         self.epoch, self.batch, self.global_step = 0, 0, 0
         self.meter = EpochMeter()
         self.history: list[dict[str, Any]] = []
+        self.telemetry: list[dict[str, Any]] = []  # rank 0's step records, every --log-every steps
         self._unchecked: _Flags | None = None  # the last step's finiteness flags, in flight
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.checkpoint_dir and (args.resume or restarted):
@@ -368,6 +377,8 @@ class Trainer:
                     # there the verdict is awaited at once; elsewhere it comes one step later
                     self._check_finite(loss, save_now or self.batch == self.steps_per_epoch)
                     self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    if a.log_every and self.rank == 0 and self.global_step % a.log_every == 0:
+                        self._log_telemetry(loss, dt, bar)
                     bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
                     if save_now:
                         self._save()
@@ -388,6 +399,18 @@ class Trainer:
                 self._save()
         self.model.close()
         return self._summary() if self.rank == 0 else None
+
+    def _log_telemetry(self, loss: float, step_s: float, bar: Any) -> None:
+        """Rank 0's telemetry of the step just taken (local figures: no collective)."""
+        stats = self.model.last_stats
+        if stats is None:  # a world of one synchronizes nothing
+            return
+        rec = step_record(stats, residual_norm=self.model.engine.residual_norm())
+        rec.update(
+            global_step=self.global_step, epoch=self.epoch + 1, loss=loss, step_ms=round(step_s * 1e3, 3)
+        )
+        self.telemetry.append(rec)
+        bar.log(f"{format_line(rec)}, loss {loss:.4f}, {rec['step_ms']:.0f} ms/step")
 
     def _banner(self) -> str:
         d = self.data
@@ -420,6 +443,8 @@ class Trainer:
             "steps": self.global_step,
             "final": last,
             "history": self.history,
+            "telemetry": self.telemetry,
+            "trace": a.trace,
         }
 
 

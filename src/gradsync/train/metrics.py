@@ -25,6 +25,10 @@ class EpochMeter:
     exposed_s: float = 0.0
     compressed_steps: int = 0
     skipped_steps: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    comm_s: float = 0.0
+    lag_max_s: float = 0.0
     sent: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0.0))
 
     def add(self, loss: float, samples: int, step_s: float, stats: StepStats | None) -> None:
@@ -36,6 +40,10 @@ class EpochMeter:
             self.exposed_s += stats.exposed_s
             self.compressed_steps += int(stats.compressed_buckets > 0)
             self.skipped_steps += int(stats.overflow)
+            self.encode_s += stats.compute_s
+            self.decode_s += stats.decode_s
+            self.comm_s += stats.comm_s
+            self.lag_max_s = max(self.lag_max_s, stats.lag_s or 0.0)
             for level, n in stats.sent_bytes.items():
                 self.sent[level] = self.sent.get(level, 0.0) + n
 
@@ -54,14 +62,25 @@ def epoch_record(
 
     ``compression_ratio`` is what a flat ring all-reduce of the float32 gradients would send per
     worker per step, 2 (p - 1) / p x gradient bytes, over what gradsync sent per worker per step
-    on all levels (1.0 for plain dense synchronization, above 1 when compression pays)."""
+    on all levels (1.0 for plain dense synchronization, above 1 when compression pays).
+    ``exposed_ms``, ``encode_ms``, ``decode_ms``, ``comm_ms``: per step, mean over steps and ranks;
+    ``lag_max_ms``: the largest lag of the slowest rank behind the fastest seen in the epoch."""
     sent = [meter.sent.get(k, 0.0) for k in LEVELS]
     vec = torch.tensor(
-        [meter.loss_sum / max(meter.steps, 1), meter.samples, meter.step_s, meter.exposed_s, *sent],
+        [
+            meter.loss_sum / max(meter.steps, 1),
+            meter.samples,
+            meter.step_s,
+            meter.exposed_s,
+            *sent,
+            meter.encode_s,
+            meter.decode_s,
+            meter.comm_s,
+        ],
         dtype=torch.float64,
         device=device,
     )
-    wall = torch.tensor([wall_s], dtype=torch.float64, device=device)
+    wall = torch.tensor([wall_s, meter.lag_max_s], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(vec)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
@@ -83,4 +102,9 @@ def epoch_record(
         "skipped_steps": meter.skipped_steps,
         "steps": meter.steps,
         "epoch_s": float(wall[0]),
+        "exposed_ms": v[3] / steps * 1e3,
+        "encode_ms": v[7] / steps * 1e3,
+        "decode_ms": v[8] / steps * 1e3,
+        "comm_ms": v[9] / steps * 1e3,
+        "lag_max_ms": float(wall[1]) * 1e3,
     }

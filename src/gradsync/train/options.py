@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+from gradsync.integrate.wrap import check_trace_path
 from gradsync.sync import Scheme, SyncConfig
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -125,6 +126,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--json", default=None, metavar="PATH", help="write the run's summary as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="write a timeline of the synchronization (Chrome trace JSON, opens in Perfetto); "
+        "rank R also writes PATH's stem + .rankR.json",
+    )
+    g.add_argument(
+        "--trace-steps",
+        default="0:50",
+        metavar="N|START:STOP",
+        help="the synchronized steps --trace records: the first N, or START <= step < STOP (default 0:50)",
+    )
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="rank 0 logs the step's telemetry every K steps (bytes per level, compression, encode/decode, "
+        "exposed time, residual norm, slowest rank's lag); --json keeps these records",
+    )
     # testing aid: the last rank kills itself (SIGKILL) at this global step on the first attempt,
     # to show that torchrun's restart resumes from the last checkpoint
     g.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -151,6 +173,21 @@ def _at_least(option: str, value: float | None, lo: float, *, allow_none: bool =
         return
     if value is None or not math.isfinite(value) or value < lo:
         raise ValueError(f"{option} must be a number >= {lo:g}, got {value!r}")
+
+
+def trace_steps(text: str) -> tuple[int, int]:
+    """``--trace-steps``: ``N`` (the first N steps) or ``START:STOP``."""
+    start, colon, stop = text.partition(":")
+    try:
+        window = (int(start), int(stop)) if colon else (0, int(start))
+    except ValueError:
+        window = (-1, -1)
+    if not 0 <= window[0] < window[1]:
+        raise ValueError(
+            "--trace-steps takes N (the first N steps, N >= 1) or START:STOP with 0 <= START < STOP, "
+            f"got {text!r}"
+        )
+    return window
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -204,6 +241,14 @@ def validate(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json) or not os.path.isdir(folder):
             raise ValueError(f"--json must be a file path in an existing folder, got {args.json!r}")
+    if args.log_every is not None and args.log_every < 1:
+        raise ValueError(f"--log-every must be a positive number of steps, got {args.log_every}")
+    trace_steps(args.trace_steps)
+    if args.trace is not None:
+        try:
+            check_trace_path(args.trace)
+        except ValueError as e:
+            raise ValueError(f"--trace: {e}") from e
     Scheme.parse(args.scheme)
     sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
 

@@ -46,6 +46,13 @@ class EpochProgress:
             self._task, advance=1, loss=f"{self._loss / self._n:.4f}", rate=f"{samples_per_s:.0f}"
         )
 
+    def log(self, line: str) -> None:
+        """A line above the bar (plain stderr without one)."""
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
