@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (needs root)")
     cluster.add_arguments(p)
     p.set_defaults(check=None, func=_cmd_cluster)
+    from gradsync import trace_cli
+
+    p = sub.add_parser("trace", help="merge, check or draw a timeline written by --trace")
+    trace_cli.add_arguments(p)
+    p.set_defaults(check=trace_cli.check, func=trace_cli.main)
     p = sub.add_parser("codecs", help="list the codecs and their options")
     p.set_defaults(check=None, func=_cmd_codecs)
     p = sub.add_parser("profile", help="each gradient's ready time in a training step, and the phases")

@@ -370,9 +370,9 @@ class TraceRecorder:
         shift = offset + origin  # local time -> rank 0's clock -> counted from rank 0's start
         own = self._document(shift, spread, offset, run_id)
         mine = rank_file(path, self.rank)
-        _write_json(mine, own)
+        write_json(mine, own)
         if self.topo.world == 1:
-            _write_json(Path(path), own)
+            write_json(Path(path), own)
             return Path(path)
         data = torch.frombuffer(bytearray(json.dumps(own["traceEvents"]).encode()), dtype=torch.uint8)
         parts = P.all_gather_bytes(data.to(self.topo.comm_device), self.topo.control_group, "world")
@@ -385,7 +385,7 @@ class TraceRecorder:
             events += json.loads(raw.decode())
         merged = {**own, "traceEvents": events}
         merged["otherData"] = {**own["otherData"], "rank": None, "ranks": list(range(self.topo.world))}
-        _write_json(Path(path), merged)
+        write_json(Path(path), merged)
         return Path(path)
 
     def _document(self, shift: float, spread: float, offset: float, run_id: str) -> dict[str, Any]:
@@ -454,7 +454,8 @@ def _metadata(pid: int, rank: int, node: int) -> list[dict[str, Any]]:
     return ev
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as compact JSON, atomically (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as fh:
