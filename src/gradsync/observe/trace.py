@@ -293,7 +293,7 @@ class TraceRecorder:
                         {"step": step, "bucket": bucket},
                     )
                 )
-                if flow is not None:
+                if flow is not None and segment == 1:  # the arrows: ready, encode, collectives, decode
                     ev.append(_flow("t", flow, flow_name, COMPUTE, sp.start))
             elif sp.kind == "comm":
                 ev += self._comm_events(sp, step, bucket, label)
