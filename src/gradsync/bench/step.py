@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import statistics
 import sys
 import time
@@ -37,6 +38,7 @@ from gradsync.bench import nic as bench_nic
 from gradsync.bench.output import save_result
 from gradsync.bench.world import CableMeter, join_world
 from gradsync.collectives import Topology
+from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import build_model, models_for, parameter_count
 from gradsync.sync import Scheme, SyncConfig
 
@@ -132,7 +134,11 @@ def _measure(
         model = _ddp(name, model, args.warmup)
     elif name != "local":
         options = dict(SyncConfig.from_options({"scheme": name, **_options(args.sync_option)}).to_dict())
-        synced = gradsync.wrap(model, topology=topo, **options)
+        trace = trace_path(args.trace, name) if getattr(args, "trace", None) else None
+        window = (args.warmup, args.warmup + args.steps)  # the measured steps
+        synced = gradsync.wrap(
+            model, topology=topo, trace=trace, trace_steps=window if trace else None, **options
+        )
         model = synced
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     samples: list[list[float]] = []
@@ -311,7 +317,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--trace", metavar="PATH", help="a timeline of each gradsync contender's measured steps: "
+                   "PATH's stem + .CONTENDER.json (Chrome trace JSON, opens in Perfetto)")  # fmt: skip
     bench_nic.add_arguments(p)
+
+
+def trace_path(base: str, contender: str) -> str:
+    """``trace.json`` + ``hitopk:density=0.01`` -> ``trace.hitopk-density=0.01.json``."""
+    stem = base[: -len(".json")] if base.endswith(".json") else base
+    return f"{stem}.{re.sub(r'[^A-Za-z0-9_.=+-]', '-', contender)}.json"
 
 
 def check(args: argparse.Namespace) -> None:
@@ -325,6 +339,11 @@ def check(args: argparse.Namespace) -> None:
         )
     if (args.nodes is None) != (args.per_node is None):
         raise ValueError("--nodes and --per-node go together")
+    if args.trace is not None:
+        try:
+            check_trace_path(args.trace)
+        except ValueError as e:
+            raise ValueError(f"--trace: {e}") from e
     for c in args.contenders.split(","):
         if c.strip():
             _contender(c.strip())
