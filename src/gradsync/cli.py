@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
+    from gradsync.bench import overhead as bench_overhead
     from gradsync.bench import step as bench_step
     from gradsync.bench import train as bench_train
 
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+        ("overhead", bench_overhead, "what recording a timeline (--trace) costs a step"),
     ]
     for name, module, text in benchmarks:
         p = bsub.add_parser(name, help=text)
