@@ -234,6 +234,35 @@ def bad_trace_options(tmp: str) -> None:
             gradsync.wrap(_model(), "flat", **kwargs)
 
 
+def bench_commands(tmp: str) -> None:
+    """``bench step --trace`` traces each gradsync contender's measured steps; ``bench overhead``
+    reports its ratios (the figures themselves are published, not asserted)."""
+    base = str(Path(tmp) / "bs.json")
+    argv = ["bench", "step", "--model", "vgg-small", "--batch-size", "2", "--image-size", "16",
+            "--contenders", "local,ddp,topk:density=0.1", "--warmup", "1", "--steps", "2",
+            "--trace", base]  # fmt: skip
+    assert cli(argv) == 0
+    out = str(Path(tmp) / "o.json")
+    argv = ["bench", "overhead", "--model", "vgg-small", "--batch-size", "2", "--image-size", "16",
+            "--scheme", "flat", "--rounds", "2", "--warmup", "1", "--steps", "2", "--json", out]  # fmt: skip
+    assert cli(argv) == 0
+    if dist.get_rank() != 0:
+        return
+    with expect_all() as expect:
+        with expect("bench step: one trace per gradsync contender, of the measured steps, well formed"):
+            assert sorted(p.name for p in Path(tmp).glob("bs.*.json") if ".rank" not in p.name) == [
+                "bs.topk-density=0.1.json"
+            ]
+            doc = load_trace(Path(tmp) / "bs.topk-density=0.1.json")
+            assert check_trace(doc) == []
+            assert {e["args"]["step"] for e in _events(doc, 0, "X", "sync wait")} == {1, 2}
+        with expect("bench overhead: a ratio per round and their summary"):
+            r = json.loads(Path(out).read_text())
+            assert len(r["rounds"]) == 2 and r["on_over_off"]["min"] <= r["on_over_off"]["median"]
+            assert all(row["ratio"] == row["on"]["step_s"] / row["off"]["step_s"] for row in r["rounds"])
+            assert r["bookkeeping_us"] > 0
+
+
 def test_trace_world(tmp_path: Path) -> None:
     run_world(2, _checks, str(tmp_path))
 
@@ -244,6 +273,7 @@ def _checks(tmp: str) -> None:
         named_check(traced_compressed, tmp),
         named_check(tracing_block, tmp),
         named_check(bad_trace_options, tmp),
+        named_check(bench_commands, tmp),
     )
 
 
@@ -319,9 +349,16 @@ def test_trace_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         (["train", "--trace-steps", "a:b"], "--trace-steps takes N"),
         (["train", "--log-every", "0"], "--log-every must be a positive"),
         (["train", "--trace", "/proc/version/t.json"], "--trace:"),
+        (["bench", "step", "--trace", "/proc/version/t.json"], "--trace:"),
+        (["bench", "overhead", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench", "overhead", "--scheme", "warp9"], "unknown codec 'warp9'"),
+        (["bench", "overhead", "--nodes", "2"], "--nodes and --per-node go together"),
     ],
 )
-def test_bad_trace_options_exit_2(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_trace_options_exit_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RANK", raising=False)
     assert cli(argv) == 2
     assert words in capsys.readouterr().err
 

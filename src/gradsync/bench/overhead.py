@@ -33,7 +33,7 @@ import gradsync
 from gradsync.bench.output import save_result
 from gradsync.bench.world import join_world
 from gradsync.collectives import Topology
-from gradsync.models import build_model, models_for
+from gradsync.models import build_model_for, models_for
 from gradsync.sync import Scheme
 
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
     torch.manual_seed(0)
-    base = build_model(args.model, num_classes=10)
+    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), 10)
     g = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
@@ -161,6 +161,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    owned = not dist.is_initialized()  # leave a process group the caller made alone
     try:
         result = run(args)
         if result is not None:
@@ -176,6 +177,6 @@ def main(args: argparse.Namespace) -> int:
             )
             save_result(result, args.json, None, markdown(result))
     finally:
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
             dist.destroy_process_group()
     return 0

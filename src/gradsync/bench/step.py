@@ -39,7 +39,7 @@ from gradsync.bench.output import save_result
 from gradsync.bench.world import CableMeter, join_world
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
-from gradsync.models import build_model, models_for, parameter_count
+from gradsync.models import build_model_for, models_for, parameter_count
 from gradsync.sync import Scheme, SyncConfig
 
 DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     topo = join_world(args.timeout, args.nodes, args.per_node)
     rank0 = topo.rank == 0
     torch.manual_seed(0)
-    base = build_model(args.model, num_classes=args.classes)
+    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
     g = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, args.classes, (args.batch_size,), generator=g)

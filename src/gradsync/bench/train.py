@@ -34,7 +34,7 @@ from gradsync.bench import nic as bench_nic
 from gradsync.bench import step as bench_step
 from gradsync.bench.output import save_result
 from gradsync.bench.world import join_world
-from gradsync.models import build_model, parameter_count
+from gradsync.models import build_model_for, parameter_count
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,ddp-powersgd:rank=4,auto,hierarchical,hitopk:density=0.01,"
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
     torch.manual_seed(0)
-    base = build_model(args.model, num_classes=args.classes)
+    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
     g = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
