@@ -46,6 +46,7 @@ class ProfileError(ValueError):
     """What was handed to :func:`profile_step` cannot be profiled (a batch without a target, a
     loss function that returns no scalar, a loader that yields nothing usable)."""
 
+
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "optimizer", "step")
 
 # How the step got its inputs: one batch given once (no data time), a loss function that makes
