@@ -69,31 +69,49 @@ def test_throughput_series_skips_empty_intervals_and_counter_resets():
 
 
 def test_phase_throughput_by_hand():
-    # phase 5..25 ms: half of interval 1 (5 kB), all of interval 2 (10 kB), half of interval 3
-    # (12.5 kB) = 27.5 kB in 20 ms = 1.375 MB/s; link 2 MB/s
-    got = phase_throughput(SERIES, [(0.005, 0.025)], link_bytes_per_s=2e6)
-    assert got.seconds == pytest.approx(0.02) and got.covered_s == pytest.approx(0.02)
-    assert got.nbytes == pytest.approx(27_500)
-    assert got.mean_bytes_per_s == pytest.approx(1.375e6)
-    assert got.mean_share == pytest.approx(0.6875)
-    assert got.peak_bytes_per_s == pytest.approx(2.5e6) and got.peak_share == pytest.approx(1.25)
+    # phase 5..25 ms, link 2 MB/s. Sent: half of interval 1 (5 kB) + all of interval 2 (10 kB) +
+    # nothing = 15 kB; received: 0 + 5 kB + half of interval 3 (12.5 kB) = 17.5 kB
+    tx = phase_throughput(SERIES, [(0.005, 0.025)], link_bytes_per_s=2e6, direction="tx")
+    assert tx.seconds == pytest.approx(0.02) and tx.covered_s == pytest.approx(0.02)
+    assert tx.nbytes == pytest.approx(15_000) and tx.mean_bytes_per_s == pytest.approx(0.75e6)
+    assert tx.mean_share == pytest.approx(0.375)
+    assert tx.peak_bytes_per_s == pytest.approx(1e6) and tx.busy_s == 0 and tx.busy_share == 0
+    rx = phase_throughput(SERIES, [(0.005, 0.025)], link_bytes_per_s=2e6, direction="rx")
+    assert rx.nbytes == pytest.approx(17_500) and rx.mean_share == pytest.approx(0.4375)
+    assert rx.peak_bytes_per_s == pytest.approx(2.5e6) and rx.peak_share == pytest.approx(1.25)
     # >= 90 % of 2 MB/s (1.8 MB/s): only interval 3's 5 ms of the 20 ms
-    assert got.busy_s == pytest.approx(0.005) and got.busy_share == pytest.approx(0.25)
+    assert rx.busy_s == pytest.approx(0.005) and rx.busy_share == pytest.approx(0.25)
+    # the default: the busier direction (received here), figure by figure
+    got = phase_throughput(SERIES, [(0.005, 0.025)], link_bytes_per_s=2e6)
+    assert got.direction == "rx"
+    assert (got.nbytes, got.peak_bytes_per_s, got.busy_s) == pytest.approx((17_500, 2.5e6, 0.005))
+    assert got.mean_share == pytest.approx(0.4375) and got.busy_share == pytest.approx(0.25)
+
+
+def test_busier_direction_is_chosen_over_the_phases_not_per_interval():
+    # 10 kB out in the first 10 ms, 10 kB in during the next: each direction ran at 0.5 MB/s
+    # over the 20 ms; the larger of each interval's two readings would claim 1 MB/s
+    series = [Sample(0.0, 0, 0), Sample(0.01, 10_000, 0), Sample(0.02, 10_000, 10_000)]
+    got = phase_throughput(series, [(0.0, 0.02)], link_bytes_per_s=1e6)
+    assert got.mean_bytes_per_s == pytest.approx(0.5e6) and got.mean_share == pytest.approx(0.5)
+    assert sum(iv.nbytes for iv in throughput_series(series, "max")) == 20_000  # the biased envelope
+    # each direction was at the full rate half of the time
+    assert got.peak_share == pytest.approx(1.0) and got.busy_share == pytest.approx(0.5)
 
 
 def test_phase_throughput_merges_phases_and_reports_uncovered_time():
     # two phases that overlap count their common time once: 0..20 ms, 20 kB, 1 MB/s
-    got = phase_throughput(SERIES, [(0.0, 0.015), (0.01, 0.02)], link_bytes_per_s=1e6)
+    got = phase_throughput(SERIES, [(0.0, 0.015), (0.01, 0.02)], link_bytes_per_s=1e6, direction="tx")
     assert got.seconds == pytest.approx(0.02) and got.nbytes == pytest.approx(20_000)
     assert got.mean_share == pytest.approx(1.0) and got.busy_share == pytest.approx(1.0)
     # separate phases, one reaching past the last sample: 40..60 ms covers only 40..50 ms
-    got = phase_throughput(SERIES, [(0.02, 0.03), (0.04, 0.06)], link_bytes_per_s=2.5e6)
+    got = phase_throughput(SERIES, [(0.02, 0.03), (0.04, 0.06)], link_bytes_per_s=2.5e6, direction="rx")
     assert got.seconds == pytest.approx(0.03) and got.covered_s == pytest.approx(0.02)
     assert got.nbytes == pytest.approx(25_000) and got.mean_bytes_per_s == pytest.approx(1.25e6)
     assert got.mean_share == pytest.approx(0.5) and got.busy_share == pytest.approx(0.5)
     # unknown link rate: bytes and rates, no shares; no phases: zeros
     got = phase_throughput(SERIES, [(0.0, 0.05)])
-    assert got.mean_bytes_per_s == pytest.approx(45_000 / 0.05)
+    assert got.mean_bytes_per_s == pytest.approx(30_000 / 0.05)  # received 30 kB, sent 20 kB
     assert got.mean_share is None and got.peak_share is None and got.busy_share is None
     none = phase_throughput(SERIES, [], link_bytes_per_s=1e6)
     assert (none.seconds, none.nbytes, none.mean_bytes_per_s, none.busy_share) == (0, 0, 0, 0)

@@ -15,9 +15,11 @@ synchronization is over, which is
 The phase includes the backward computation that overlaps the communication: what it measures is
 how well the link is used while the step is waiting on synchronization or could be sending, not
 the raw speed of one transfer. A scheme that sends its few bytes in a burst shows a high peak and
-a low mean. The figures per node: mean throughput over the phases (MB/s, 10^6 bytes, and as a
-share of the link rate), the fastest sampling interval (peak), and the share of phase time with
-the link at >= 90 % of its rate (busy). Every rank all-gathers the nodes' figures (one small
+a low mean. The figures per node, each from the busier direction of the full-duplex link (sent
+or received, chosen over the phases, see :func:`~gradsync.observe.nic.phase_throughput`): mean
+throughput over the phases (MB/s, 10^6 bytes, and as a share of the link rate), the fastest
+sampling interval (peak), and the share of phase time with the link at >= 90 % of its rate
+(busy). Every rank all-gathers the nodes' figures (one small
 collective per contender, only with ``--nic``), and the row carries their mean over the nodes;
 the JSON details keep each node's.
 

@@ -13,11 +13,14 @@ samples in a bounded buffer. The pure functions below turn the samples into thro
 - :func:`plot_throughput`: a matplotlib PNG, one panel per run, with the link rate as a line and
   the phases shaded.
 
-Direction: a full-duplex link has its rate in each direction, so by default an interval's
-throughput is the busier of its two directions (``direction="max"``); ``"tx"`` or ``"rx"``
-select one. Counters are cumulative and include the link-layer headers, as a shaper (``tc``)
-counts them. Nothing here needs a NIC: the analysis runs on any sample list, and the sampler's
-sysfs root can be any directory laid out like ``/sys/class/net`` (tests use a temporary one).
+Direction: a full-duplex link has its rate in each direction, so :func:`phase_throughput`
+measures each direction on its own and by default reports the busier one (``direction="max"``;
+``"tx"`` or ``"rx"`` select one). The busier direction is chosen over the whole phases, not per
+sampling interval: the larger of two noisy 10 ms readings is biased upwards (a 100 Mbit/s link
+running at 95 % each way reads as 104 % that way). Counters are cumulative and include the
+link-layer headers, as a shaper (``tc``) counts them. Nothing here needs a NIC: the analysis
+runs on any sample list, and the sampler's sysfs root can be any directory laid out like
+``/sys/class/net`` (tests use a temporary one).
 
 This module only measures; it never imports from the apps and never talks to other ranks.
 """
@@ -80,7 +83,9 @@ def _direction(direction: str) -> Direction:
 
 def throughput_series(samples: Sequence[Sample], direction: Direction = "max") -> list[Interval]:
     """One :class:`Interval` per pair of consecutive samples. A counter that went backwards (the
-    interface was reset) counts as zero bytes; intervals of zero length are skipped."""
+    interface was reset) counts as zero bytes; intervals of zero length are skipped. ``"max"``
+    takes the busier direction of each interval (an envelope for a plot; see the module's note on
+    its bias)."""
     _direction(direction)
     out: list[Interval] = []
     for a, b in itertools.pairwise(samples):
@@ -107,7 +112,9 @@ def _merged(phases: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
 
 @dataclass(frozen=True)
 class PhaseThroughput:
-    """What the link did during a set of phases.
+    """What the link did during a set of phases, in one direction (``direction``: ``"tx"`` or
+    ``"rx"``; after ``direction="max"`` the one that moved more bytes, while each figure is the
+    larger of the two directions').
 
     ``seconds``: the phases' total length; ``covered_s``: the part of it the samples cover;
     ``nbytes``: bytes moved in the covered part, each interval's bytes spread evenly over it (an
@@ -123,6 +130,7 @@ class PhaseThroughput:
     busy_s: float
     link_bytes_per_s: float | None
     busy_threshold: float = BUSY_THRESHOLD
+    direction: str = "tx"
 
     @property
     def mean_bytes_per_s(self) -> float:
@@ -148,26 +156,10 @@ class PhaseThroughput:
         return self.busy_s / self.covered_s if self.covered_s > 0 else 0.0
 
 
-def phase_throughput(
-    samples: Sequence[Sample],
-    phases: Iterable[tuple[float, float]],
-    link_bytes_per_s: float | None = None,
-    direction: Direction = "max",
-    busy_threshold: float = BUSY_THRESHOLD,
-) -> PhaseThroughput:
-    """Throughput of the link inside ``phases`` (``(t0, t1)`` spans on the samples' clock).
-
-    Within one sampling interval the rate is taken as constant, which is all the counters say;
-    with 10 ms samples a phase's edges are therefore uncertain by about one interval, so phases
-    much shorter than a few intervals give rough figures.
-    """
-    if link_bytes_per_s is not None and not (math.isfinite(link_bytes_per_s) and link_bytes_per_s > 0):
-        raise ValueError(f"link_bytes_per_s must be a positive number, got {link_bytes_per_s!r}")
-    if not 0 < busy_threshold <= 1:
-        raise ValueError(f"busy_threshold must be in (0, 1], got {busy_threshold!r}")
-    spans = _merged(phases)
-    series = throughput_series(samples, direction)
-    seconds = sum(b - a for a, b in spans)
+def _in_phases(
+    series: list[Interval], spans: list[tuple[float, float]], link: float | None, busy_threshold: float
+) -> tuple[float, float, float, float]:
+    """(covered s, bytes, peak bytes/s, busy s) of ``series`` inside the merged ``spans``."""
     covered = nbytes = busy = peak = 0.0
     i = 0
     for a, b in spans:
@@ -181,10 +173,41 @@ def phase_throughput(
                 covered += overlap
                 nbytes += iv.bytes_per_s * overlap
                 peak = max(peak, iv.bytes_per_s)
-                if link_bytes_per_s and iv.bytes_per_s >= busy_threshold * link_bytes_per_s:
+                if link and iv.bytes_per_s >= busy_threshold * link:
                     busy += overlap
             j += 1
-    return PhaseThroughput(seconds, covered, nbytes, peak, busy, link_bytes_per_s, busy_threshold)
+    return covered, nbytes, peak, busy
+
+
+def phase_throughput(
+    samples: Sequence[Sample],
+    phases: Iterable[tuple[float, float]],
+    link_bytes_per_s: float | None = None,
+    direction: Direction = "max",
+    busy_threshold: float = BUSY_THRESHOLD,
+) -> PhaseThroughput:
+    """Throughput of the link inside ``phases`` (``(t0, t1)`` spans on the samples' clock).
+
+    Within one sampling interval the rate is taken as constant, which is all the counters say;
+    with 10 ms samples a phase's edges are therefore uncertain by about one interval, so phases
+    much shorter than a few intervals give rough figures. ``direction="max"`` measures sent and
+    received bytes separately and reports, figure by figure, the larger (the busier direction).
+    """
+    if link_bytes_per_s is not None and not (math.isfinite(link_bytes_per_s) and link_bytes_per_s > 0):
+        raise ValueError(f"link_bytes_per_s must be a positive number, got {link_bytes_per_s!r}")
+    if not 0 < busy_threshold <= 1:
+        raise ValueError(f"busy_threshold must be in (0, 1], got {busy_threshold!r}")
+    _direction(direction)
+    spans = _merged(phases)
+    seconds = sum(b - a for a, b in spans)
+    ways: tuple[Direction, ...] = ("tx", "rx") if direction == "max" else (direction,)
+    got = {
+        w: _in_phases(throughput_series(samples, w), spans, link_bytes_per_s, busy_threshold) for w in ways
+    }
+    busier = max(ways, key=lambda w: got[w][1])
+    covered = got[busier][0]
+    nbytes, peak, busy = (max(g[k] for g in got.values()) for k in (1, 2, 3))
+    return PhaseThroughput(seconds, covered, nbytes, peak, busy, link_bytes_per_s, busy_threshold, busier)
 
 
 def link_speed_bytes_per_s(interface: str, sysfs_root: str = SYSFS_NET) -> float | None:
@@ -376,10 +399,10 @@ def plot_throughput(
     link_bytes_per_s: float | None = None,
     *,
     title: str | None = None,
-    direction: Direction = "max",
 ) -> None:
-    """Throughput over time (MB/s, 1 MB = 10^6 bytes) as a PNG, one panel per run: time from
-    the panel's first phase (or first sample), the link rate as a dashed line, phases shaded."""
+    """Throughput over time (MB/s, 1 MB = 10^6 bytes) as a PNG, one panel per run, sent and
+    received bytes as two lines: time from the panel's first phase (or first sample), the link
+    rate as a dashed line, phases shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -389,15 +412,20 @@ def plot_throughput(
         raise ValueError("plot_throughput needs at least one panel")
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels) + 0.8), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels, strict=True):
-        series = throughput_series(panel.samples, direction)
         starts = [a for a, _ in panel.phases] + ([panel.samples[0].t] if panel.samples else [])
         origin = min(starts) if starts else 0.0
         for a, b in panel.phases:
             ax.axvspan(a - origin, b - origin, color="#ffd27f", alpha=0.45, lw=0)
-        if series:
-            xs = [x for iv in series for x in (iv.t0 - origin, iv.t1 - origin)]
-            ys = [iv.bytes_per_s / 1e6 for iv in series for _ in (0, 1)]
-            ax.plot(xs, ys, color="#1f77b4", lw=0.9)
+        if len(panel.samples) > 1:
+            lines: tuple[tuple[Direction, str, float], ...] = (("tx", "#1f77b4", 0.9), ("rx", "#2ca02c", 0.6))
+            for way, color, width in lines:
+                series = throughput_series(panel.samples, way)
+                xs = [x for iv in series for x in (iv.t0 - origin, iv.t1 - origin)]
+                ys = [iv.bytes_per_s / 1e6 for iv in series for _ in (0, 1)]
+                ax.plot(
+                    xs, ys, color=color, lw=width, label=f"{way} (sent)" if way == "tx" else "rx (received)"
+                )
+            ax.legend(loc="upper right", fontsize=7, frameon=False)
         else:
             ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center")
         if link_bytes_per_s:
