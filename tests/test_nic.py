@@ -21,7 +21,9 @@ from gradsync.observe.nic import (
     Panel,
     Sample,
     check_interface_name,
+    coarsen,
     link_speed_bytes_per_s,
+    peak_window_s,
     phase_throughput,
     plot_throughput,
     throughput_series,
@@ -97,6 +99,30 @@ def test_busier_direction_is_chosen_over_the_phases_not_per_interval():
     assert sum(iv.nbytes for iv in throughput_series(series, "max")) == 20_000  # the biased envelope
     # each direction was at the full rate half of the time
     assert got.peak_share == pytest.approx(1.0) and got.busy_share == pytest.approx(0.5)
+
+
+def test_peak_and_busy_over_windows():
+    # 64 kB packets counted whole: 0, 1, 2, 0, 1, 2 packets per 10 ms on a 6.4 MB/s link (one
+    # packet per 10 ms is 100 %): per interval the peak reads 200 %, over 30 ms windows 100 %
+    t, n, series = 0.0, 0, [Sample(0.0, 0, 0)]
+    for packets in (0, 1, 2, 0, 1, 2):
+        t, n = t + 0.01, n + 64_000 * packets
+        series.append(Sample(t, n, 0))
+    fine = phase_throughput(series, [(0.0, 0.06)], link_bytes_per_s=6.4e6, direction="tx")
+    assert fine.peak_share == pytest.approx(2.0) and fine.busy_share == pytest.approx(4 / 6)
+    wide = phase_throughput(series, [(0.0, 0.06)], link_bytes_per_s=6.4e6, direction="tx", window_s=0.03)
+    assert wide.peak_share == pytest.approx(1.0) and wide.busy_share == pytest.approx(1.0)
+    assert wide.mean_share == fine.mean_share == pytest.approx(1.0)  # the mean does not depend on it
+    windows = coarsen(throughput_series(series, "tx"), 0.025)
+    assert [x for w in windows for x in (w.t0, w.t1, w.nbytes)] == flat(
+        (0, 0.03, 192_000), (0.03, 0.06, 192_000)
+    )
+    assert len(coarsen(throughput_series(series, "tx"), 0.04)) == 2  # 40 ms, then the 20 ms left
+    # 64 KiB at 10 % resolution: 52.4 ms at 100 Mbit/s, the 10 ms interval at 1 Gbit/s
+    assert peak_window_s(12.5e6, 0.01) == pytest.approx(0.0524288)
+    assert peak_window_s(125e6, 0.01) == 0.01 and peak_window_s(None, 0.01) == 0.01
+    with pytest.raises(ValueError, match="window_s must be a non-negative number"):
+        phase_throughput(series, [(0, 1)], window_s=float("nan"))
 
 
 def test_phase_throughput_merges_phases_and_reports_uncovered_time():
@@ -247,6 +273,7 @@ def test_plot_throughput_writes_a_png(tmp_path):
         (["--nic-png", "/nonexistent-dir/x.png"], "--nic-png: the folder '/nonexistent-dir' does not exist"),
         (["--nic-png", "nic.svg"], "--nic-png must end in .png"),
         (["--nic-plot-steps", "0"], "--nic-plot-steps must be at least 1"),
+        (["--nic-window-ms", "5"], "--nic-window-ms must be from --nic-interval-ms (10) to 10000"),
         (["--nic-sysfs", "/nonexistent-dir"], "--nic-sysfs: '/nonexistent-dir' is not a directory"),
     ],
 )
@@ -278,7 +305,7 @@ def nic_bench(tmp):
     argv = ["bench", "step", "--model", "vgg-small", "--batch-size", "4", "--contenders", "local,ddp,none",
             "--warmup", "1", "--steps", "2", "--nodes", "2", "--per-node", "1", "--nic-if", "fake0",
             "--nic-sysfs", root, "--nic-rate", "8mbit", "--nic-png", png, "--nic-interval-ms", "5",
-            "--json", sj, "--markdown", sm]  # fmt: skip
+            "--nic-window-ms", "5", "--json", sj, "--markdown", sm]  # fmt: skip
     try:
         assert main(argv) == 0
     finally:
@@ -292,7 +319,7 @@ def nic_bench(tmp):
     for r in s["rows"]:
         assert 60 <= r["nic_link_pct"] <= 140, r  # ~100 %, give or take the scheduling of 2 cores
         assert r["nic_mb_per_s"] == pytest.approx(r["nic_link_pct"] / 100 * RATE / 1e6)
-        assert r["nic_peak_pct"] >= r["nic_link_pct"] * 0.99 and 0 <= r["nic_busy_pct"] <= 100
+        assert r["nic_peak_pct"] >= r["nic_link_pct"] * 0.99 and 0 <= r["nic_busy_pct"] <= 100, r
         nic = s["details"][r["contender"]]["nic"]
         assert [n["node"] for n in nic["nodes"]] == [0, 1]
         mean = sum(n["link_pct"] for n in nic["nodes"]) / 2

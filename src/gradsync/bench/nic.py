@@ -15,13 +15,17 @@ synchronization is over, which is
 The phase includes the backward computation that overlaps the communication: what it measures is
 how well the link is used while the step is waiting on synchronization or could be sending, not
 the raw speed of one transfer. A scheme that sends its few bytes in a burst shows a high peak and
-a low mean. The figures per node, each from the busier direction of the full-duplex link (sent
-or received, chosen over the phases, see :func:`~gradsync.observe.nic.phase_throughput`): mean
-throughput over the phases (MB/s, 10^6 bytes, and as a share of the link rate), the fastest
-sampling interval (peak), and the share of phase time with the link at >= 90 % of its rate
-(busy). Every rank all-gathers the nodes' figures (one small
-collective per contender, only with ``--nic``), and the row carries their mean over the nodes;
-the JSON details keep each node's.
+a low mean.
+
+The figures per node, each from the busier direction of the full-duplex link (sent or received,
+chosen over the phases, see :func:`~gradsync.observe.nic.phase_throughput`): mean throughput
+over the phases (MB/s, 10^6 bytes, and as a share of the link rate), the fastest window (peak),
+and the share of phase time with the link at >= 90 % of its rate over a window (busy). A window
+is one or more consecutive sampling intervals, long enough that the counters' granularity (a
+whole 64 KiB offload packet at a time) is under 10 % of the link rate: ``--nic-window-ms``, by
+default 52 ms at 100 Mbit/s and the 10 ms interval at 1 Gbit/s. Every rank all-gathers the
+nodes' figures (one small collective per contender, only with ``--nic``), and the row carries
+their mean over the nodes; the JSON details keep each node's.
 
 Link rate: ``--nic-rate``, else the emulated cluster's ``TB_RATE``, else the rate the driver
 reports for the interface (``/sys/class/net/<if>/speed``), else unknown (shares left out).
@@ -49,11 +53,12 @@ from gradsync.observe.nic import (
     Sample,
     check_interface_name,
     link_speed_bytes_per_s,
+    peak_window_s,
     phase_throughput,
     plot_throughput,
 )
 
-COLUMNS = ("comm MB/s", "% of link", "peak % (10 ms)", "busy % (≥90 %)")
+COLUMNS = ("comm MB/s", "% of link", "peak %", "busy % (≥90 %)")
 _PAD_S = 0.05  # plotted before the first and after the last plotted step
 
 
@@ -71,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nic-rate", metavar="RATE",
                    help="the link rate, e.g. 1gbit (default: TB_RATE on the emulated cluster, else the "
                         "driver's speed)")  # fmt: skip
+    g.add_argument("--nic-window-ms", type=float,
+                   help="the window of the peak and busy figures (default: the shortest that resolves "
+                        "10 %% of the link rate through 64 KiB offload packets, at least the interval: "
+                        "52 ms at 100 Mbit/s, 10 ms at 1 Gbit/s)")  # fmt: skip
     g.add_argument("--nic-plot-steps", type=int, default=3, help="measured steps per panel of --nic-png")
     g.add_argument("--nic-sysfs", default=SYSFS_NET, metavar="DIR",
                    help=f"where the interfaces' counters are (default {SYSFS_NET})")  # fmt: skip
@@ -91,6 +100,9 @@ def check(args: argparse.Namespace) -> None:
     ms = args.nic_interval_ms
     if not (math.isfinite(ms) and 1.0 <= ms <= 1000.0):
         raise ValueError(f"--nic-interval-ms must be from 1 to 1000, got {ms!r}")
+    w = args.nic_window_ms
+    if w is not None and not (math.isfinite(w) and ms <= w <= 10_000):
+        raise ValueError(f"--nic-window-ms must be from --nic-interval-ms ({ms:g}) to 10000, got {w!r}")
     if args.nic_plot_steps < 1:
         raise ValueError(f"--nic-plot-steps must be at least 1, got {args.nic_plot_steps}")
     if args.nic_if is not None:
@@ -144,6 +156,7 @@ class NicProbe:
     reason: str | None = None
     link: float | None = None
     link_source: str = "unknown"
+    window_s: float | None = None
     phases: list[tuple[float, float]] = field(default_factory=list)
     steps: list[tuple[float, float]] = field(default_factory=list)
 
@@ -157,6 +170,9 @@ class NicProbe:
             if sampler.available:
                 self.sampler = sampler
                 self.link, self.link_source = link_rate(self.args, sampler.interfaces)
+                interval_s = self.args.nic_interval_ms / 1e3
+                window_ms = self.args.nic_window_ms
+                self.window_s = window_ms / 1e3 if window_ms else peak_window_s(self.link, interval_s)
 
     def start(self) -> None:
         if self.sampler is not None:
@@ -180,7 +196,7 @@ class NicProbe:
         if self.sampler is not None:
             samples = self.sampler.stop()
             self.sampler.close()
-            got = phase_throughput(samples, self.phases, self.link)
+            got = phase_throughput(samples, self.phases, self.link, window_s=self.window_s)
             nan = float("nan")
             mine = [
                 1.0,
@@ -207,6 +223,7 @@ class NicProbe:
         details: dict[str, Any] = {
             "interfaces": self.sampler.interfaces if self.sampler is not None else None,
             "interval_ms": self.args.nic_interval_ms,
+            "window_ms": None if self.window_s is None else self.window_s * 1e3,
             "link_bytes_per_s": self.link,
             "link_source": self.link_source,
             "reason": self.reason,
@@ -259,7 +276,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     """What the run's ``nic`` entry says: how the link was measured (from the first contender)."""
     details: dict[str, dict[str, Any]] = result["details"]
     first: dict[str, Any] = next((d["nic"] for d in details.values() if "nic" in d), {})
-    keys = ("interfaces", "interval_ms", "link_bytes_per_s", "link_source", "reason")
+    keys = ("interfaces", "interval_ms", "window_ms", "link_bytes_per_s", "link_source", "reason")
     return {k: first.get(k) for k in keys}
 
 
