@@ -305,7 +305,10 @@ def plot(result: dict[str, Any], path: str) -> bool:
         )
     if not panels:
         return False
-    link = (result.get("nic") or {}).get("link_bytes_per_s")
+    nic = result.get("nic") or {}
+    window_ms = nic.get("window_ms")
     where = f"{result['nodes']} x {result['per_node']} ranks, link {result.get('link') or 'unknown'}"
-    plot_throughput(panels, path, link, title=f"NIC throughput of node 0, {result['model']}, {where}")
+    title = f"NIC throughput of node 0, {result['model']}, {where}"
+    window_s = window_ms / 1e3 if window_ms else None
+    plot_throughput(panels, path, nic.get("link_bytes_per_s"), title=title, window_s=window_s)
     return True

@@ -448,10 +448,12 @@ def plot_throughput(
     link_bytes_per_s: float | None = None,
     *,
     title: str | None = None,
+    window_s: float | None = None,
 ) -> None:
     """Throughput over time (MB/s, 1 MB = 10^6 bytes) as a PNG, one panel per run, sent and
     received bytes as two lines: time from the panel's first phase (or first sample), the link
-    rate as a dashed line, phases shaded."""
+    rate as a dashed line, phases shaded. ``window_s``: plot throughput over windows of at
+    least this length (see :func:`peak_window_s`) instead of each sampling interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -469,20 +471,23 @@ def plot_throughput(
             lines: tuple[tuple[Direction, str, float], ...] = (("tx", "#1f77b4", 0.9), ("rx", "#2ca02c", 0.6))
             for way, color, width in lines:
                 series = throughput_series(panel.samples, way)
+                if window_s:
+                    series = coarsen(series, window_s)
                 xs = [x for iv in series for x in (iv.t0 - origin, iv.t1 - origin)]
                 ys = [iv.bytes_per_s / 1e6 for iv in series for _ in (0, 1)]
                 ax.plot(
                     xs, ys, color=color, lw=width, label=f"{way} (sent)" if way == "tx" else "rx (received)"
                 )
-            ax.legend(loc="upper right", fontsize=7, frameon=False)
+            ax.legend(loc="upper right", fontsize=7, ncol=2, frameon=False)
         else:
             ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center")
         if link_bytes_per_s:
             ax.axhline(link_bytes_per_s / 1e6, color="#d62728", ls="--", lw=1)
-            ax.set_ylim(0, 1.15 * link_bytes_per_s / 1e6)
+            ax.set_ylim(0, 1.35 * link_bytes_per_s / 1e6)
         ax.set_title(panel.title, fontsize=9, loc="left")
         ax.set_ylabel("MB/s")
-    axes[-1, 0].set_xlabel("seconds (shaded: communication phases; dashed: link rate)")
+    per = f"{window_s * 1e3:.0f} ms windows" if window_s else "per sampling interval"
+    axes[-1, 0].set_xlabel(f"seconds (throughput {per}; shaded: communication phases; dashed: link rate)")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
