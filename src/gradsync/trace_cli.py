@@ -136,6 +136,8 @@ def plot_gantt(doc: dict[str, Any], out: str, steps: tuple[int, int] | None = No
     from matplotlib.patches import Patch
 
     events = [e for e in doc["traceEvents"] if e.get("ph") in ("X", "i")]
+    if not events:
+        raise ValueError("trace plot: the trace has no slices (were the traced steps ever run?)")
     stepped = [e for e in events if "step" in e.get("args", {})]
     lo, hi = min(e["ts"] for e in events), max(e["ts"] + e.get("dur", 0) for e in events)
     if steps is not None:

@@ -89,6 +89,8 @@ def _contender(
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     out = {"step_s": _max([statistics.median(times)])[0]}
+    if model.tracer is not None:  # what the recorder itself spent per step, slowest rank
+        out["recorder_s"] = _max([model.tracer.busy_s / max(model.tracer.steps, 1)])[0]
     if not traced:  # the bookkeeping every step does with tracing off, on the live engine
         engine = model.engine
         reps = 200
@@ -146,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "trace_write_s": statistics.median(row["on"]["close_s"] - row["off"]["close_s"] for row in rows),
         "bookkeeping_us": book * 1e6,
         "bookkeeping_share": book / off,
+        "recorder_us": statistics.median(row["on"]["recorder_s"] for row in rows) * 1e6,
+        "recorder_share": statistics.median(row["on"]["recorder_s"] for row in rows) / off,
     }
     return result if topo.rank == 0 else None
 
@@ -173,7 +177,9 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"bookkeeping with tracing off: {result['bookkeeping_us']:.0f} us per step "
                 f"({100 * result['bookkeeping_share']:.3f}% of the step); writing the trace: "
-                f"{result['trace_write_s']:.2f} s once"
+                f"{result['trace_write_s']:.2f} s once; the recorder: "
+                f"{result['recorder_us']:.0f} us per step "
+                f"({100 * result['recorder_share']:.3f}%)"
             )
             save_result(result, args.json, None, markdown(result))
     finally:

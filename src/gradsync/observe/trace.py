@@ -94,6 +94,8 @@ class TraceRecorder:
         self.events: list[dict[str, Any]] = []  # times in seconds, this rank's clock, until write
         self.dropped = 0
         self.steps = 0
+        self.busy_s = 0.0
+        """Time this recorder spent turning steps into events (on the training thread)."""
         self.started_at = time.perf_counter()
         self._flow = 0
         self._lock = threading.Lock()
@@ -167,6 +169,7 @@ class TraceRecorder:
                         engine.observers.remove(self.on_step)
             if not self.window[0] <= step < self.window[1]:
                 return
+        t0 = time.perf_counter()
         self.steps += 1
         ev: list[dict[str, Any]] = []
         by_index = {b.index: b for b in stats.bucket_stats}
@@ -264,6 +267,7 @@ class TraceRecorder:
                 }
             )
         self._add(ev)
+        self.busy_s += time.perf_counter() - t0
 
     def _task_events(
         self, task: Task, step: int, bucket: int, compressed: bool, ready_at: float | None
@@ -319,7 +323,7 @@ class TraceRecorder:
         calls = sp.calls
         base = {"step": step, "bucket": bucket}
         if not calls:
-            return [_slice(f"{label} (no collective)", "comm", COMM, sp.start, sp.end, base)]
+            return [_slice(f"wait {label}", "comm", COMM, sp.start, sp.end, base)]
         if len(calls) == 1:
             op, level, nbytes, _ = calls[0]
             return [
@@ -410,6 +414,7 @@ class TraceRecorder:
                 "per_node": self.topo.per_node,
                 "steps": self.steps,
                 "dropped_events": self.dropped,
+                "recorder_ms_per_step": round(self.busy_s / max(self.steps, 1) * 1e3, 4),
                 "clock_offset_us": round(offset * 1e6, 3),
                 "clock_spread_us": round(spread * 1e6, 3),
             },
