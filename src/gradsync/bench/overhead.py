@@ -31,7 +31,7 @@ from torch import nn
 
 import gradsync
 from gradsync.bench.output import save_result
-from gradsync.bench.world import join_world
+from gradsync.bench.world import add_world_arguments, join_world, max_over_ranks
 from gradsync.collectives import Topology
 from gradsync.models import build_model_for, models_for
 from gradsync.sync import Scheme
@@ -45,10 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds of (off, on) or (on, off)")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps per contender and round")
     p.add_argument("--steps", type=int, default=10, help="measured steps per contender and round")
-    p.add_argument("--nodes", type=int, help="impose a topology (with --per-node) instead of torchrun's")
-    p.add_argument("--per-node", type=int)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
+    add_world_arguments(p, timeout_s=900.0)
     p.add_argument("--json", metavar="PATH")
 
 
@@ -59,12 +56,6 @@ def check(args: argparse.Namespace) -> None:
     if (args.nodes is None) != (args.per_node is None):
         raise ValueError("--nodes and --per-node go together")
     Scheme.parse(args.scheme)
-
-
-def _max(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _contender(
@@ -88,19 +79,19 @@ def _contender(
         opt.zero_grad(set_to_none=True)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    out = {"step_s": _max([statistics.median(times)])[0]}
+    out = {"step_s": max_over_ranks([statistics.median(times)])[0]}
     if model.tracer is not None:  # what the recorder itself spent per step, slowest rank
-        out["recorder_s"] = _max([model.tracer.busy_s / max(model.tracer.steps, 1)])[0]
+        out["recorder_s"] = max_over_ranks([model.tracer.busy_s / max(model.tracer.steps, 1)])[0]
     if not traced:  # the bookkeeping every step does with tracing off, on the live engine
         engine = model.engine
         reps = 200
         t0 = time.perf_counter()
         for _ in range(reps):
             engine._bucket_stats()
-        out["bookkeeping_s"] = _max([(time.perf_counter() - t0) / reps])[0]
+        out["bookkeeping_s"] = max_over_ranks([(time.perf_counter() - t0) / reps])[0]
     t0 = time.perf_counter()
     model.close()  # writes the trace when traced
-    out["close_s"] = _max([time.perf_counter() - t0])[0]
+    out["close_s"] = max_over_ranks([time.perf_counter() - t0])[0]
     return out
 
 

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsync
 from gradsync.bench import nic as bench_nic
 from gradsync.bench.output import save_result
-from gradsync.bench.world import CableMeter, join_world
+from gradsync.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import build_model_for, models_for, parameter_count
@@ -119,12 +119,6 @@ def _ddp(name: str, model: nn.Module, warmup: int) -> nn.Module:
     return ddp
 
 
-def _max(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _measure(
     name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
 ) -> tuple[StepRow, dict[str, Any]]:
@@ -166,7 +160,7 @@ def _measure(
             probe.record(t0, t1, end, t3)
         row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
         row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
-        row = _max(row)
+        row = max_over_ranks(row)
         if step >= args.warmup:
             samples.append(row)
             if st is not None:
@@ -311,10 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a gradsync SyncConfig option for every scheme (repeatable)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps (gradsync plans after the first)")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
-    p.add_argument("--nodes", type=int, help="impose a topology (with --per-node) instead of torchrun's")
-    p.add_argument("--per-node", type=int)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900.0, help="process-group timeout in seconds")
+    add_world_arguments(p, timeout_s=900.0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
     p.add_argument("--trace", metavar="PATH", help="a timeline of each gradsync contender's measured steps: "

@@ -3,6 +3,7 @@ of the emulated cluster, and the bytes that really left a node (read from its NI
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 
@@ -25,6 +26,21 @@ def join_world(timeout_s: float, nodes: int | None, per_node: int | None) -> Top
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return Topology(nodes, per_node) if nodes else Topology()
+
+
+def add_world_arguments(p: argparse.ArgumentParser, timeout_s: float) -> None:
+    """The options every distributed benchmark has: an imposed topology, threads, the timeout."""
+    p.add_argument("--nodes", type=int, help="impose a topology (with --per-node) instead of torchrun's")
+    p.add_argument("--per-node", type=int)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=timeout_s, help="process-group timeout in seconds")
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks (the slowest rank's times)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def link_bytes_per_s(rate: str | None) -> float | None:
