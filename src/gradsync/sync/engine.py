@@ -528,11 +528,21 @@ class SyncEngine:
     def _bucket_stats(self) -> list[BucketStats]:
         out = [
             BucketStats(
-                index=b.index, key=b.key, raw_bytes=b.nbytes, wire_bytes=0,
-                compressed=self._compress[b.index] and not self._dense_step, parts=0,
-                ready_at=max((r for r in (self._ready_at[s.index] for s in b.slots) if r is not None),
-                             default=self._launched_at[b.index]),
-                launched_at=self._launched_at[b.index], done_at=0.0, compute_s=0.0, decode_s=0.0, comm_s=0.0,
+                index=b.index,
+                key=b.key,
+                raw_bytes=b.nbytes,
+                wire_bytes=0,
+                compressed=self._compress[b.index] and not self._dense_step,
+                parts=0,
+                ready_at=max(
+                    (r for r in (self._ready_at[s.index] for s in b.slots) if r is not None),
+                    default=self._launched_at[b.index],
+                ),
+                launched_at=self._launched_at[b.index],
+                done_at=0.0,
+                compute_s=0.0,
+                decode_s=0.0,
+                comm_s=0.0,
             )
             for b in self._buckets
         ]
