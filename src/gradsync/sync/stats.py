@@ -71,8 +71,6 @@ class StepStats:
     lag_s: float | None = None
     """The largest ``check_wait_s`` over all ranks, of the *previous* step (it travels in this
     step's check): how far the slowest rank lagged behind the fastest. None without the check."""
-    residual_norm: float | None = None
-    """The error-feedback residual's norm, filled only when telemetry asks (it costs a pass)."""
     bucket_stats: list[BucketStats] = field(default_factory=list)
 
     @property

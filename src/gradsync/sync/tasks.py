@@ -115,8 +115,12 @@ class TaskManager:
     @record.setter
     def record(self, on: bool) -> None:
         self._record = on
+        # the per-collective log only while recording (the communication thread reads the
+        # attribute once per step, so switching it here is safe)
         if on and self._traffic.log is None:
             self._traffic.log = []
+        elif not on:
+            self._traffic.log = None
 
     # ------------------------------------------------------------------ public
     def submit(
