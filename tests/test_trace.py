@@ -222,6 +222,41 @@ def tracing_block(tmp: str) -> None:
         assert sorted({e["args"]["step"] for e in _events(doc, 0, "X", "sync wait")}) == [1, 2]
 
 
+def traced_bf16(tmp: str) -> None:
+    """A bfloat16 model as a user writes it (data from a DistributedSampler, plain SGD): the
+    trace is well formed and its all-reduces carry the bf16 buckets' bytes (2 per element)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    path = Path(tmp) / "bf16.json"
+    net = _model().to(torch.bfloat16)
+    model = gradsync.wrap(net, "flat", bucket_bytes=10_000, trace=path)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(64, 3, 8, 8, generator=g).bfloat16(), torch.randint(0, 10, (64,), generator=g)
+    )
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+        nn.functional.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    if dist.get_rank() != 0:
+        return
+    doc = load_trace(path)
+    assert check_trace(doc) == []
+    numel = sum(p.numel() for p in _model().parameters())
+    per_step = [
+        sum(
+            e["args"]["bytes"]
+            for e in _events(doc, 0, "X", "all_reduce")
+            if e["args"]["step"] == s and e["args"]["bucket"] >= 0
+        )
+        for s in range(4)
+    ]
+    assert all(b == pytest.approx(2 * (2 - 1) / 2 * numel * 2, abs=8) for b in per_step), per_step
+
+
 def bad_trace_options(tmp: str) -> None:
     """Refused on every rank before anything communicates, naming the option."""
     for kwargs, words in (
@@ -272,6 +307,7 @@ def _checks(tmp: str) -> None:
         named_check(traced_dense, tmp),
         named_check(traced_compressed, tmp),
         named_check(tracing_block, tmp),
+        named_check(traced_bf16, tmp),
         named_check(bad_trace_options, tmp),
         named_check(bench_commands, tmp),
     )

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from gradsync import cluster, profile_cli, train
+    from gradsync import cluster, profile_cli, trace_cli, train
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
@@ -111,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="an emulated multi-node cluster on this machine (needs root)")
     cluster.add_arguments(p)
     p.set_defaults(check=None, func=_cmd_cluster)
-    from gradsync import trace_cli
-
     p = sub.add_parser("trace", help="merge, check or draw a timeline written by --trace")
     trace_cli.add_arguments(p)
     p.set_defaults(check=trace_cli.check, func=trace_cli.main)
