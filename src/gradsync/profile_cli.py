@@ -6,10 +6,11 @@ with the time their gradient was ready, and writes the JSON profile that the wha
 replays (``--out``; ``docs/profile.md`` describes it). Unless ``--no-overhead``, every measured
 step is paired with an unprofiled one and the profile records what the measuring cost.
 
-``--model`` is a built-in model (``gradsync.models``: ``vgg``, ``vgg-small``, ``resnet`` take a
-batch of random images and labels, ``lstm`` and ``transformer`` random token ids whose
-next-token targets are the same ids shifted by one), or ``package.module:factory``: a
-function called with no arguments that returns
+``--model`` is a built-in model (``gradsync.models``: ``vgg``, ``vgg-small``, ``resnet``,
+``resnet50``, ``resnet101``, ``vgg16`` take a batch of random images and labels, of
+``--classes`` classes; ``lstm``, ``transformer`` and ``bert-base`` random token ids, over
+``--vocab-size`` values, whose next-token targets are the same ids shifted by one), or
+``package.module:factory``: a function called with no arguments that returns
 
 - ``(model, batch)``: ``batch`` a tuple of tensors ``(inputs..., target)``; each step computes
   ``cross_entropy(model(*inputs), target)`` over the output's last dimension;
@@ -68,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="built-in models: samples per step (default 16)")
     p.add_argument("--image-size", type=int, help="built-in image models: square images' side (default 32)")
     p.add_argument("--seq-len", type=int, help="built-in language models: tokens per sample (default 64)")
+    p.add_argument("--classes", type=int, help=f"built-in image models: classes (default {CLASSES})")
+    p.add_argument(
+        "--vocab-size", type=int, help=f"built-in language models: vocabulary (default {VOCABULARY})"
+    )
     p.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before them (default 5)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own setting)")
@@ -86,7 +91,7 @@ def check(args: argparse.Namespace) -> None:
     factory = _is_factory(spec)
     if factory:
         _check_factory_spec(spec)
-        for name in ("batch_size", "image_size", "seq_len"):
+        for name in ("batch_size", "image_size", "seq_len", "vocab_size", "classes"):
             if getattr(args, name) is not None:
                 raise ValueError(
                     f"--{name.replace('_', '-')} applies to built-in models only; "
@@ -99,11 +104,17 @@ def check(args: argparse.Namespace) -> None:
         )
     else:
         lm = spec in models_for("lm")
-        if lm and args.image_size is not None:
-            raise ValueError(f"--image-size applies to image models ({', '.join(models_for('classify'))})")
-        if not lm and args.seq_len is not None:
-            raise ValueError(f"--seq-len applies to language models ({', '.join(models_for('lm'))})")
-    for name in ("batch_size", "image_size", "seq_len", "threads"):
+        for name, for_lm in (
+            ("image_size", False),
+            ("classes", False),
+            ("seq_len", True),
+            ("vocab_size", True),
+        ):
+            if lm != for_lm and getattr(args, name) is not None:
+                kind = "language models" if for_lm else "image models"
+                allowed = ", ".join(models_for("lm" if for_lm else "classify"))
+                raise ValueError(f"--{name.replace('_', '-')} applies to {kind} ({allowed})")
+    for name in ("batch_size", "image_size", "seq_len", "vocab_size", "classes", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -129,24 +140,31 @@ def check(args: argparse.Namespace) -> None:
 
 
 def builtin(
-    name: str, batch_size: int, image_size: int, seq_len: int
+    name: str,
+    batch_size: int,
+    image_size: int,
+    seq_len: int,
+    vocab_size: int = VOCABULARY,
+    classes: int = CLASSES,
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A built-in model and an example batch of the right kind, from a fixed seed."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     if name in models_for("lm"):
-        kwargs: dict[str, Any] = {"vocab_size": VOCABULARY}
+        kwargs: dict[str, Any] = {"vocab_size": vocab_size}
         if name == "transformer":
             kwargs["seq_len"] = seq_len
+        elif name == "bert-base" and seq_len > 512:
+            kwargs["seq_len"] = seq_len  # BERT's 512 positions otherwise, as the real model
         model = build_model(name, **kwargs)
-        tokens = torch.randint(0, VOCABULARY, (batch_size, seq_len + 1), generator=g)
+        tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
         return model, (tokens[:, :-1], tokens[:, 1:])  # next-token targets
-    kwargs = {"num_classes": CLASSES}
+    kwargs = {"num_classes": classes}
     if name.startswith("vgg"):
         kwargs["image_size"] = image_size
     model = build_model(name, **kwargs)
     images = torch.randn(batch_size, 3, image_size, image_size, generator=g)
-    return model, (images, torch.randint(0, CLASSES, (batch_size,), generator=g))
+    return model, (images, torch.randint(0, classes, (batch_size,), generator=g))
 
 
 def from_factory(spec: str) -> tuple[nn.Module, BatchOrLossFn, torch.optim.Optimizer | None]:
@@ -270,11 +288,15 @@ def main(args: argparse.Namespace) -> int:
         batch_size = args.batch_size or DEFAULTS["batch_size"]
         image_size = args.image_size or DEFAULTS["image_size"]
         seq_len = args.seq_len or DEFAULTS["seq_len"]
-        model, source = builtin(args.model, batch_size, image_size, seq_len)
+        vocab_size = args.vocab_size or VOCABULARY
+        classes = args.classes or CLASSES
+        model, source = builtin(args.model, batch_size, image_size, seq_len, vocab_size, classes)
         if args.model in models_for("lm"):
             meta["seq_len"] = seq_len
+            meta["vocab_size"] = vocab_size
         else:
             meta["image_size"] = image_size
+            meta["classes"] = classes
     print(
         f"gradsync profile: {args.model} on {device.type}, "
         f"{args.warmup} warm-up + {args.steps} measured steps"

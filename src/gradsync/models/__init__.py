@@ -3,8 +3,12 @@
 Two tasks, each with its own models:
 
 - ``classify``: images of shape (C, H, W) -> class logits (B, classes): ``vgg`` (communication
-  heavy: ~21 M parameters, nearly all in the fully-connected head), ``vgg-small``, ``resnet``.
-- ``lm``: token ids (B, T) -> next-token logits (B, T, vocabulary): ``lstm``, ``transformer``.
+  heavy: ~21 M parameters, nearly all in the fully-connected head), ``vgg-small``, ``resnet``;
+  and the papers' models at their real sizes (:mod:`gradsync.models.paper`): ``resnet50``
+  (25.6 M parameters with 1000 classes), ``resnet101`` (44.5 M), ``vgg16`` (138.4 M).
+- ``lm``: token ids (B, T) -> next-token logits (B, T, vocabulary): ``lstm``, ``transformer``;
+  ``bert-base`` (BERT-base with its masked-LM head, 109.5 M parameters at vocabulary 30522 and
+  512 positions; built for a dataset, its attention is causal so that next-token targets are fair).
 
 :func:`build_model` takes each constructor's own keyword arguments; :func:`build_model_for` builds
 any model from a dataset description (task, input shape, number of classes or vocabulary size),
@@ -18,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from gradsync.models.paper import bert_base, resnet50, resnet101, vgg16
 from gradsync.models.text import LSTMLanguageModel, TransformerLanguageModel
 from gradsync.models.vision import VGG, ResNet
 
@@ -29,6 +34,10 @@ _MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet": ResNet,
     "lstm": LSTMLanguageModel,
     "transformer": TransformerLanguageModel,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "vgg16": vgg16,
+    "bert-base": bert_base,
 }
 
 # The task each model is for, and how a dataset description (input shape without the batch
@@ -39,6 +48,10 @@ _TASK_OF: dict[str, str] = {
     "resnet": "classify",
     "lstm": "lm",
     "transformer": "lm",
+    "resnet50": "classify",
+    "resnet101": "classify",
+    "vgg16": "classify",
+    "bert-base": "lm",
 }
 
 
@@ -46,12 +59,21 @@ def _vgg_kwargs(shape: tuple[int, ...], classes: int) -> dict[str, Any]:
     return {"num_classes": classes, "in_channels": shape[0], "image_size": (shape[1], shape[2])}
 
 
+def _resnet_kwargs(shape: tuple[int, ...], classes: int) -> dict[str, Any]:
+    return {"num_classes": classes, "in_channels": shape[0]}
+
+
 _KWARGS_FOR: dict[str, Callable[[tuple[int, ...], int], dict[str, Any]]] = {
     "vgg": _vgg_kwargs,
     "vgg-small": _vgg_kwargs,
-    "resnet": lambda shape, classes: {"num_classes": classes, "in_channels": shape[0]},
+    "resnet": _resnet_kwargs,
     "lstm": lambda shape, vocab: {"vocab_size": vocab},
     "transformer": lambda shape, vocab: {"vocab_size": vocab, "seq_len": shape[0]},
+    "resnet50": _resnet_kwargs,
+    "resnet101": _resnet_kwargs,
+    "vgg16": _vgg_kwargs,
+    # gradsync's lm task trains on next-token targets: mask the attention (BERT's own is bidirectional)
+    "bert-base": lambda shape, vocab: {"vocab_size": vocab, "seq_len": shape[0], "causal": True},
 }
 
 # What input_shape must look like for each task.
@@ -75,7 +97,7 @@ def models_for(task: str) -> list[str]:
 
 
 def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """A model by name (``vgg``, ``resnet``, ``lstm``, ...); ``kwargs`` go to its constructor."""
+    """A model by name (``vgg``, ``resnet50``, ``bert-base``, ...); ``kwargs`` go to its constructor."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; available models: {', '.join(model_names())}")
     return _MODELS[name](**kwargs)
@@ -115,9 +137,13 @@ __all__ = [
     "LSTMLanguageModel",
     "ResNet",
     "TransformerLanguageModel",
+    "bert_base",
     "build_model",
     "build_model_for",
     "model_names",
     "models_for",
     "parameter_count",
+    "resnet50",
+    "resnet101",
+    "vgg16",
 ]
