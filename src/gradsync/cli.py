@@ -97,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from gradsync import cluster, profile_cli, trace_cli, train
+    from gradsync import cluster, profile_cli, trace_cli, train, whatif_cli
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
     from gradsync.bench import overhead as bench_overhead
     from gradsync.bench import step as bench_step
     from gradsync.bench import train as bench_train
+    from gradsync.bench import whatif as bench_whatif
 
     p = sub.add_parser("train", help="train a model on local workers (or under torchrun) with gradsync")
     train.add_arguments(p)
@@ -119,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="each gradient's ready time in a training step, and the phases")
     profile_cli.add_arguments(p)
     p.set_defaults(check=profile_cli.check, func=profile_cli.main)
+    p = sub.add_parser("whatif", help="predicted step time and scaling factor on any cluster and network")
+    whatif_cli.add_arguments(p)
+    p.set_defaults(check=whatif_cli.check, func=whatif_cli.main)
+    p = sub.add_parser("calibrate", help="measure the running cluster's links for gradsync whatif --links")
+    whatif_cli.calibrate_add_arguments(p)
+    p.set_defaults(check=whatif_cli.calibrate_check, func=whatif_cli.calibrate_main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -129,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
         ("overhead", bench_overhead, "what recording a timeline (--trace) costs a step"),
+        ("whatif", bench_whatif, "the what-if simulator's predicted step next to the measured one"),
     ]
     for name, module, text in benchmarks:
         p = bsub.add_parser(name, help=text)

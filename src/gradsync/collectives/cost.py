@@ -8,6 +8,8 @@ Formulas (p ranks, m nodes of n ranks), one method of :class:`CostModel` each:
 
 - ``flat``, ``hierarchical``, ``torus2d``: ring all-reduce
   ``2(p-1) alpha + 2(p-1)/p S beta + (p-1)/p S gamma`` over the world, or composed per level;
+- ``paper02_ring``: paper 02's simulator, the flat ring without alpha (optionally with a free
+  compression ratio dividing the transfer);
 - ``allgather``: paper 01 Eq. 3, all-gather of B-byte payloads ``alpha log2 p + (p-1) B beta``;
   ``naive`` adds one encode and p decodes (paper 04's packed sparse all-gather, its T_sparse
   with the selection time measured as the codec's encode);
@@ -113,6 +115,13 @@ class CostModel:
     def flat(self, nbytes: float) -> float:
         """One ring over the world; on several nodes each node cable carries 2(p-1)/p S."""
         return self.ring_allreduce(nbytes, self.p, self._world_link)
+
+    def paper02_ring(self, nbytes: float, ratio: float = 1.0) -> float:
+        """Paper 02's what-if ring: ``2S(N-1)/N / bw + (N-1) AddEst(S/N)`` with AddEst(x) = gamma x,
+        no start-up term, and the transfer divided by a compression ``ratio`` that costs nothing
+        (the paper's Figure 8). It is :meth:`ring_allreduce` with alpha = 0 and beta / ratio."""
+        link = Link(0.0, self._world_link.beta / ratio)
+        return self.ring_allreduce(nbytes, self.p, link)
 
     def hierarchical(self, nbytes: float) -> float:
         """Paper 03: intra reduce and broadcast (binomial trees), ring all-reduce among leaders."""

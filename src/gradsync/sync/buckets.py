@@ -79,6 +79,19 @@ def build_groups(
     return [(members, cls) for _, members, cls in closed]
 
 
+def codec_class_for(
+    nbytes: int, floating: bool, codecs: int, min_compress_bytes: int, large_bytes: int
+) -> int:
+    """A tensor's codec class: -1 never compressed (no codec, smaller than
+    ``min_compress_bytes`` or not floating point), 1 the codec for large tensors (when there are
+    two codecs and it holds ``large_bytes`` or more), 0 the scheme's codec."""
+    if not codecs or nbytes < min_compress_bytes or not floating:
+        return -1
+    if codecs > 1 and nbytes >= large_bytes:
+        return 1
+    return 0
+
+
 @dataclass
 class _Open:
     t0: float

@@ -38,7 +38,7 @@ from gradsync.collectives.compressed import codec_refusal, compressed_program
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
-from gradsync.sync.buckets import Bucket, Slot, build_groups
+from gradsync.sync.buckets import Bucket, Slot, build_groups, codec_class_for
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.explain import PlanReport, explain_plan
 from gradsync.sync.plan import Plan
@@ -170,15 +170,11 @@ class SyncEngine:
 
     def codec_class(self, slot: Slot) -> int:
         """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
-        if (
-            not self.codecs
-            or slot.nbytes < self.config.min_compress_bytes
-            or not slot.param.is_floating_point()
-        ):
-            return -1
-        if len(self.codecs) > 1 and slot.nbytes >= self.config.large_bytes:
-            return 1
-        return 0
+        cfg = self.config
+        return codec_class_for(
+            slot.nbytes, slot.param.is_floating_point(), len(self.codecs), cfg.min_compress_bytes,
+            cfg.large_bytes,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the step
     def ready(self, index: int) -> None:

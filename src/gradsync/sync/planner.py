@@ -52,8 +52,12 @@ def predict(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | 
         return getattr(model, algo)(nbytes // 2 if scheme.comm_dtype else nbytes)
     if codec is None:
         raise ValueError("a compressed scheme needs the codec's measured cost")
-    if codec.lowrank and not scheme.local:
-        return model.lowrank(nbytes, codec)
+    if codec.lowrank:  # PowerSGD's rounds, around an intra-node reduction with local aggregation
+        return (
+            model.locally_aggregated("allgather", nbytes, codec)
+            if scheme.local
+            else model.lowrank(nbytes, codec)
+        )
     if scheme.strategy == "allgather" and scheme.local:  # hitopk, pipelined in chunks
         return model.hitopk(nbytes, codec, pipeline_chunks(int(nbytes), 4))
     if scheme.local:

@@ -1,0 +1,400 @@
+"""Each contender's step, as the simulator runs it: its buckets and the tasks each bucket submits.
+
+Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contenders`` share):
+
+- ``local``: no synchronization (the compute alone, under the same contention);
+- ``ddp``, ``ddp-fp16``, ``ddp-powersgd[:rank=R]``: PyTorch DDP with its default buckets
+  (rebuilt in the first step's ready order: a first bucket of 1 MiB, then 25 MiB; every bucket
+  all-reduced by one flat ring, in order) and its own communication hooks. The hooks compress on
+  the training thread (the autograd engine calls them), their callbacks decode after the
+  collective;
+- ``horovod``: paper 02's setting, Horovod's tensor fusion (a fused buffer closes at 64 MB or 5 ms
+  after its first gradient, whichever is first; then one flat ring all-reduce, alpha included);
+- ``paper02[:ratio=R]``: paper 02's own simulator: Horovod's fusion and its latency-free ring
+  formula, the transfer divided by a compression ratio R that costs nothing (its Figure 8);
+- any gradsync scheme (``hierarchical``, ``hitopk:density=0.01``, ``powersgd:rank=4``, ``auto``,
+  with ``--sync-option`` settings): gradsync's engine, with its own bucketing
+  (:func:`gradsync.sync.planner.first_step_groups`) and its planner's decisions
+  (:func:`gradsync.sync.planner.make_plan`) made from the simulated cluster's cost model and the
+  codec's measured cost. Each bucket (or each of its parts) is a task: pack and encode on the
+  compute thread, the scheme's collectives on the communication thread, decode and unpack on the
+  compute thread. How a part's predicted time splits into encode, communication and decode is
+  read off the same formula (:func:`stage_times`).
+
+Every collective's time is a :class:`gradsync.collectives.cost.CostModel` formula: the planner,
+``bench collectives`` and this simulator share them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from gradsync.codecs import build_codec
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.sync.buckets import Slot, build_groups, codec_class_for
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.planner import FirstStep, first_step_groups, make_plan, predict
+from gradsync.sync.scheme import Scheme
+from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
+from gradsync.whatif.workload import Workload
+
+DDP_BUCKET_BYTES = 25 << 20
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+HOROVOD_FUSION_BYTES = 64 << 20
+HOROVOD_CYCLE_S = 5e-3
+STEP_CHECK_BYTES = 5 * 8  # the engine's per-step agreement check: five int64 words
+BASELINES = ("local", "ddp", "ddp-fp16", "horovod")
+
+CodecCosts = Callable[[str, list[float]], CodecCost]
+"""``costs(codec spec, sizes in bytes) -> CodecCost`` at the target device's speed."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    per_node: int
+    params: CostParams
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def model(self) -> CostModel:
+        return CostModel(self.params, self.nodes, self.per_node)
+
+    def host_model(self) -> CostModel:
+        """The same formulas with the node cable free: what the host itself spends, the links
+        inside the node and the reductions (on the emulated cluster both are CPU work of this
+        machine, slowed by contention like any compute)."""
+        p = self.params
+        return CostModel(CostParams(p.intra, Link(0.0, 0.0), p.gamma), self.nodes, self.per_node)
+
+    def bytes_model(self) -> CostModel:
+        """The same formulas with the node cable at 1 s per byte and everything else free: their
+        value is the bytes one node's cable carries (in each direction)."""
+        return CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 1.0), 0.0), self.nodes, self.per_node)
+
+
+def check_contender(name: str) -> str:
+    """The contender's name if it is one (``ValueError`` naming ``--scheme`` otherwise)."""
+    try:
+        kind(name)
+    except ValueError as e:
+        raise ValueError(f"--scheme {name!r}: {e}") from None
+    return name
+
+
+def kind(name: str) -> str:
+    """``local``, ``ddp``, ``horovod``, ``paper02`` or ``gradsync``; validates the options."""
+    if name in ("local", "horovod"):
+        return name
+    if name in ("ddp", "ddp-fp16"):
+        return "ddp"
+    if name.startswith("ddp-powersgd"):
+        powersgd_rank(name)
+        return "ddp"
+    if name.startswith("paper02"):
+        paper02_ratio(name)
+        return "paper02"
+    Scheme.parse(name)
+    return "gradsync"
+
+
+def _option(name: str, prefix: str, key: str, default: float, parse: Callable[[str], float]) -> float:
+    rest = name[len(prefix) :]
+    if rest == "":
+        return default
+    k, eq, value = rest.lstrip(":").partition("=")
+    try:
+        v = parse(value)
+    except ValueError:
+        v = math.nan
+    if not rest.startswith(":") or k != key or not eq or not (v >= 1):
+        raise ValueError(f"expected {prefix} or {prefix}:{key}=N with N >= 1")
+    return v
+
+
+def powersgd_rank(name: str) -> int:
+    return int(_option(name, "ddp-powersgd", "rank", 1, int))
+
+
+def paper02_ratio(name: str) -> float:
+    return _option(name, "paper02", "ratio", 1.0, float)
+
+
+def _scaled(c: CodecCost, encode: bool, decode: bool) -> CodecCost:
+    zero = Linear(0.0, 0.0)
+    return replace(c, encode=c.encode if encode else zero, decode=c.decode if decode else zero)
+
+
+def stage_times(
+    scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost
+) -> tuple[float, float, float]:
+    """(encode, communication, decode) seconds of one compressed synchronization of ``nbytes``,
+    read off the scheme's formula: the encode (decode) is the formula on free links with only the
+    codec's encode (decode) cost, the communication what is left of the whole prediction (where
+    the formula overlaps compute with transfers, as hitopk's chunk pipeline does, the overlap is
+    credited to the communication)."""
+    total = predict(scheme, model, nbytes, codec)
+    free = CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 0.0), 0.0), model.m, model.n)
+    enc = predict(scheme, free, nbytes, _scaled(codec, True, False))
+    dec = predict(scheme, free, nbytes, _scaled(codec, False, True))
+    return enc, max(total - enc - dec, 0.0), dec
+
+
+def ddp_buckets(workload: Workload, order: list[int], cap: int, first: int) -> list[list[int]]:
+    """DDP's rebuilt buckets: tensors in ready order, one bucket per dtype open at a time, closed
+    once it holds its size limit (``first`` bytes for the first bucket of a dtype, ``cap`` after)."""
+    open_: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    count: dict[int, int] = {}
+    out: list[tuple[int, list[int]]] = []
+    for pos, i in enumerate(order):
+        k = workload.tensors[i].itemsize
+        open_.setdefault(k, []).append(i)
+        size[k] = size.get(k, 0) + workload.tensors[i].nbytes
+        limit = first if count.get(k, 0) == 0 else cap
+        if size[k] >= limit:
+            out.append((pos, open_.pop(k)))
+            size[k], count[k] = 0, count.get(k, 0) + 1
+    out += [(order.index(m[-1]), m) for m in open_.values()]
+    return [m for _, m in sorted(out, key=lambda x: x[0])]
+
+
+def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[Stage]:
+    """A collective of ``total`` seconds, of which ``host`` (at most) are the node's own links and
+    reductions: that part is CPU work (contended), the rest is the cable's time."""
+    host = min(max(host, 0.0), total)
+    out = []
+    if host > 0:
+        out.append(Stage(COMM, host, f"{label} (in node)", True, {"bytes": nbytes}))
+    if total - host > 0 or not out:
+        out.append(Stage(COMM, total - host, label, False, {"bytes": nbytes}))
+    return out
+
+
+def _meta_slots(workload: Workload) -> list[Slot]:
+    dtypes = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    slots = []
+    for i, t in enumerate(workload.tensors):
+        dtype = dtypes.get(t.itemsize, torch.float32) if t.floating else torch.int64
+        slots.append(Slot(i, t.name, torch.empty(t.numel, dtype=dtype, device="meta")))
+    return slots
+
+
+def _bytes_of(workload: Workload, members: list[int]) -> float:
+    return float(sum(workload.tensors[i].nbytes for i in members))
+
+
+def build_program(
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    costs: CodecCosts,
+    sync_options: dict[str, str] | None = None,
+    ddp_bucket_bytes: int = DDP_BUCKET_BYTES,
+) -> StepProgram:
+    """The simulated step of contender ``name`` (see the module docstring)."""
+    k = kind(name)
+    order = workload.ready_order()
+    model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
+    gamma = cluster.params.gamma
+    prog = StepProgram(name)
+    if k == "local" or cluster.world == 1:
+        return prog
+    if k in ("horovod", "paper02"):
+        slots = _meta_slots(workload)
+        ready = [t.ready if t.ready is not None else 0.0 for t in workload.tensors]
+        groups = build_groups(slots, order, ready, [-1] * len(slots), HOROVOD_FUSION_BYTES, HOROVOD_CYCLE_S)
+        prog.hold_s = HOROVOD_CYCLE_S
+        ratio = paper02_ratio(name) if k == "paper02" else 1.0
+        for b, (members, _) in enumerate(groups):
+            s = _bytes_of(workload, members)
+            prog.buckets.append(members)
+            prog.full.append(s >= HOROVOD_FUSION_BYTES)
+            if k == "paper02":
+                t, own, cable = (
+                    model.paper02_ring(s, ratio),
+                    host.paper02_ring(s),
+                    bytes_model.flat(s) / ratio,
+                )
+            else:  # Horovod copies into and out of its fusion buffer around the ring
+                t, own, cable = (
+                    model.flat(s) + 2 * gamma * s,
+                    host.flat(s) + 2 * gamma * s,
+                    bytes_model.flat(s),
+                )
+            prog.bucket_tasks.append([Task(f"fused {b}", b, comm_stages("allreduce", t, own, s))])
+            prog.cable_bytes += cable
+        return prog
+    if k == "ddp":
+        return _ddp_program(name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma)
+    return _gradsync_program(
+        name, workload, order, cluster, model, bytes_model, host, costs, sync_options or {}
+    )
+
+
+def _ddp_program(
+    name: str, workload: Workload, order: list[int], model: CostModel, bytes_model: CostModel,
+    host: CostModel, costs: CodecCosts, cap: int, gamma: float,
+) -> StepProgram:  # fmt: skip
+    prog = StepProgram(name)
+    prog.buckets = ddp_buckets(workload, order, cap, min(DDP_FIRST_BUCKET_BYTES, cap))
+    prog.full = [True] * len(prog.buckets)
+    total = 0.0
+    for b, members in enumerate(prog.buckets):
+        s = _bytes_of(workload, members)
+        total += s
+        copy_in = Stage(MAIN, gamma * s, "copy into bucket")  # gradient_as_bucket_view=False
+        if name == "ddp":
+            stages = [copy_in, *comm_stages("allreduce", model.flat(s), host.flat(s), s)]
+            prog.cable_bytes += bytes_model.flat(s)
+        elif name == "ddp-fp16":
+            stages = [
+                copy_in, Stage(MAIN, gamma * s, "fp16 compress"),
+                *comm_stages("allreduce", model.flat(s / 2), host.flat(s / 2), s / 2),
+                Stage(COMM, gamma * s, "fp16 decompress"),
+            ]  # fmt: skip
+            prog.cable_bytes += bytes_model.flat(s / 2)
+        else:
+            stages = _powersgd_hook(name, workload, members, model, bytes_model, host, costs, prog)
+            stages.insert(0, copy_in)
+        prog.bucket_tasks.append([Task(f"bucket {b}", b, stages)])
+    prog.after_sync = gamma * total  # the bucket copied back into the gradients
+    return prog
+
+
+def _powersgd_hook(
+    name: str, workload: Workload, members: list[int], model: CostModel, bytes_model: CostModel,
+    host: CostModel, costs: CodecCosts, prog: StepProgram,
+) -> list[Stage]:  # fmt: skip
+    """PyTorch's PowerSGD hook on one bucket: the vectors (biases) all-reduced as they are; the
+    matrices' P = M Q computed in the hook and all-reduced, then (in the callback) orthogonalized,
+    Q = M^T P computed and all-reduced, and M = P Q^T decoded. The compute is gradsync's PowerSGD
+    codec's measured cost at the matrices' size, half before each factor's all-reduce."""
+    rank = powersgd_rank(name)
+    vec = sum(workload.tensors[i].nbytes for i in members if workload.tensors[i].numel < 2**16)
+    mat = _bytes_of(workload, members) - vec
+    c = costs(f"powersgd:rank={rank}", [mat])
+    factor = c.payload(mat) / 2
+    stages = [Stage(MAIN, c.encode(mat) / 2, "compute P")]
+    if vec:
+        stages += comm_stages("allreduce vectors", model.flat(vec), host.flat(vec), vec)
+        prog.cable_bytes += bytes_model.flat(vec)
+    stages += [
+        *comm_stages("allreduce P", model.flat(factor), host.flat(factor), factor),
+        Stage(COMM, c.encode(mat) / 2, "orthogonalize, compute Q"),
+        *comm_stages("allreduce Q", model.flat(factor), host.flat(factor), factor),
+        Stage(COMM, c.decode(mat), "decompress"),
+    ]
+    prog.cable_bytes += 2 * bytes_model.flat(factor)
+    return stages
+
+
+def _gradsync_program(
+    name: str, workload: Workload, order: list[int], cluster: Cluster, model: CostModel,
+    bytes_model: CostModel, host: CostModel, costs: CodecCosts, options: dict[str, str],
+) -> StepProgram:  # fmt: skip
+    config = SyncConfig.from_options({"scheme": name, **options})
+    scheme = Scheme.parse(config.scheme).resolve(cluster.nodes, cluster.per_node)
+    prog = StepProgram(name)
+    slots = _meta_slots(workload)
+    codecs: list[str] = []
+    if scheme.kind != "dense":
+        codecs.append(scheme.codec or "")
+        if config.large_codec is not None:
+            codecs.append(config.large_codec)
+    classes = [
+        codec_class_for(s.nbytes, workload.tensors[s.index].floating, len(codecs), config.min_compress_bytes,
+                        config.large_bytes)
+        for s in slots
+    ]  # fmt: skip
+    ready = [t.ready for t in workload.tensors]
+    groups = first_step_groups(
+        slots, FirstStep(order, ready), classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3
+    )
+    gamma = cluster.params.gamma
+    sizes: dict[int, list[float]] = {}
+    for members, cid in groups:
+        if cid >= 0:
+            sizes.setdefault(cid, []).append(_bytes_of(workload, members))
+    codec_costs = {cid: costs(codecs[cid], sizes[cid]) for cid in sizes}
+    nbytes = [s.nbytes for s in slots]
+    plan = make_plan(
+        groups, nbytes, scheme, model, codec_costs, config.plan, config.dense_algorithm, config.partitions,
+        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots],
+    )  # fmt: skip
+    for b, bp in enumerate(plan.buckets):
+        members = [m for m in bp.slots if workload.tensors[m].ready is not None]
+        if not members:
+            continue
+        s = _bytes_of(workload, members)
+        prog.buckets.append(members)
+        prog.full.append(True)
+        tasks: list[Task] = []
+        if not bp.compress:
+            dense = (
+                Scheme("", "dense", scheme.algorithm, scheme.comm_dtype)
+                if scheme.kind == "dense"
+                else Scheme("", "dense", bp.dense_algorithm)
+            )
+            t = predict(dense, model, s, None)
+            stages = [
+                Stage(COMPUTE, gamma * s, "pack"),
+                *comm_stages(dense.algorithm, t, predict(dense, host, s, None), s),
+                Stage(COMPUTE, gamma * s, "unpack"),
+            ]
+            prog.cable_bytes += predict(dense, bytes_model, s, None)
+            tasks.append(Task(f"bucket {b}", b, stages))
+        else:
+            c = codec_costs[bp.codec_id]
+            part = s / bp.partitions
+            enc, comm, dec = stage_times(scheme, model, part, c)
+            own = predict(scheme, host, part, _scaled(c, False, False))
+            for j in range(bp.partitions):
+                first, last = j == 0, j == bp.partitions - 1
+                stages = [
+                    Stage(
+                        COMPUTE, enc + (gamma * s if first else 0.0), "pack, encode" if first else "encode"
+                    ),
+                    *comm_stages(scheme.name, comm, own, part),
+                    Stage(
+                        COMPUTE, dec + (gamma * s if last else 0.0), "decode, unpack" if last else "decode"
+                    ),
+                ]
+                prog.cable_bytes += predict(scheme, bytes_model, part, _scaled(c, False, False))
+                label = f"bucket {b}" + (f" part {j + 1}/{bp.partitions}" if bp.partitions > 1 else "")
+                tasks.append(Task(label, b, stages))
+        prog.bucket_tasks.append(tasks)
+    if config.check_steps:
+        t = model.flat(STEP_CHECK_BYTES)
+        prog.start_tasks.append(
+            Task("step check", -1, comm_stages("step check", t, host.flat(STEP_CHECK_BYTES), 40))
+        )
+    if config.check_overflow or config.find_unused_parameters:
+        flags = 4 * (1 + (len(slots) if config.find_unused_parameters else 0))
+        prog.end_tasks.append(Task("step flags", -1, [Stage(COMM, model.flat(flags), "step flags", False)]))
+    compressed = sum(1 for b in plan.buckets if b.compress)
+    prog.notes.append(f"{len(plan.buckets)} buckets, {compressed} compressed")
+    return prog
+
+
+def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list[str]:
+    """The codec specs whose costs contender ``name`` needs (none for dense ones)."""
+    k = kind(name)
+    if k == "ddp" and name.startswith("ddp-powersgd"):
+        return [f"powersgd:rank={powersgd_rank(name)}"]
+    if k != "gradsync":
+        return []
+    config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})
+    scheme = Scheme.parse(config.scheme)
+    out = [scheme.codec] if scheme.kind != "dense" and scheme.codec else []
+    if out and config.large_codec:
+        out.append(config.large_codec)
+    for spec in out:
+        build_codec(spec)
+    return out

@@ -1,0 +1,175 @@
+"""Predictions per contender, at one point or over sweeps of the cluster, network and compression.
+
+For each contender :func:`predict_point` builds the simulated step
+(:func:`gradsync.whatif.contenders.build_program`), simulates it
+(:func:`gradsync.whatif.simulate.simulate`) and reports:
+
+- ``step_ms``: one step of every worker;
+- ``exposed_ms``: the step minus the ``local`` step (the same compute under the same contention,
+  nothing synchronized): the synchronization the backward pass did not hide;
+- ``scaling_factor``: paper 02's T_n / (n T_1) with T_1 one worker's step alone;
+- ``cable_mb``: MB per step over each node's cable (one direction), ``utilization``: that over
+  what the cable could carry in the step.
+
+A sweep varies ``inter`` (the node cable's rate), ``inter_latency``, ``nodes``, ``per_node`` or
+``ratio``: a compression ratio R that sets ``{density}`` = 1 / R and ``{ratio}`` = R in the
+contenders' names (``hitopk:density={density}``, ``paper02:ratio={ratio}``); several sweeps are
+crossed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
+from gradsync.whatif.network import Network, parse_rate, parse_time, rate_text
+from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
+from gradsync.whatif.workload import Workload
+
+SWEEP_KEYS = ("inter", "inter_latency", "nodes", "per_node", "ratio")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulated configuration."""
+
+    nodes: int
+    per_node: int
+    network: Network
+    ratio: float | None = None  # the compression ratio a sweep sets
+
+    def label(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "nodes": self.nodes, "per_node": self.per_node,
+            "inter": rate_text(self.network.inter_bytes_per_s),
+            "inter_bps": self.network.inter_bytes_per_s * 8,
+            "inter_latency_us": self.network.params.inter.alpha * 1e6,
+        }  # fmt: skip
+        if self.ratio is not None:
+            out["ratio"] = self.ratio
+        return out
+
+
+def contender_name(template: str, ratio: float | None) -> str:
+    """``hitopk:density={density}`` at ratio 100 -> ``hitopk:density=0.01``."""
+    if ratio is None:
+        if "{" in template:
+            raise ValueError(f"--scheme {template!r} has a placeholder: add --sweep ratio=...")
+        return template
+    return template.replace("{density}", f"{1 / ratio:.6g}").replace("{ratio}", f"{ratio:g}")
+
+
+def check_contenders(templates: list[str], with_ratio: bool) -> None:
+    for t in templates:
+        if "{" in t and not with_ratio:
+            raise ValueError(
+                f"--scheme {t!r} has a placeholder {{density}} or {{ratio}}: add --sweep ratio=..."
+            )
+        check_contender(contender_name(t, 10.0 if with_ratio else None))
+
+
+def parse_sweep(text: str) -> tuple[str, list[Any]]:
+    """``inter=1,10,25gbit`` (a unit on the last value applies to all that have none),
+    ``nodes=2,4,8``, ``ratio=1,10,100``, ``inter_latency=5us,50us``."""
+    key, eq, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not eq or key not in SWEEP_KEYS:
+        raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}, got {text!r}")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"--sweep {key}= needs at least one value")
+    out: list[Any] = []
+    if key in ("inter", "inter_latency"):
+        unit = "".join(c for c in items[-1] if c.isalpha() or c == "/")
+        parse = parse_rate if key == "inter" else parse_time
+        for v in items:
+            v = v if any(c.isalpha() for c in v) else v + unit
+            out.append(parse(v, f"--sweep {key}"))
+    else:
+        for v in items:
+            try:
+                n = float(v) if key == "ratio" else int(v)
+            except ValueError:
+                n = -1
+            if not n >= 1:
+                what = "numbers" if key == "ratio" else "integers"
+                raise ValueError(f"--sweep {key}: values must be {what} >= 1, got {v!r}")
+            out.append(n)
+    return key, out
+
+
+def points(base: Point, sweeps: list[tuple[str, list[Any]]]) -> list[Point]:
+    if not sweeps:
+        return [base]
+    out = []
+    for combo in itertools.product(*(values for _, values in sweeps)):
+        p = base
+        for (key, _), v in zip(sweeps, combo, strict=True):
+            if key == "inter":
+                p = replace(p, network=p.network.with_inter(bytes_per_s=v))
+            elif key == "inter_latency":
+                p = replace(p, network=p.network.with_inter(latency_s=v))
+            elif key == "ratio":
+                p = replace(p, ratio=float(v))
+            elif key == "nodes":
+                p = replace(p, nodes=int(v))
+            else:
+                p = replace(p, per_node=int(v))
+        out.append(p)
+    return out
+
+
+def simulate_contender(
+    name: str, workload: Workload, point: Point, costs: CodecCosts, cpu: Cpu,
+    sync_options: dict[str, str] | None = None, record: bool = False, ddp_bucket_bytes: int | None = None,
+) -> tuple[StepResult, float, list[str]]:  # fmt: skip
+    """The simulated step of one contender, its cable bytes and the program's notes."""
+    cluster = Cluster(point.nodes, point.per_node, point.network.params)
+    kw = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
+    program = build_program(name, workload, cluster, costs, sync_options, **kw)
+    ready = [(i, t.ready) for i, t in enumerate(workload.tensors) if t.ready is not None]
+    w = workload
+    result = simulate(program, ready, w.data, w.forward, w.backward, w.optimizer, cpu, record)
+    return result, program.cable_bytes, program.notes
+
+
+def predict_point(
+    workload: Workload,
+    point: Point,
+    templates: list[str],
+    costs: CodecCosts,
+    cpu: Cpu = NO_CONTENTION,
+    sync_options: dict[str, str] | None = None,
+    ddp_bucket_bytes: dict[str, int] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per contender at ``point``."""
+    local, _, _ = simulate_contender("local", workload, point, costs, cpu)
+    rows = []
+    rate = point.network.inter_bytes_per_s
+    for template in templates:
+        name = contender_name(template, point.ratio)
+        buckets = (ddp_bucket_bytes or {}).get(name)
+        res, cable, notes = simulate_contender(
+            name, workload, point, costs, cpu, sync_options, ddp_bucket_bytes=buckets
+        )
+        busy = cable / rate if math.isfinite(rate) and point.nodes > 1 else 0.0
+        rows.append({
+            **point.label(),
+            "contender": template if point.ratio is None else name,
+            "template": template,
+            "step_ms": res.step_s * 1e3,
+            "local_ms": local.step_s * 1e3,
+            "exposed_ms": max(res.step_s - local.step_s, 0.0) * 1e3,
+            "wait_ms": res.wait_s * 1e3,
+            "comm_busy_ms": res.comm_busy_s * 1e3,
+            "compute_busy_ms": res.compute_busy_s * 1e3,
+            "scaling_factor": workload.step / res.step_s,
+            "scaling_vs_local": local.step_s / res.step_s,
+            "cable_mb": cable / 1e6,
+            "utilization": busy / res.step_s if res.step_s > 0 else 0.0,
+            "notes": "; ".join(notes),
+        })  # fmt: skip
+    return rows

@@ -1,0 +1,325 @@
+"""``gradsync whatif``: predicted step time, exposed synchronization and scaling factor of each
+contender for a profiled model on any cluster and network (docs/whatif.md).
+
+    gradsync whatif --profile docs/results/profile-resnet50-cpu.json --step-time 90ms \\
+        --cluster 8x8 --inter 25gbit --scheme horovod,ddp,hierarchical,hitopk:density=0.01 \\
+        --sweep inter=1,10,25,100gbit --png scaling.png --json scaling.json
+
+and ``gradsync calibrate`` (under torchrun or ``gradsync cluster launch``), which measures the
+running cluster's links and writes the ``gradsync.links/1`` file that ``--links`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any
+
+from gradsync.whatif.network import (
+    DEFAULT_INTER_LATENCY,
+    DEFAULT_INTRA,
+    DEFAULT_INTRA_LATENCY,
+    parse_rate,
+    parse_time,
+)
+
+DEFAULT_SCHEMES = (
+    "horovod,ddp,ddp-fp16,ddp-powersgd:rank=4,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
+)
+_CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    m = _CLUSTER.match(text or "")
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile", required=True, metavar="PATH.json", help="a gradsync profile (gradsync profile --out)"
+    )
+    p.add_argument(
+        "--cluster", default="2x8", metavar="NODESxGPUS", help="nodes x workers per node (default 2x8)"
+    )
+    p.add_argument("--inter", default="25gbit", help="the node cable's rate (default 25gbit)")
+    p.add_argument(
+        "--inter-latency",
+        default=DEFAULT_INTER_LATENCY,
+        help=f"its start-up time (default {DEFAULT_INTER_LATENCY})",
+    )
+    p.add_argument(
+        "--intra", default=DEFAULT_INTRA, help=f"the links inside a node (default {DEFAULT_INTRA})"
+    )
+    p.add_argument(
+        "--intra-latency", default=DEFAULT_INTRA_LATENCY, help=f"(default {DEFAULT_INTRA_LATENCY})"
+    )
+    p.add_argument(
+        "--add-rate",
+        default="400GB/s",
+        help="element-wise add (and copy) throughput, paper 02's AddEst (default 400GB/s)",
+    )
+    p.add_argument(
+        "--links", metavar="PATH.json", help="calibrated links (gradsync calibrate) instead of the rates"
+    )
+    p.add_argument("--scheme", default=DEFAULT_SCHEMES, help="comma-separated contenders (docs/whatif.md)")
+    p.add_argument(
+        "--sync-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a SyncConfig option for every gradsync scheme",
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="inter, inter_latency, nodes, per_node or ratio (repeatable: crossed)",
+    )
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument(
+        "--compute-scale", type=float, help="target device time / profiled device time (default 1)"
+    )
+    scale.add_argument(
+        "--step-time", help="one worker's step alone on the target device, e.g. 90ms: sets the scale"
+    )
+    p.add_argument("--codec-costs", metavar="PATH.json", help="codec costs measured on the target device")
+    p.add_argument(
+        "--codec-scale", type=float, help="codec time ratio target/this machine (default: the compute scale)"
+    )
+    p.add_argument("--save-codec-costs", metavar="PATH.json", help="write the codec costs used")
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        help="effective cores a host's workers share (CPU training; default: unbounded)",
+    )
+    p.add_argument("--ranks-per-host", type=int, help="workers sharing those cores (default: GPUs per node)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (default 25)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--png", metavar="PATH", help="scaling factor against the first --sweep")
+    p.add_argument(
+        "--trace", metavar="PATH.json", help="a Chrome trace of each contender's simulated step (first point)"
+    )
+
+
+def _schemes(args: argparse.Namespace) -> list[str]:
+    return [s.strip() for s in args.scheme.split(",") if s.strip()]
+
+
+def _sync_options(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def check(args: argparse.Namespace) -> None:
+    from gradsync.sync.config import SyncConfig
+    from gradsync.whatif.predict import check_contenders, parse_sweep
+
+    parse_cluster(args.cluster)
+    parse_rate(args.inter, "--inter")
+    parse_rate(args.intra, "--intra")
+    parse_rate(args.add_rate, "--add-rate")
+    parse_time(args.inter_latency, "--inter-latency")
+    parse_time(args.intra_latency, "--intra-latency")
+    if args.step_time is not None:
+        parse_time(args.step_time, "--step-time")
+    for name in ("compute_scale", "codec_scale", "host_cores", "ddp_bucket_mb"):
+        v = getattr(args, name)
+        if v is not None and not (v > 0 and v != float("inf")):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be at least 1, got {args.ranks_per_host}")
+    sweeps = [parse_sweep(s) for s in args.sweep or []]
+    keys = [k for k, _ in sweeps]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ValueError(f"--sweep {k} is given twice")
+    schemes = _schemes(args)
+    if not schemes:
+        raise ValueError(f"--scheme must name at least one contender, got {args.scheme!r}")
+    for s in schemes:
+        if schemes.count(s) > 1:
+            raise ValueError(f"--scheme names {s!r} twice")
+    check_contenders(schemes, "ratio" in keys)
+    options = _sync_options(args.sync_option)
+    SyncConfig.from_options({"scheme": "auto", **options})
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from gradsync.observe.profiler import Profile
+    from gradsync.whatif.codec_costs import CodecTable
+    from gradsync.whatif.network import from_rates, load_links, rate_text
+    from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
+    from gradsync.whatif.simulate import Cpu
+    from gradsync.whatif.workload import Workload
+
+    workload = Workload.from_profile(Profile.load(args.profile))
+    if args.step_time is not None:
+        workload = workload.scaled_to_step(parse_time(args.step_time, "--step-time"))
+    elif args.compute_scale is not None:
+        workload = workload.scaled(args.compute_scale)
+    nodes, per_node = parse_cluster(args.cluster)
+    if args.links:
+        network = load_links(args.links)
+    else:
+        network = from_rates(args.inter, args.intra, args.inter_latency, args.intra_latency,
+                             1.0 / parse_rate(args.add_rate, "--add-rate"))  # fmt: skip
+    codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
+    costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
+    cpu = Cpu(args.ranks_per_host or per_node, args.host_cores) if args.host_cores else Cpu()
+    sweeps = [parse_sweep(s) for s in args.sweep or []]
+    schemes = _schemes(args)
+    options = _sync_options(args.sync_option)
+    ddp_buckets = {s: int(args.ddp_bucket_mb * 2**20) for s in schemes if s.startswith("ddp")}
+    rows: list[dict[str, Any]] = []
+    for pt in points(Point(nodes, per_node, network), sweeps):
+        rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets)
+    title = (
+        f"{workload.model}, {args.cluster}, "
+        + (f"links {args.links}" if args.links else f"inter {rate_text(network.inter_bytes_per_s)}")
+        + f", one worker's step {workload.step * 1e3:.1f} ms"
+    )
+    result: dict[str, Any] = {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "title": title,
+        "profile": args.profile,
+        "model": workload.model,
+        "batch_size": workload.batch_size,
+        "profiled_on": workload.device,
+        "compute_scale": workload.compute_scale,
+        "codec_scale": codec_scale,
+        "single_worker_step_ms": workload.step * 1e3,
+        "network": network.to_dict(),
+        "cpu": {
+            "ranks_per_host": cpu.ranks_per_host,
+            "cores": None if cpu.cores == float("inf") else cpu.cores,
+        },
+        "sweeps": [[k, v] for k, v in sweeps],
+        "codecs_measured_here": list(costs.measured),
+        "rows": rows,
+    }
+    if args.save_codec_costs:
+        costs.save(args.save_codec_costs)
+    if args.trace:
+        from gradsync.whatif.report import trace_document, write_trace
+
+        first = points(Point(nodes, per_node, network), sweeps)[0]
+        steps = []
+        for s in schemes:
+            from gradsync.whatif.predict import contender_name
+
+            name = contender_name(s, first.ratio)
+            res, _, _ = simulate_contender(
+                name, workload, first, costs, cpu, options, True, ddp_buckets.get(s)
+            )
+            steps.append((name, res.spans, res.step_s))
+        write_trace(args.trace, trace_document(steps, first.nodes, first.per_node))
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gradsync.bench.output import save_result
+    from gradsync.whatif.report import COLUMNS, cells, markdown, plot, point_key
+
+    result = run(args)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    rows = result["rows"]
+    for key in dict.fromkeys(point_key(r) for r in rows):
+        table = Table(title=f"predicted: {result['model']}, {key}")
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col in ("contender", "notes") else "right")
+        for r in rows:
+            if point_key(r) == key:
+                table.add_row(*cells(r))
+        console.print(table)
+    print(f"one worker alone: {result['single_worker_step_ms']:.1f} ms per step (T_1)")
+    save_result(result, args.json, args.markdown, markdown(result))
+    if args.png:
+        plot(result, args.png)
+        print(f"plot: {args.png}")
+    if args.trace:
+        print(f"simulated timeline: {args.trace}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- calibrate
+def calibrate_add_arguments(p: argparse.ArgumentParser) -> None:
+    from gradsync.bench.world import add_world_arguments
+
+    p.add_argument(
+        "--out", required=True, metavar="PATH.json", help="where to write the gradsync.links/1 file"
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (default 5)")
+    p.add_argument(
+        "--emulate", metavar="NODESxPER_NODE", help="run on an emulated cluster of this shape (root)"
+    )
+    p.add_argument("--link", default="100mbit", help="the emulated cluster's cable rate (with --emulate)")
+    add_world_arguments(p, timeout_s=300.0)
+
+
+def calibrate_check(args: argparse.Namespace) -> None:
+    from gradsync.bench import train as bench_train
+
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    if args.emulate and "RANK" not in os.environ:
+        from gradsync.cluster.netns import parse_rate as parse_link
+
+        bench_train._emulated(args.emulate)
+        try:
+            parse_link(args.link)
+        except ValueError:
+            raise ValueError(f"--link must be a rate like 100mbit or 1gbit, got {args.link!r}") from None
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    import json
+
+    import torch.distributed as dist
+
+    from gradsync.bench import train as bench_train
+    from gradsync.bench.world import join_world
+    from gradsync.collectives.cost import calibrate
+    from gradsync.whatif.network import links_document
+
+    if args.emulate and "RANK" not in os.environ:
+        from gradsync.cluster import ClusterError, run_on_cluster
+
+        nodes, per_node = bench_train._emulated(args.emulate)
+        argv = bench_train._without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
+        try:
+            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
+        except ClusterError as e:
+            print(f"gradsync calibrate: cannot emulate a cluster here: {e}", file=sys.stderr)
+            return 1
+    owned = not dist.is_initialized()
+    topo = join_world(args.timeout, args.nodes, args.per_node)
+    params = calibrate(topo, reps=args.reps)
+    if topo.rank == 0:
+        doc = links_document(params, topo.nodes, topo.per_node, "gradsync " + " ".join(args.argv or []))
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
+        def rate(per_byte: float, unit: float) -> float:
+            return 1 / per_byte / unit if per_byte else float("inf")
+
+        i, o = params.intra, params.inter
+        print(f"intra: alpha {i.alpha * 1e6:.1f} us, {rate(i.beta, 1e6):.1f} MB/s; "
+              f"inter: alpha {o.alpha * 1e6:.1f} us, {rate(o.beta, 1e6):.1f} MB/s; "
+              f"add {rate(params.gamma, 1e9):.2f} GB/s -> {args.out}")  # fmt: skip
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

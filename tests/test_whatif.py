@@ -1,0 +1,280 @@
+"""The what-if simulator against closed forms written out here: one bucket without overlap is the
+compute plus the alpha-beta formula, a bucket hidden by the backward pass costs nothing, a
+hand-worked two-bucket step, Horovod's fusion hold, CPU contention, monotonicity in bandwidth,
+paper 02's ring formula; the command line (outputs, trace format, errors naming the option)."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync.cli import main
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.observe.profiler import profile_step
+from gradsync.observe.trace import check_trace
+from gradsync.sync.planner import predict
+from gradsync.sync.scheme import Scheme
+from gradsync.whatif.codec_costs import CODEC_COSTS_FORMAT, CodecTable
+from gradsync.whatif.contenders import Cluster, build_program, ddp_buckets, stage_times
+from gradsync.whatif.network import LINKS_FORMAT, Network, from_rates, links_document, parse_links, parse_rate
+from gradsync.whatif.predict import Point, parse_sweep, points, predict_point
+from gradsync.whatif.simulate import Cpu
+from gradsync.whatif.workload import Tensor, Workload
+
+MB = 1 << 20
+FWD, BWD, OPT = 0.020, 0.040, 0.005
+
+
+def workload(tensors, backward=BWD):
+    """Tensors as (MiB, ready offset in s)."""
+    ts = tuple(Tensor(f"t{i}", int(mb * MB) // 4, 4, True, ready) for i, (mb, ready) in enumerate(tensors))
+    return Workload("synthetic", 8, ts, 0.0, FWD, backward, OPT, "test")
+
+
+def network(beta, alpha=0.0, gamma=0.0):
+    return Network(CostParams(Link(0.0, 0.0), Link(alpha, beta), gamma), "test")
+
+
+def table():
+    """A codec table written out, so nothing is timed: encode 1 ms + 1 ns/B, decode 0.1 ms, 1 %."""
+    line = CodecCost(Linear(1e-3, 1e-9), Linear(1e-4, 0.0), Linear(16.0, 0.02))
+    low = CodecCost(Linear(1e-3, 1e-9), Linear(1e-4, 0.0), Linear(16.0, 0.01), lowrank=True)
+    return CodecTable(
+        entries={"mstopk:density=0.01": line, "topk:density=0.01": line, "powersgd:rank=4": low}
+    )
+
+
+def step_ms(name, w, pt, cpu=None, options=None):
+    rows = predict_point(w, pt, [name], table(), cpu or Cpu(), options)
+    return rows[0]["step_ms"] / 1e3
+
+
+def test_one_bucket_without_overlap_is_compute_plus_the_ring_formula():
+    """The only gradient is ready when the backward pass ends: nothing overlaps."""
+    s_mb, p, alpha, beta = 8, 4, 1e-4, 1 / 1.25e9
+    w = workload([(s_mb, BWD)])
+    s = s_mb * MB
+    ring = 2 * (p - 1) * alpha + 2 * (p - 1) / p * s * beta  # float64, as the papers write it
+    for name in ("ddp", "horovod"):
+        got = step_ms(name, w, Point(2, 2, network(beta, alpha)))
+        hold = 5e-3 if name == "horovod" else 0.0  # an 8 MB buffer is not full: it waits its 5 ms
+        assert got == pytest.approx(FWD + BWD + hold + ring + OPT, rel=1e-9), name
+
+
+def test_perfect_overlap_costs_nothing():
+    """Ready at the start of a 40 ms backward pass, synchronized in 1 ms: the step is the compute."""
+    w = workload([(1, 0.0)])
+    beta = 1e-3 / (1.5 * MB)  # flat ring of 1 MiB on 4 ranks: 1.5 MiB per cable = 1 ms
+    for name in ("ddp", "horovod", "hierarchical", "hitopk:density=0.01"):
+        assert step_ms(name, w, Point(2, 2, network(beta))) == pytest.approx(FWD + BWD + OPT, rel=1e-9), name
+
+
+def test_hand_worked_two_buckets():
+    """Two 2 MiB buckets ready at 10 and 30 ms of a 40 ms backward, 25 ms each on the wire:
+    the first runs 10..35, the second waits for it and runs 35..60, the backward ended at 40."""
+    w = workload([(2, 0.010), (2, 0.030)])
+    beta = 25e-3 / (1.5 * 2 * MB)
+    prog = build_program("ddp", w, Cluster(2, 2, network(beta).params), table())
+    assert prog.buckets == [[0], [1]]
+    assert step_ms("ddp", w, Point(2, 2, network(beta))) == pytest.approx(FWD + 0.060 + OPT, rel=1e-9)
+
+
+def test_horovod_holds_a_buffer_for_its_cycle_unless_full():
+    """Both tensors ready within 5 ms share one buffer, sent 5 ms after the first; a 64 MB
+    buffer goes at once."""
+    w = workload([(1, 0.030), (1, 0.032)])
+    fast = network(1e-15)
+    assert step_ms("horovod", w, Point(2, 2, fast)) == pytest.approx(FWD + BWD + OPT, rel=1e-9)
+    late = workload([(1, 0.036), (1, 0.037)])  # released at 41 ms, after the 40 ms backward
+    assert step_ms("horovod", late, Point(2, 2, fast)) == pytest.approx(FWD + 0.041 + OPT, rel=1e-6)
+    full = workload([(64, 0.037)])
+    assert step_ms("horovod", full, Point(2, 2, fast)) == pytest.approx(FWD + BWD + OPT, rel=1e-6)
+
+
+def test_ddp_buckets_follow_its_limits():
+    w = workload([(0.5, 0.001), (0.75, 0.002), (10, 0.003), (20, 0.004), (3, 0.005)])
+    # first bucket closes at 1 MiB, the next ones at 25 MiB
+    assert ddp_buckets(w, w.ready_order(), 25 * MB, MB) == [[0, 1], [2, 3], [4]]
+
+
+def test_contention_slows_every_busy_thread():
+    w = workload([(1, BWD)])
+    pt = Point(2, 2, network(1e-15))
+    alone = step_ms("local", w, pt)
+    assert alone == pytest.approx(FWD + BWD + OPT)
+    # 4 ranks on 2 cores: every single-threaded phase takes twice as long
+    assert step_ms("local", w, pt, Cpu(4, 2.0)) == pytest.approx(2 * alone, rel=1e-9)
+    assert Cpu(4, 2.0).slowdown(2) == 4.0 and Cpu().slowdown(5) == 1.0
+
+
+def test_more_bandwidth_is_never_slower():
+    """With the decisions fixed (plan=compress, two parts: the auto planner may choose dense where
+    compressing would still have been faster, see test_the_auto_plan_can_lose_to_its_own_codec)."""
+    w = workload([(0.3, 0.002), (4, 0.010), (30, 0.020), (2, 0.030), (60, 0.038)], backward=0.045)
+    names = ["ddp", "ddp-fp16", "ddp-powersgd:rank=4", "horovod", "paper02", "hierarchical", "torus2d",
+             "hitopk:density=0.01", "powersgd:rank=4", "allgather/topk:density=0.01"]  # fmt: skip
+    rates = [parse_rate(r, "--inter") for r in ("100mbit", "1gbit", "10gbit", "25gbit", "100gbit", "400gbit")]
+    for name in names:
+        times = [
+            step_ms(
+                name,
+                w,
+                Point(4, 2, network(1 / r, 2e-5, 1e-11)),
+                options={"plan": "compress", "partitions": "2"},
+            )
+            for r in rates
+        ]
+        assert all(b <= a * (1 + 1e-9) for a, b in itertools.pairwise(times)), (name, times)
+
+
+def test_the_auto_plan_can_lose_to_its_own_codec():
+    """A finding the simulator makes visible (for the closed-loop planner): the planner compares
+    one bucket's dense and compressed times without the overlap and asks for a 2x win, so at
+    10 Gbit/s it keeps this model dense, slower than compressing."""
+    w = workload([(0.3, 0.002), (4, 0.010), (30, 0.020), (2, 0.030), (60, 0.038)], backward=0.045)
+    pt = Point(4, 2, network(1 / parse_rate("10gbit", "--inter"), 2e-5, 1e-11))
+    auto = step_ms("hitopk:density=0.01", w, pt)
+    forced = step_ms("hitopk:density=0.01", w, pt, options={"plan": "compress"})
+    assert forced < 0.8 * auto
+
+
+def test_paper02_ring_formula():
+    """2S(N-1)/N / bw + (N-1) AddEst(S/N), AddEst(x) = gamma x; gradsync's flat ring without
+    alpha is the same formula; a free compression ratio divides the transfer only."""
+    s, bw, gamma = 100e6, 3.125e9, 2.5e-12
+    for nodes, n in ((2, 8), (8, 8), (16, 1)):
+        N = nodes * n
+        model = CostModel(CostParams(Link(0, 0), Link(0.0, 1 / bw), gamma), nodes, n)
+        paper = 2 * s * (N - 1) / N / bw + (N - 1) * gamma * s / N
+        assert model.paper02_ring(s) == pytest.approx(paper, rel=1e-12)
+        assert model.flat(s) == pytest.approx(paper, rel=1e-12)
+        assert model.paper02_ring(s, ratio=10) == pytest.approx(
+            paper - 0.9 * 2 * s * (N - 1) / N / bw, rel=1e-12
+        )
+
+
+def test_stage_times_split_the_planners_prediction():
+    model = CostModel(CostParams(Link(1e-5, 1e-10), Link(5e-5, 1e-9), 1e-11), 2, 4)
+    c = table()("mstopk:density=0.01", [])
+    for text in ("hitopk:density=0.01", "allgather/mstopk:density=0.01", "ring+local/mstopk:density=0.01"):
+        scheme = Scheme.parse(text).resolve(2, 4)
+        enc, comm, dec = stage_times(scheme, model, 8e6, c)
+        assert min(enc, comm, dec) >= 0
+        assert enc + comm + dec == pytest.approx(predict(scheme, model, 8e6, c), rel=1e-9)
+
+
+def test_powersgd_with_local_aggregation_is_predicted_as_its_rounds():
+    """Local PowerSGD reduces in the node and runs its two rounds among the leaders (not hitopk's
+    all-gather): the planner's prediction is that formula."""
+    model = CostModel(CostParams(Link(1e-5, 1e-10), Link(5e-5, 1e-9), 1e-11), 2, 4)
+    c = table()("powersgd:rank=4", [])
+    scheme = Scheme.parse("powersgd:rank=4").resolve(2, 4)
+    assert scheme.local
+    assert predict(scheme, model, 8e6, c) == pytest.approx(model.locally_aggregated("allgather", 8e6, c))
+
+
+def test_sweeps_cross_and_name_their_options():
+    base = Point(2, 8, from_rates("25gbit"))
+    pts = points(base, [parse_sweep("inter=1,10gbit"), parse_sweep("nodes=2,4")])
+    assert [(p.nodes, round(p.network.inter_bytes_per_s)) for p in pts] == [
+        (2, 125_000_000), (4, 125_000_000), (2, 1_250_000_000), (4, 1_250_000_000)]  # fmt: skip
+    for bad, message in (("speed=1", "KEY=V1,V2"), ("nodes=0", "nodes"), ("inter=fast", "--sweep inter"),
+                         ("ratio=", "at least one value")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_sweep(bad)
+
+
+def test_links_file_round_trip_and_refusals(tmp_path):
+    params = CostParams(Link(1e-4, 2e-10), Link(9e-4, 8e-8), 3e-10)
+    doc = links_document(params, 2, 2, "gradsync calibrate")
+    assert doc["format"] == LINKS_FORMAT
+    assert parse_links(json.loads(json.dumps(doc)), "x").params == params
+    with pytest.raises(ValueError, match=r"not a gradsync\.links/1"):
+        parse_links({"format": "other"}, "x")
+    bad = dict(doc, inter={"alpha_s": -1, "beta_s_per_byte": 1e-9})
+    with pytest.raises(ValueError, match="inter: alpha_s"):
+        parse_links(bad, "x")
+
+
+# ------------------------------------------------------------------------------------ command line
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("whatif")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    profile = profile_step(model, (x, y), steps=3, warmup=1, overhead=False, model_name="mlp")
+    profile.save(str(d / "profile.json"))
+    costs = table().to_dict()
+    assert costs["format"] == CODEC_COSTS_FORMAT
+    (d / "costs.json").write_text(json.dumps(costs))
+    return d
+
+
+def test_cli_predicts_sweeps_plots_and_traces(files, capsys):
+    out = files / "out"
+    schemes = "ddp,horovod,hitopk:density={density},paper02:ratio={ratio}"
+    argv = ["whatif", "--profile", str(files / "profile.json"), "--cluster", "2x4", "--step-time", "20ms",
+            "--codec-costs", str(files / "costs.json"), "--scheme", schemes, "--sweep", "inter=1,10,100gbit",
+            "--sweep", "ratio=10,100", "--json", f"{out}.json", "--png", f"{out}.png",
+            "--trace", f"{out}.trace.json"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((files / "out.json").read_text())
+    rows = result["rows"]
+    assert len(rows) == 3 * 2 * 4
+    assert {r["contender"] for r in rows} >= {"hitopk:density=0.01", "hitopk:density=0.1", "paper02:ratio=10"}
+    assert result["single_worker_step_ms"] == pytest.approx(20.0)
+    for r in rows:
+        assert 0 < r["scaling_factor"] <= 1 + 1e-9 and r["step_ms"] >= r["local_ms"] - 1e-9
+    assert (files / "out.png").stat().st_size > 10_000
+    doc = json.loads((files / "out.trace.json").read_text())
+    assert check_trace(doc) == []
+    assert doc["otherData"]["simulated"] and len(doc["otherData"]["processes"]) == 4
+    assert "predicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--cluster", "8"], "--cluster"),
+        (["--inter", "fast"], "--inter"),
+        (["--inter-latency", "soon"], "--inter-latency"),
+        (["--scheme", "ddp,nosuch"], "nosuch"),
+        (["--scheme", "ddp-powersgd:rank=0"], "ddp-powersgd"),
+        (["--scheme", "hitopk:density={density}"], "--sweep ratio"),
+        (["--sweep", "nodes=1,x"], "--sweep nodes"),
+        (["--sweep", "nodes=2", "--sweep", "nodes=4"], "--sweep nodes is given twice"),
+        (["--compute-scale", "-1"], "--compute-scale"),
+        (["--step-time", "quick"], "--step-time"),
+        (["--sync-option", "bucket_bytes=-3"], "bucket_bytes"),
+        (["--ranks-per-host", "0"], "--ranks-per-host"),
+    ],
+)
+def test_cli_errors_name_the_option(files, extra, message, capsys):
+    assert main(["whatif", "--profile", str(files / "profile.json"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_bad_input_files(files, tmp_path, capsys):
+    (tmp_path / "links.json").write_text(json.dumps({"format": "nope"}))
+    base = ["whatif", "--profile", str(files / "profile.json"), "--scheme", "ddp"]
+    assert main([*base, "--links", str(tmp_path / "links.json")]) == 1
+    assert "--links" in capsys.readouterr().err
+    (tmp_path / "costs.json").write_text(json.dumps({"format": CODEC_COSTS_FORMAT, "codecs": {"mstopk": {}}}))
+    assert main([*base, "--codec-costs", str(tmp_path / "costs.json")]) == 1
+    assert "--codec-costs" in capsys.readouterr().err
+    assert main(["whatif", "--profile", str(tmp_path / "missing.json")]) == 1
+
+
+def test_the_published_profile_replays(files):
+    from gradsync.observe.profiler import Profile
+
+    w = Workload.from_profile(Profile.load("docs/results/profile-vgg.json"))
+    assert w.nbytes == sum(p.bytes for p in Profile.load("docs/results/profile-vgg.json").parameters)
+    assert w.scaled_to_step(0.1).step == pytest.approx(0.1)
+    assert math.isclose(w.scaled(0.5).backward, w.backward / 2)
+    with pytest.raises(ValueError, match="--compute-scale"):
+        w.scaled(0)
