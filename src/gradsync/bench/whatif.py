@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(contenders=DEFAULT_CONTENDERS, warmup=3, steps=5)
     p.add_argument("--profile-steps", type=int, default=10, help="profiled steps of one worker (default 10)")
     p.add_argument(
+        "--replay",
+        metavar="RESULT.json",
+        help="predict again from a result's stored measurements (profile, links, contention, codec costs, "
+        "measured steps); nothing runs",
+    )
+    p.add_argument(
         "--ranks-per-host",
         type=int,
         help="ranks sharing this machine's cores (default: the world on the emulated cluster, else per node)",
@@ -57,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
+    if args.replay is not None:
+        if not os.path.isfile(args.replay):
+            raise ValueError(f"--replay {args.replay!r}: no such file")
+        return
     bench_train.check(args)
     from gradsync.whatif.contenders import check_contender
 
@@ -108,10 +118,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from gradsync.observe.profiler import profile_step
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.contenders import codec_spec_of
-    from gradsync.whatif.network import Network
-    from gradsync.whatif.predict import Point, predict_point
-    from gradsync.whatif.simulate import Cpu
-    from gradsync.whatif.workload import Workload
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     options = bench_step._options(args.sync_option)
@@ -164,14 +170,47 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if not rank0:
         return None
     assert profile is not None
-    workload = Workload.from_profile(profile)
-    cpu = Cpu(ranks_per_host, cont["effective_cores"])
-    point = Point(topo.nodes, topo.per_node, Network(params, "calibrated in this run"))
+    result = {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "model": args.model, "parameters": parameter_count(base), "batch_size": args.batch_size,
+        "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
+        "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma},
+        "contention": {**cont, "ranks_per_host": ranks_per_host},
+        "profile_step_ms": profile.phases["step"].median * 1e3,
+        "profile": profile.to_dict(),
+        "codecs": costs.to_dict(),
+        "sync_options": options,
+        "measured": rows, "details": details,
+    }  # fmt: skip
+    return compare(result)
+
+
+def compare(result: dict[str, Any]) -> dict[str, Any]:
+    """Simulate every measured contender from the result's stored measurements and put the
+    predictions next to the measured steps (``rows``, ``summary``, ``predicted``)."""
+    from gradsync.collectives.cost import CostParams, Link
+    from gradsync.observe.profiler import Profile
+    from gradsync.whatif.codec_costs import CodecTable
+    from gradsync.whatif.network import Network
+    from gradsync.whatif.predict import Point, predict_point
+    from gradsync.whatif.simulate import Cpu
+    from gradsync.whatif.workload import Workload
+
+    workload = Workload.from_profile(Profile.from_dict(result["profile"]))
+    links = result["links"]
+    params = CostParams(Link(**links["intra"]), Link(**links["inter"]), links["gamma"])
+    costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
+    cont = result["contention"]
+    cpu = Cpu(cont["ranks_per_host"], cont["effective_cores"])
+    point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
+    rows = result["measured"]
+    contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
-    ddp_buckets = {
-        c: one_bucket for c in contenders if c.startswith("ddp-powersgd") and not torch.cuda.is_available()
-    }
-    predicted = predict_point(workload, point, contenders, costs, cpu, options, ddp_buckets)
+    gpu = torch.cuda.is_available()
+    ddp_buckets = {c: one_bucket for c in contenders if c.startswith("ddp-powersgd") and not gpu}
+    predicted = predict_point(
+        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets
+    )
     table = []
     for meas, pred in zip(rows, predicted, strict=True):
         err = pred["step_ms"] / meas["step_ms"] - 1
@@ -181,19 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             "predicted_exposed_ms": pred["exposed_ms"],
             "measured_plan": meas["compressed_buckets"], "predicted_plan": pred["notes"],
         })  # fmt: skip
-    errors = [abs(r["error"]) for r in table]
+    errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     return {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
-        "model": args.model, "parameters": parameter_count(base), "batch_size": args.batch_size,
-        "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
-        "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma},
-        "contention": {**cont, "ranks_per_host": ranks_per_host},
-        "profile_step_ms": workload.step * 1e3,
-        "profile": profile.to_dict(),
-        "codecs": costs.to_dict(),
-        "rows": table,
+        **result, "rows": table, "predicted": predicted,
         "summary": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
-        "measured": rows, "predicted": predicted, "details": details,
     }  # fmt: skip
 
 
@@ -231,7 +261,14 @@ def main(args: argparse.Namespace) -> int:
             print(f"gradsync bench whatif: cannot emulate a cluster here: {e}", file=sys.stderr)
             return 1
     owned = not dist.is_initialized()
-    result = run(args)
+    if args.replay is not None:
+        import json
+
+        with open(args.replay) as fh:
+            stored = json.load(fh)
+        result: dict[str, Any] | None = compare(stored)
+    else:
+        result = run(args)
     if result is not None:
         from rich.console import Console
         from rich.table import Table

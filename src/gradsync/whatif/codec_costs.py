@@ -91,6 +91,11 @@ class CodecTable:
                 doc = json.load(fh)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{where}: cannot read it: {e}") from None
+        return cls.from_dict(doc, where, scale)
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str, scale: float = 1.0) -> CodecTable:
+        """A ``gradsync.codec-costs/1`` document (``ValueError`` naming ``where`` and the field)."""
         if not isinstance(doc, dict) or doc.get("format") != CODEC_COSTS_FORMAT:
             raise ValueError(f"{where}: not a {CODEC_COSTS_FORMAT} table")
         entries = {}

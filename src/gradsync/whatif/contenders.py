@@ -165,13 +165,21 @@ def ddp_buckets(workload: Workload, order: list[int], cap: int, first: int) -> l
     return [m for _, m in sorted(out, key=lambda x: x[0])]
 
 
+HOST_COMM_CONTENDS = False
+"""Whether the node-internal part of a collective (loopback transfers, reductions) is slowed by CPU
+contention like compute. Measured both ways on the emulated 2x2 cluster at 100 Mbit/s
+(docs/whatif.md): contended, PowerSGD's intra-node reduce and broadcast of 64 MB came out 2x too
+slow (+104 %); uncontended, hitopk came out 24 % too fast. Uncontended has the smaller errors
+(median 3 % against 11 %), so it is the model; the misses are published."""
+
+
 def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[Stage]:
     """A collective of ``total`` seconds, of which ``host`` (at most) are the node's own links and
-    reductions: that part is CPU work (contended), the rest is the cable's time."""
+    reductions (CPU work when :data:`HOST_COMM_CONTENDS`), the rest is the cable's time."""
     host = min(max(host, 0.0), total)
     out = []
     if host > 0:
-        out.append(Stage(COMM, host, f"{label} (in node)", True, {"bytes": nbytes}))
+        out.append(Stage(COMM, host, f"{label} (in node)", HOST_COMM_CONTENDS, {"bytes": nbytes}))
     if total - host > 0 or not out:
         out.append(Stage(COMM, total - host, label, False, {"bytes": nbytes}))
     return out
