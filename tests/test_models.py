@@ -33,7 +33,7 @@ def test_every_model_has_one_task() -> None:
     names = [n for task in TASKS for n in models_for(task)]
     assert sorted(names) == model_names()
     assert {"vgg", "vgg-small", "resnet"} <= set(models_for("classify"))
-    assert models_for("lm") == ["lstm", "transformer"]
+    assert models_for("lm") == ["bert-base", "lstm", "transformer"]
 
 
 @pytest.mark.parametrize("shape", VISION_SHAPES, ids=lambda s: "x".join(map(str, s)))
