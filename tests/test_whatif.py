@@ -278,3 +278,19 @@ def test_the_published_profile_replays(files):
     assert math.isclose(w.scaled(0.5).backward, w.backward / 2)
     with pytest.raises(ValueError, match="--compute-scale"):
         w.scaled(0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "whatif", "--replay", "/nonexistent/result.json"], "--replay"),
+        (["calibrate", "--out", "links.json", "--reps", "0"], "--reps"),
+        (["calibrate", "--out", "links.json", "--nodes", "2"], "--nodes and --per-node"),
+        (["calibrate", "--out", "links.json", "--emulate", "2by2"], "--emulate"),
+        (["calibrate", "--out", "links.json", "--emulate", "2x2", "--link", "fast"], "--link"),
+    ],
+)
+def test_validation_and_calibration_commands_name_the_option(argv, message, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -295,16 +295,9 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from gradsync.collectives.cost import calibrate
     from gradsync.whatif.network import links_document
 
-    if args.emulate and "RANK" not in os.environ:
-        from gradsync.cluster import ClusterError, run_on_cluster
-
-        nodes, per_node = bench_train._emulated(args.emulate)
-        argv = bench_train._without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
-        try:
-            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
-        except ClusterError as e:
-            print(f"gradsync calibrate: cannot emulate a cluster here: {e}", file=sys.stderr)
-            return 1
+    status = bench_train.run_emulated(args, "calibrate")
+    if status is not None:
+        return status
     owned = not dist.is_initialized()
     topo = join_world(args.timeout, args.nodes, args.per_node)
     params = calibrate(topo, reps=args.reps)

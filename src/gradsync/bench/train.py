@@ -34,6 +34,7 @@ from gradsync.bench import nic as bench_nic
 from gradsync.bench import step as bench_step
 from gradsync.bench.output import save_result
 from gradsync.bench.world import join_world
+from gradsync.collectives import Topology
 from gradsync.models import build_model_for, parameter_count
 
 DEFAULT_CONTENDERS = (
@@ -72,6 +73,43 @@ def _single_worker(base: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argp
     t = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
     dist.broadcast(t, 0)
     return float(t[0])
+
+
+def measure_contenders(
+    contenders: list[str], base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """Each contender's measured step (:func:`gradsync.bench.step._measure`), one after the other;
+    a DDP contender's exposed synchronization is its backward pass beyond ``local``'s."""
+    rows, details, local_backward = [], {}, None
+    for name in contenders:
+        row, extra = bench_step._measure(name, base, topo, x, y, args)
+        if name == "local":
+            local_backward = row.backward_ms
+        if bench_step.is_ddp(name) and local_backward is not None:
+            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
+        rows.append(asdict(row))
+        details[name] = extra
+        if topo.rank == 0:
+            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    return rows, details
+
+
+def run_emulated(args: argparse.Namespace, command: str) -> int | None:
+    """With ``--emulate`` outside a launched world: bring the emulated cluster up, run this same
+    command line on it without ``--emulate``/``--link``, take it down, and return the exit status;
+    None when the command should run here."""
+    if not args.emulate or "RANK" in os.environ:
+        return None
+    from gradsync.cluster import ClusterError, run_on_cluster
+
+    nodes, per_node = _emulated(args.emulate)
+    argv = _without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
+    try:
+        return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
+    except ClusterError as e:
+        print(f"gradsync {command}: cannot emulate a cluster here: {e}", file=sys.stderr)
+        return 1
 
 
 def derive(rows: list[dict[str, Any]], world: int, per_node: int, batch: int, single_s: float) -> None:
@@ -135,17 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             flush=True,
         )
     single_s = _single_worker(base, x, y, args)
-    rows, details, local_backward = [], {}, None
-    for name in contenders:
-        row, extra = bench_step._measure(name, base, topo, x, y, args)
-        if name == "local":
-            local_backward = row.backward_ms
-        if bench_step.is_ddp(name) and local_backward is not None:
-            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
-        rows.append(asdict(row))
-        details[name] = extra
-        if rank0:
-            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    rows, details = measure_contenders(contenders, base, topo, x, y, args)
     derive(rows, topo.world, topo.per_node, args.batch_size, single_s)
     if not rank0:
         return None
@@ -318,16 +346,9 @@ def check(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run checked options (see :func:`check`)."""
-    if args.emulate and "RANK" not in os.environ:
-        from gradsync.cluster import ClusterError, run_on_cluster
-
-        nodes, per_node = _emulated(args.emulate)
-        argv = _without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
-        try:
-            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
-        except ClusterError as e:
-            print(f"gradsync bench train: cannot emulate a cluster here: {e}", file=sys.stderr)
-            return 1
+    status = run_emulated(args, "bench train")
+    if status is not None:
+        return status
     owned = not dist.is_initialized()
     result = run(args)
     if result is not None:

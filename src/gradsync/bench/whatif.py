@@ -156,17 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             for spec in codec_spec_of(c, options):
                 costs(spec, [])
     dist.barrier()
-    rows, details = [], {}
-    local_backward = None
-    for name in contenders:
-        row, extra = bench_step._measure(name, base, topo, x, y, args)
-        if name == "local":
-            local_backward = row.backward_ms
-        if bench_step.is_ddp(name) and local_backward is not None:
-            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
-        rows.append(asdict(row))
-        details[name] = extra
-        say(f"  {name:36s} measured step {row.step_ms:9.1f} ms")
+    rows, details = bench_train.measure_contenders(contenders, base, topo, x, y, args)
     if not rank0:
         return None
     assert profile is not None
@@ -250,16 +240,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run checked options (see :func:`check`)."""
-    if args.emulate and "RANK" not in os.environ:
-        from gradsync.cluster import ClusterError, run_on_cluster
-
-        nodes, per_node = bench_train._emulated(args.emulate)
-        argv = bench_train._without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
-        try:
-            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
-        except ClusterError as e:
-            print(f"gradsync bench whatif: cannot emulate a cluster here: {e}", file=sys.stderr)
-            return 1
+    status = bench_train.run_emulated(args, "bench whatif")
+    if status is not None:
+        return status
     owned = not dist.is_initialized()
     if args.replay is not None:
         import json
