@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from gradsync.integrate.wrap import check_trace_path
+from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -28,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="vgg, vgg-small, resnet (images); lstm, transformer (text); default: vgg-small "
-        "for images, lstm for text",
+        help=f"{', '.join(models_for('classify'))} (images); {', '.join(models_for('lm'))} (text); "
+        "default: vgg-small for images, lstm for text",
     )
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sample for text data")
     g.add_argument("--epochs", type=int, default=12)
