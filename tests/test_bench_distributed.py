@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from gradsync.bench import step as bench_step
 from gradsync.bench import train as bench_train
 from gradsync.cli import main
 from worlds import named_check, run_checks, run_world
@@ -80,8 +81,9 @@ def train_bench(tmp):
 
     def check_bench_train_runs():
         argv = ["bench", "train", "--model", "vgg-small", "--batch-size", "4", "--contenders",
-                "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1", "--warmup", "2", "--steps", "2",
-                "--nodes", "2", "--per-node", "1", "--json", tj, "--markdown", tm, "--png", tp]  # fmt: skip
+                "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1,auto", "--warmup", "2",
+                "--steps", "2", "--rounds", "2", "--nodes", "2", "--per-node", "1", "--json", tj,
+                "--markdown", tm, "--png", tp]  # fmt: skip
         assert main(argv) == 0
 
     def rows():
@@ -90,7 +92,8 @@ def train_bench(tmp):
 
     def check_throughput_and_scaling_figures():
         t, rows_ = rows()
-        assert list(rows_) == ["local", "ddp", "ddp-fp16", "ddp-powersgd:rank=1", "hitopk:density=0.1"]
+        hooks = ["ddp", "ddp-fp16", "ddp-powersgd:rank=1"]
+        assert list(rows_) == ["local", *hooks, "hitopk:density=0.1", "auto"]
         single = t["single_worker_step_ms"] / 1e3
         assert single > 0
         for r in rows_.values():
@@ -115,11 +118,29 @@ def train_bench(tmp):
     def check_summary_names_the_best():
         t, rows_ = rows()
         summary = t["summary"]
-        assert summary["best"] == "hitopk:density=0.1"
+        ours = ("hitopk:density=0.1", "auto")
+        assert summary["best"] == max(ours, key=lambda c: rows_[c]["samples_per_s"])
         assert summary["best_hook"] in ("ddp-fp16", "ddp-powersgd:rank=1")
         assert summary["best_over_ddp"] == pytest.approx(
-            rows_["hitopk:density=0.1"]["samples_per_s"] / rows_["ddp"]["samples_per_s"]
+            rows_[summary["best"]]["samples_per_s"] / rows_["ddp"]["samples_per_s"]
         )
+        assert summary["best_fixed"] == "hitopk:density=0.1"
+
+    def check_rounds_are_interleaved_and_carry_the_state():
+        t, rows_ = rows()
+        for r in rows_.values():  # two rounds, each measured 2 steps; the step is their median
+            assert len(r["round_step_ms"]) == 2 and r["steps"] == 4
+            assert r["step_ms"] == pytest.approx(sum(r["round_step_ms"]) / 2)
+        # the per-round ratio: DDP's step over auto's, round by round
+        spread = t["summary"]["auto_over_ddp_rounds"]
+        ddp, auto = rows_["ddp"]["round_step_ms"], rows_["auto"]["round_step_ms"]
+        expect = [d / a for d, a in zip(ddp, auto, strict=True)]
+        assert spread["rounds"] == pytest.approx(expect)
+        assert spread["min"] <= spread["median"] <= spread["max"]
+        # the second round went on from the first one's engine state: 2 + 2 steps, then 1 + 2
+        # (a fresh engine would be at its step 2, and would have planned again)
+        last = t["details"]["hitopk:density=0.1"]["last_step"]
+        assert last["step"] == 2 + 2 + bench_step.ROUND_WARMUP + 2 - 1
 
     def check_png_and_markdown():
         _, rows_ = rows()
@@ -141,6 +162,7 @@ def train_bench(tmp):
         on_rank_0(check_throughput_and_scaling_figures),
         on_rank_0(check_exposed_time_and_bytes_across_nodes),
         on_rank_0(check_summary_names_the_best),
+        on_rank_0(check_rounds_are_interleaved_and_carry_the_state),
         on_rank_0(check_png_and_markdown),
     )
 
@@ -170,7 +192,8 @@ def test_train_benchmark_summary_without_local():
     assert again["summary"]["best_scaling_vs_local"] is None
     assert [r["scaling_vs_local"] for r in again["rows"]] == [None, None]
     assert bench_train.headline(summary) == (
-        "best gradsync contender auto: 1.25x DDP's samples/s, scaling factor 1.25 (vs local n/a)"
+        "best gradsync contender auto: 1.25x DDP's samples/s, scaling factor 1.25 (vs local n/a)\n"
+        "auto: 1.25x DDP"
     )
     lines = bench_train.markdown(result).splitlines()
     assert len(lines) == 4
@@ -232,3 +255,42 @@ def test_benchmark_argument_errors_come_before_any_process_group(argv, message, 
     monkeypatch.delenv("RANK", raising=False)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rounds_merge_and_ratios_by_hand():
+    """Interleaved rounds: every other round reversed; a contender's rounds merged into medians;
+    per-round ratios of two contenders with their spread. Hand-made rows, no run."""
+    assert bench_train.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench_train.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    rounds = [
+        bench_step.StepRow("x", step_ms=s, forward_ms=1.0, backward_ms=b, optimizer_ms=0.5, exposed_ms=e,
+                           sent_mb={"inter": m}, cable_mb=None, compressed_buckets=f"{i}/4", steps=3)
+        for i, (s, b, e, m) in enumerate([(10.0, 5.0, 1.0, 2.0), (30.0, 7.0, None, 4.0),
+                                          (20.0, 6.0, 3.0, 3.0)])
+    ]  # fmt: skip
+    merged = bench_train.merge_rounds(rounds)
+    assert merged.step_ms == 20.0 and merged.backward_ms == 6.0 and merged.exposed_ms == 2.0
+    assert merged.sent_mb == {"inter": 3.0} and merged.cable_mb is None
+    assert merged.round_step_ms == [10.0, 30.0, 20.0] and merged.steps == 9
+    assert merged.compressed_buckets == "2/4"  # the last round's plan
+    fast = {"round_step_ms": [10.0, 20.0, 40.0]}
+    slow = {"round_step_ms": [11.0, 30.0, 40.0]}
+    r = bench_train.round_ratios(fast, slow)
+    assert r == {"median": pytest.approx(1.1), "min": 1.0, "max": 1.5,
+                 "rounds": pytest.approx([1.1, 1.5, 1.0])}  # fmt: skip
+    assert bench_train.round_ratios(fast, {"round_step_ms": [1.0]}) is None
+    rows = [
+        {"contender": c, "samples_per_s": 100.0 / s[1], "scaling_factor": None, "scaling_vs_local": None,
+         "round_step_ms": s}
+        for c, s in (("ddp", [20.0, 22.0]), ("ddp-fp16", [12.0, 10.0]), ("hitopk:density=0.01", [9.0, 11.0]),
+                     ("auto", [10.0, 10.0]))
+    ]  # fmt: skip
+    summary = bench_train.summarize(rows)
+    assert summary["best_fixed"] == "hitopk:density=0.01" and summary["best_hook"] == "ddp-fp16"
+    assert summary["auto_over_ddp_rounds"]["rounds"] == pytest.approx([2.0, 2.2])
+    assert summary["auto_over_best_hook_rounds"]["rounds"] == pytest.approx([1.2, 1.0])
+    assert summary["auto_over_best_fixed_rounds"]["rounds"] == pytest.approx([0.9, 1.1])
+    line = bench_train.headline(summary)
+    assert "auto: 2.20x DDP (per round: median 2.10, 2.00-2.20)" in line
+    fixed = "1.10x the best fixed gradsync contender (hitopk:density=0.01)"
+    assert f"{fixed} (per round: median 1.00, 0.90-1.10)" in line

@@ -238,6 +238,8 @@ class NicProbe:
 
 _ROW_FIELDS = {"nic_mb_per_s": "mb_per_s", "nic_link_pct": "link_pct", "nic_peak_pct": "peak_pct",
                "nic_busy_pct": "busy_pct"}  # fmt: skip
+ROW_FIELDS = tuple(_ROW_FIELDS)
+"""The fields this probe adds to a benchmark's row."""
 
 
 def _mean(values: list[Any]) -> float | None:

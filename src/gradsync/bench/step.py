@@ -59,6 +59,8 @@ class StepRow:
     cable_mb: float | None = None
     compressed_buckets: str = ""
     steps: int = 0
+    round_step_ms: list[float] = field(default_factory=list)
+    """With interleaved rounds: the step time of each round (``step_ms`` is their median)."""
     # with --nic (see gradsync.bench.nic): the communication phase's throughput, mean over nodes
     nic_mb_per_s: float | None = None
     nic_link_pct: float | None = None
@@ -92,7 +94,20 @@ def _powersgd_rank(name: str) -> int:
     return int(value)
 
 
-def _ddp(name: str, model: nn.Module, warmup: int) -> nn.Module:
+@dataclass
+class Carry:
+    """What a contender keeps from one round of interleaved measurement to the next (its model is
+    built afresh for each round, so that only one contender's buffers are alive at a time):
+    gradsync's engine state (the plan and the compression state: a later round neither re-plans
+    nor restarts error feedback) or the state of PyTorch's PowerSGD hook (its step count and
+    error feedback: the hook's dense start is not repeated)."""
+
+    engine_state: dict[str, Any] | None = None
+    hook_state: Any = None
+    rounds: int = 0
+
+
+def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -> nn.Module:
     """PyTorch DDP, with PyTorch's own fp16 or PowerSGD communication hook when asked. The
     PowerSGD hook's dense warm-up (``start_powerSGD_iter``) ends inside the unmeasured steps."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -110,37 +125,54 @@ def _ddp(name: str, model: nn.Module, warmup: int) -> nn.Module:
     if name == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name.startswith("ddp-powersgd"):
-        state = psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=_powersgd_rank(name),
-            start_powerSGD_iter=max(2, warmup),
-        )
+        state = carry.hook_state if carry is not None and carry.hook_state is not None else None
+        if state is None:
+            state = psgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=_powersgd_rank(name),
+                start_powerSGD_iter=max(2, warmup),
+            )
+        if carry is not None:
+            carry.hook_state = state
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     return ddp
 
 
+ROUND_WARMUP = 1
+"""Unmeasured steps of a contender in every round after its first: the model is new (DDP
+rebuilds its buckets in its first step), the plan and the compression state are carried."""
+
+
 def _measure(
-    name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
-) -> tuple[StepRow, dict[str, Any]]:
+    name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
+    carry: Carry | None = None,
+) -> tuple[StepRow, dict[str, Any]]:  # fmt: skip
+    """One contender's steps: ``args.warmup`` unmeasured then ``args.steps`` measured, or, in a
+    later round of interleaved measurement (``carry`` from the earlier rounds), ``ROUND_WARMUP``
+    unmeasured ones on a model built afresh with the carried state."""
+    later = carry is not None and carry.rounds > 0
+    warmup = ROUND_WARMUP if later else args.warmup
     model: nn.Module = copy.deepcopy(base)
     synced = None
     if is_ddp(name):
-        model = _ddp(name, model, args.warmup)
+        model = _ddp(name, model, args.warmup, carry)
     elif name != "local":
         options = dict(SyncConfig.from_options({"scheme": name, **_options(args.sync_option)}).to_dict())
-        trace = trace_path(args.trace, name) if getattr(args, "trace", None) else None
-        window = (args.warmup, args.warmup + args.steps)  # the measured steps
+        trace = trace_path(args.trace, name) if getattr(args, "trace", None) and not later else None
+        window = (warmup, warmup + args.steps)  # the measured steps
         synced = gradsync.wrap(
             model, topology=topo, trace=trace, trace_steps=window if trace else None, **options
         )
+        if later and carry is not None and carry.engine_state is not None:
+            synced.engine.load_state_dict(carry.engine_state)
         model = synced
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     samples: list[list[float]] = []
     sent: list[dict[str, int]] = []
     meter = CableMeter(topo)
     probe = bench_nic.NicProbe(args, topo)
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
+    for step in range(warmup + args.steps):
+        if step == warmup:
             meter.start()
             probe.start()
         dist.barrier()
@@ -153,7 +185,7 @@ def _measure(
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         st = synced.last_stats if synced is not None else None
-        if step >= args.warmup:
+        if step >= warmup:
             # the communication phase: from backward's start to the end of the synchronization
             # (gradsync's engine says when; DDP's is over when backward returns)
             end = st.done_at if st is not None and t1 <= st.done_at <= t2 else t2
@@ -161,7 +193,7 @@ def _measure(
         row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
         row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
         row = max_over_ranks(row)
-        if step >= args.warmup:
+        if step >= warmup:
             samples.append(row)
             if st is not None:
                 sent.append(st.sent_bytes)
@@ -189,7 +221,11 @@ def _measure(
             "plan_buckets": plan.to_state() if plan is not None else [],
             "last_step": st.to_dict(),
         }
+        if carry is not None:
+            carry.engine_state = synced.engine.state_dict()
         synced.close()
+    if carry is not None:
+        carry.rounds += 1
     if nic_details:
         extra["nic"] = nic_details
     return result, extra

@@ -47,7 +47,14 @@ _EMULATE = re.compile(r"^(\d+)x(\d+)$")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_step.add_arguments(p)
-    p.set_defaults(contenders=DEFAULT_CONTENDERS, warmup=3, steps=4)
+    p.set_defaults(contenders=DEFAULT_CONTENDERS, warmup=3, steps=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of all contenders (default 3); the ratios are reported as the median "
+        "over the rounds with their spread",
+    )
     p.add_argument(
         "--emulate",
         metavar="NODESxPER_NODE",
@@ -75,24 +82,56 @@ def _single_worker(base: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argp
     return float(t[0])
 
 
+def round_order(contenders: list[str], r: int) -> list[str]:
+    """The contenders' order in round ``r``: as given, every other round reversed, so that a
+    drift of the machine's speed over the run does not always favour the same contender."""
+    return list(contenders) if r % 2 == 0 else list(reversed(contenders))
+
+
+_MEDIAN_FIELDS = ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "exposed_ms", "compress_ms",
+                  "comm_ms", "cable_mb", *bench_nic.ROW_FIELDS)  # fmt: skip
+
+
+def merge_rounds(rounds: list[bench_step.StepRow]) -> bench_step.StepRow:
+    """One contender's rounds as one row: the median over the rounds of each time, the last
+    round's plan summary, every round's step time in ``round_step_ms``."""
+    out = copy.copy(rounds[-1])
+    for name in _MEDIAN_FIELDS:
+        values = [v for r in rounds if (v := getattr(r, name)) is not None]
+        setattr(out, name, statistics.median(values) if values else None)
+    levels = sorted({k for r in rounds for k in r.sent_mb})
+    out.sent_mb = {k: statistics.median(r.sent_mb.get(k, 0.0) for r in rounds) for k in levels}
+    out.steps = sum(r.steps for r in rounds)
+    out.round_step_ms = [r.step_ms for r in rounds]
+    return out
+
+
 def measure_contenders(
     contenders: list[str], base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
     args: argparse.Namespace,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """Each contender's measured step (:func:`gradsync.bench.step._measure`), one after the other;
-    a DDP contender's exposed synchronization is its backward pass beyond ``local``'s."""
-    rows, details, local_backward = [], {}, None
-    for name in contenders:
-        row, extra = bench_step._measure(name, base, topo, x, y, args)
-        if name == "local":
-            local_backward = row.backward_ms
-        if bench_step.is_ddp(name) and local_backward is not None:
-            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
-        rows.append(asdict(row))
-        details[name] = extra
-        if topo.rank == 0:
-            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
-    return rows, details
+    """Each contender's measured step (:func:`gradsync.bench.step._measure`) in ``args.rounds``
+    interleaved rounds (:func:`round_order`); a contender's model is built afresh in each round
+    and its plan and compression state carried (:class:`gradsync.bench.step.Carry`). A DDP
+    contender's exposed synchronization is its backward pass beyond ``local``'s."""
+    rounds = max(int(getattr(args, "rounds", 1)), 1)
+    carry = {name: bench_step.Carry() for name in contenders}
+    measured: dict[str, list[bench_step.StepRow]] = {name: [] for name in contenders}
+    details: dict[str, Any] = {}
+    for r in range(rounds):
+        for name in round_order(contenders, r):
+            row, extra = bench_step._measure(name, base, topo, x, y, args, carry[name])
+            measured[name].append(row)
+            details[name] = extra
+            if topo.rank == 0:
+                where = f"round {r + 1}/{rounds}  " if rounds > 1 else ""
+                print(f"  {where}{name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    rows = {name: merge_rounds(measured[name]) for name in contenders}
+    local = rows.get("local")
+    for name, row in rows.items():
+        if bench_step.is_ddp(name) and local is not None:
+            row.exposed_ms = max(row.backward_ms - local.backward_ms, 0.0)
+    return [asdict(rows[name]) for name in contenders], details
 
 
 def run_emulated(args: argparse.Namespace, command: str) -> int | None:
@@ -130,26 +169,57 @@ def derive(rows: list[dict[str, Any]], world: int, per_node: int, batch: int, si
         r["scaling_vs_local"] = local["step_ms"] / r["step_ms"] if local else None
 
 
+def round_ratios(faster: dict[str, Any], slower: dict[str, Any]) -> dict[str, Any] | None:
+    """How many times faster ``faster`` stepped than ``slower``, round by round (the two ran side
+    by side in every round): the median over the rounds, the smallest and the largest, and every
+    round's. None without per-round times."""
+    a, b = faster.get("round_step_ms") or [], slower.get("round_step_ms") or []
+    if not a or len(a) != len(b):
+        return None
+    ratios = [sb / sa for sa, sb in zip(a, b, strict=True) if sa > 0]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The headline ratios: best gradsync contender against DDP and against the best DDP hook."""
+    """The headline ratios: the best gradsync contender against DDP and against the best DDP hook,
+    and ``auto`` against DDP, the best hook and the best fixed gradsync contender. Each ratio is
+    of the medians over the rounds; ``*_rounds`` holds the per-round ratios' median and spread."""
     ours = [r for r in rows if r["contender"] != "local" and not bench_step.is_ddp(r["contender"])]
     hooks = [r for r in rows if r["contender"].startswith("ddp-")]
     ddp = next((r for r in rows if r["contender"] == "ddp"), None)
     out: dict[str, Any] = {}
+
+    def ratio(key: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+        out[key] = a["samples_per_s"] / b["samples_per_s"]
+        spread = round_ratios(a, b)
+        if spread is not None:
+            out[key + "_rounds"] = spread
+
     if ours:
         best = max(ours, key=lambda r: r["samples_per_s"])
         out["best"] = best["contender"]
         out["best_scaling_factor"] = best["scaling_factor"]
         out["best_scaling_vs_local"] = best["scaling_vs_local"]
+        top = max(hooks, key=lambda r: r["samples_per_s"]) if hooks else None
         if ddp:
-            out["best_over_ddp"] = best["samples_per_s"] / ddp["samples_per_s"]
-        if hooks:
-            top = max(hooks, key=lambda r: r["samples_per_s"])
+            ratio("best_over_ddp", best, ddp)
+        if top:
             out["best_hook"] = top["contender"]
-            out["best_over_best_hook"] = best["samples_per_s"] / top["samples_per_s"]
+            ratio("best_over_best_hook", best, top)
         auto = next((r for r in rows if r["contender"] == "auto"), None)
-        if auto and ddp:
-            out["auto_over_ddp"] = auto["samples_per_s"] / ddp["samples_per_s"]
+        fixed = [r for r in ours if r["contender"] != "auto"]
+        if auto:
+            out["auto_scaling_vs_local"] = auto["scaling_vs_local"]
+            if ddp:
+                ratio("auto_over_ddp", auto, ddp)
+            if top:
+                ratio("auto_over_best_hook", auto, top)
+            if fixed:
+                best_fixed = max(fixed, key=lambda r: r["samples_per_s"])
+                out["best_fixed"] = best_fixed["contender"]
+                ratio("auto_over_best_fixed", auto, best_fixed)
     return out
 
 
@@ -245,7 +315,26 @@ def headline(summary: dict[str, Any]) -> str | None:
         f"scaling factor {_num(summary['best_scaling_factor'], '.2f')} "
         f"(vs local {_num(summary['best_scaling_vs_local'], '.2f')})"
     )
-    return " ".join(parts)
+    line = " ".join(parts)
+    auto = [
+        f"{summary[key]:.2f}x {what}{_spread(summary.get(key + '_rounds'))}"
+        for key, what in (
+            ("auto_over_ddp", "DDP"),
+            ("auto_over_best_hook", f"the best hook ({summary.get('best_hook')})"),
+            ("auto_over_best_fixed", f"the best fixed gradsync contender ({summary.get('best_fixed')})"),
+        )
+        if key in summary
+    ]
+    if auto:
+        line += "\nauto: " + ", ".join(auto)
+    return line
+
+
+def _spread(rounds: dict[str, Any] | None) -> str:
+    """`` (rounds: median 1.04, 0.98-1.09)`` for a per-round ratio summary, empty without one."""
+    if not rounds or len(rounds["rounds"]) < 2:
+        return ""
+    return f" (per round: median {rounds['median']:.2f}, {rounds['min']:.2f}-{rounds['max']:.2f})"
 
 
 def columns(result: dict[str, Any]) -> tuple[str, ...]:
@@ -313,7 +402,7 @@ def _emulated(text: str) -> tuple[int, int]:
 def check(args: argparse.Namespace) -> None:
     """The option values, before any process group or emulated cluster (``ValueError`` naming the
     option)."""
-    for name in ("batch_size", "image_size", "classes", "steps", "threads"):
+    for name in ("batch_size", "image_size", "classes", "steps", "threads", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 2:
