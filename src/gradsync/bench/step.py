@@ -138,6 +138,16 @@ def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -
     return ddp
 
 
+SETTLE_STEPS = 24
+"""At most this many more unmeasured steps while a gradsync contender's closed loop is still
+re-planning (by default it settles within 2 x 4 steps of the first plan): the measured steps are
+those of the plan the run goes on with."""
+
+
+def _settling(synced: gradsync.GradSync | None) -> bool:
+    return synced is not None and synced.engine.loop.active
+
+
 ROUND_WARMUP = 1
 """Unmeasured steps of a contender in every round after its first: the model is new (DDP
 rebuilds its buckets in its first step), the plan and the compression state are carried."""
@@ -171,8 +181,10 @@ def _measure(
     sent: list[dict[str, int]] = []
     meter = CableMeter(topo)
     probe = bench_nic.NicProbe(args, topo)
-    for step in range(warmup + args.steps):
-        if step == warmup:
+    step, measuring = 0, False
+    while len(samples) < args.steps:
+        if not measuring and step >= warmup and not (_settling(synced) and step < warmup + SETTLE_STEPS):
+            measuring = True
             meter.start()
             probe.start()
         dist.barrier()
@@ -185,7 +197,7 @@ def _measure(
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         st = synced.last_stats if synced is not None else None
-        if step >= warmup:
+        if measuring:
             # the communication phase: from backward's start to the end of the synchronization
             # (gradsync's engine says when; DDP's is over when backward returns)
             end = st.done_at if st is not None and t1 <= st.done_at <= t2 else t2
@@ -193,10 +205,11 @@ def _measure(
         row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
         row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
         row = max_over_ranks(row)
-        if step >= warmup:
+        if measuring:
             samples.append(row)
             if st is not None:
                 sent.append(st.sent_bytes)
+        step += 1
     cable = meter.stop(args.steps)
     nic_row, nic_details = probe.finish()
     med = [statistics.median(col) * 1e3 for col in zip(*samples, strict=True)]
@@ -220,6 +233,7 @@ def _measure(
             "plan": synced.plan_table(),
             "plan_buckets": plan.to_state() if plan is not None else [],
             "last_step": st.to_dict(),
+            "closed_loop": {**synced.engine.loop.state_dict(), "rounds": synced.engine.loop.history},
         }
         if carry is not None:
             carry.engine_state = synced.engine.state_dict()

@@ -122,6 +122,8 @@ def measure_contenders(
         for name in round_order(contenders, r):
             row, extra = bench_step._measure(name, base, topo, x, y, args, carry[name])
             measured[name].append(row)
+            if "closed_loop" in details.get(name, {}):  # the re-plans happened in the first round
+                extra["closed_loop"] = details[name]["closed_loop"]
             details[name] = extra
             if topo.rank == 0:
                 where = f"round {r + 1}/{rounds}  " if rounds > 1 else ""

@@ -23,6 +23,7 @@ import abc
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -211,6 +212,12 @@ class Codec(Compressor, Generic[StreamT]):
     def reset_state(self) -> None:
         """Forget every stream (thresholds, factors, generators, counters)."""
         self._streams.clear()
+
+    def drop_streams(self, keep: Callable[[str], bool]) -> list[str]:
+        dropped = sorted(k for k in self._streams if not keep(k))
+        for k in dropped:
+            del self._streams[k]
+        return dropped
 
     def state_dict(self) -> dict[str, Any]:
         """All stream state as tensors and plain values (``torch.load(weights_only=True)`` reads it)."""

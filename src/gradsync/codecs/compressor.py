@@ -35,6 +35,7 @@ Traits (plain attributes, the same on a codec and on error feedback around it):
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,6 +151,11 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def reset_state(self) -> None:
         """Forget all state."""
+
+    @abc.abstractmethod
+    def drop_streams(self, keep: Callable[[str], bool]) -> list[str]:
+        """Forget the state of every stream whose key ``keep`` rejects (the tensors it belonged to
+        are no longer compressed this way) and return those keys, sorted."""
 
     # ------------------------------------------------------------------ error feedback
     # Protocols that compress in several rounds (PowerSGD inside a collective) call these three

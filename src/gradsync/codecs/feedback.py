@@ -33,6 +33,7 @@ size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -308,6 +309,14 @@ class ErrorFeedback(Compressor):
     def reset_state(self) -> None:
         self._streams.clear()
         self.codec.reset_state()
+
+    def drop_streams(self, keep: Callable[[str], bool]) -> list[str]:
+        """Forget the residuals (and the codec's streams) that ``keep`` rejects: what they owed
+        the model is lost, so the caller says so."""
+        dropped = sorted(k for k in self._streams if not keep(k))
+        for k in dropped:
+            del self._streams[k]
+        return sorted(set(dropped) | set(self.codec.drop_streams(keep)))
 
     def state_dict(self) -> dict[str, Any]:
         streams = {}

@@ -305,8 +305,10 @@ def measure_codec(
     the CPU; the sync engine passes its gradients' device) and fit lines.
 
     The timing runs on a fresh copy of the codec (same configuration, no state): the codec in
-    use keeps its streams, scratch buffers and random generators untouched."""
-    plain = codec.plain.fresh()
+    use keeps its streams, scratch buffers and random generators untouched. The copy is the
+    codec as it runs, error feedback included (it adds passes over the tensor: on this project's
+    2-core CPU ``mstopk:density=0.01`` encodes 32 MB in 4.3 ms, with ``+ef`` in 10.3 ms)."""
+    plain = codec.fresh()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     itemsize = dtype.itemsize
     enc, dec, pay = [], [], []

@@ -30,6 +30,15 @@ class SyncConfig(OptionsConfig):
     compression); ``compress``: every bucket that may be compressed is; ``dense``: none is."""
     partitions: int = 0
     """Split a compressed bucket into this many parts that pipeline (0: the planner picks 1, 2 or 4)."""
+    replan: int = 2
+    """The closed loop (:mod:`gradsync.sync.closed_loop`, ``plan="auto"`` only): how many times
+    the plan may be remade from what its buckets cost in the running engine; 0 keeps the first
+    plan."""
+    replan_steps: int = 3
+    """Steps measured before each re-plan (after one unmeasured step with the new plan)."""
+    replan_gain: float = 0.05
+    """A re-plan replaces the plan only when the refitted model predicts it at least this
+    fraction faster (hysteresis), and compresses a bucket for a predicted win of this much."""
     dense_algorithm: str = "auto"
     """For dense buckets: ``auto`` (cheapest by the cost model) or flat, hierarchical, torus2d, hybrid."""
     error_feedback: bool | None = None
@@ -82,6 +91,9 @@ class SyncConfig(OptionsConfig):
         check_choice(self.codec, "plan", self.plan, PLAN_MODES)
         check_choice(self.codec, "dense_algorithm", self.dense_algorithm, DENSE_CHOICES)
         check_range(self.codec, "partitions", self.partitions, 0, 64)
+        check_range(self.codec, "replan", self.replan, 0, 20)
+        check_range(self.codec, "replan_steps", self.replan_steps, 1, 1000)
+        check_range(self.codec, "replan_gain", self.replan_gain, 0.0, 0.9)
         check_range(self.codec, "bucket_bytes", self.bucket_bytes, 1)
         check_range(self.codec, "bucket_timeout_ms", self.bucket_timeout_ms, 0.0)
         check_range(self.codec, "min_compress_bytes", self.min_compress_bytes, 0)

@@ -35,14 +35,31 @@ import torch.distributed as dist
 from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.compressed import codec_refusal, compressed_program
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups, codec_class_for
+from gradsync.sync.closed_loop import (
+    ClosedLoop,
+    keeps,
+    plan_seconds,
+    refit,
+    same_plan,
+    samples_of,
+    stream_prefixes,
+)
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.explain import PlanReport, explain_plan
 from gradsync.sync.plan import Plan
-from gradsync.sync.planner import FirstStep, plan_after_first_step
+from gradsync.sync.planner import (
+    FirstStep,
+    first_step_groups,
+    make_plan,
+    plan_after_first_step,
+    share_plan,
+    time_codecs,
+)
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import UNEVEN_HINT, LagClock, sequence_program
 from gradsync.sync.stats import BucketStats, StepStats
@@ -87,6 +104,12 @@ class SyncEngine:
         self.manager = TaskManager("gradsync")
         self.step = 0  # completed steps
         self.plan: Plan | None = None
+        loop_on = config.plan == "auto" and self.scheme.kind != "dense" and bool(self.codecs)
+        self.loop = ClosedLoop(config.replan if loop_on else 0, config.replan_steps, config.replan_gain)
+        """The closed loop's state: re-plans done, settled, what each round decided."""
+        self._params: CostParams | None = None  # the links as calibrated after the first step
+        self._first: FirstStep | None = None  # the first step's gradient order and ready times
+        self._codec_costs: dict[int, CodecCost] = {}  # rank 0: the codecs as timed for the plan
         self.enabled = True  # False inside no_sync()
         self.history: list[StepStats] = []
         self._lock = threading.Lock()
@@ -251,9 +274,16 @@ class SyncEngine:
                 del self.history[:-1000]
             self.step += 1
             self._in_step = False
-            self._shadow = False
+            shadow, self._shadow = self._shadow, False
             if self.plan is None:
                 self._make_plan()
+            elif (
+                self.loop.active
+                and not stats.dense
+                and self._first is not None
+                and self.loop.observe(stats, valid=not overflow and not shadow)
+            ):
+                self._replan()
         return stats
 
     @contextlib.contextmanager
@@ -430,11 +460,82 @@ class SyncEngine:
         t0 = time.perf_counter()
         first = FirstStep(list(self._order), list(self._ready_at))
         classes = [self.codec_class(s) for s in self.slots]
-        plan = plan_after_first_step(
+        plan, params, costs = plan_after_first_step(
             self.topo, self.config, self.scheme, self.slots, self.codecs, first, classes, self.codec_rejects
         )
+        self._params, self._first, self._codec_costs = params, first, costs
         self._install_plan(plan)
+        self.loop.restart()
         self._report_plan(time.perf_counter() - t0)
+
+    def _replan(self) -> None:
+        """The closed loop's round (:mod:`gradsync.sync.closed_loop`): agree on the measured
+        bucket costs, refit and re-plan on rank 0, and switch every rank to the new plan, or
+        settle on the current one."""
+        assert self.plan is not None and self._first is not None and self._params is not None
+        t0 = time.perf_counter()
+        cfg, old = self.config, self.plan
+        measured = self.loop.agreed(self.topo, len(self._buckets))
+        nbytes = [s.nbytes for s in self.slots]
+        record: dict[str, Any] = {"step": self.step}
+
+        def decide() -> Plan | None:
+            assert self._first is not None and self._params is not None
+            t, m, n = self.topo, self.topo.nodes, self.topo.per_node
+            classes = [self.codec_class(s) for s in self.slots]
+            timeout = cfg.bucket_timeout_ms / 1e3
+            groups = first_step_groups(self.slots, self._first, classes, cfg.bucket_bytes, timeout)
+            if not self._codec_costs:  # a run resumed from a checkpoint: time the codecs now
+                self._codec_costs = time_codecs(t, self.scheme, self.slots, self.codecs, groups)
+            fit = refit(samples_of(old, nbytes, measured), self.scheme, self._params, m, n, self._codec_costs)
+            model = CostModel(fit.params, m, n)
+            candidate = make_plan(
+                groups, nbytes, self.scheme, model, fit.codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
+                fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.codec_rejects,
+                margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead,
+            )  # fmt: skip
+            before = plan_seconds(old, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead)
+            after = plan_seconds(candidate, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead)
+            record.update(refit=fit.describe(), predicted_ms=[before * 1e3, after * 1e3])
+            if same_plan(candidate, old) or after > (1.0 - cfg.replan_gain) * before:
+                return None
+            return candidate
+
+        new = share_plan(self.topo, decide)
+        record["switched"] = new is not None
+        record["seconds"] = time.perf_counter() - t0
+        self.loop.history.append(record)
+        if new is None:
+            self.loop.settled = True
+            if cfg.log_plan and self.topo.rank == 0:
+                log.info(
+                    "gradsync closed loop at step %d: the plan stays (%s; predicted %.1f -> %.1f ms "
+                    "of synchronization per step, a switch needs %.0f %%)", self.step, record.get("refit"),
+                    *record.get("predicted_ms", [0.0, 0.0]), 100 * cfg.replan_gain,
+                )  # fmt: skip
+            return
+        self.loop.replans += 1
+        self.loop.settled = self.loop.replans >= self.loop.replan
+        dropped = self._switch_plan(new)
+        if cfg.log_plan and self.topo.rank == 0:
+            log.info(
+                "gradsync closed loop at step %d: re-plan %d of at most %d (%s; predicted %.1f -> %.1f ms "
+                "of synchronization per step; %d compression streams of changed buckets start afresh)",
+                self.step, self.loop.replans, self.loop.replan, record.get("refit"),
+                *record.get("predicted_ms", [0.0, 0.0]), len(dropped),
+            )  # fmt: skip
+        self._report_plan(time.perf_counter() - t0)
+
+    def _switch_plan(self, plan: Plan) -> list[str]:
+        """Install ``plan`` between steps; the compression state of the buckets it changes is
+        dropped (their keys returned), that of the buckets it keeps stays."""
+        self._install_plan(plan)
+        keep = stream_prefixes(plan, [b.key for b in self._buckets])
+        dropped: list[str] = []
+        for cid, codec in enumerate(self.codecs):
+            dropped += codec.drop_streams(keeps(keep.get(cid, set())))
+        self.loop.restart()
+        return dropped
 
     def codec_rejects(self, codec_id: int, slots: list[int], parts: int) -> str | None:
         """Why codec ``codec_id`` cannot compress a bucket of ``slots`` in ``parts`` parts (None
@@ -589,7 +690,30 @@ class SyncEngine:
             "step": self.step,
             "plan": None if self.plan is None else self.plan.to_state(),
             "codecs": [c.state_dict() for c in self.codecs],
+            "closed_loop": self._loop_state(),
         }
+
+    def _loop_state(self) -> dict[str, Any]:
+        """The closed loop's progress and what a resumed run needs to go on re-planning: the
+        calibrated links and the first step's order and ready times (plain values)."""
+        state = self.loop.state_dict()
+        if self._params is not None and self._first is not None:
+            p = self._params
+            state["links"] = [p.intra.alpha, p.intra.beta, p.inter.alpha, p.inter.beta, p.gamma]
+            state["first_order"] = list(self._first.order)
+            state["first_ready"] = [-1.0 if t is None else float(t) for t in self._first.ready_at]
+        return state
+
+    def _load_loop_state(self, state: dict[str, Any] | None) -> None:
+        self.loop.load_state_dict(state)
+        state = state or {}
+        links, order, ready = state.get("links"), state.get("first_order"), state.get("first_ready")
+        if links is None or order is None or ready is None or len(ready) != len(self.slots):
+            self.loop.settled = True  # saved before the closed loop existed: keep the plan as it is
+            return
+        ai, bi, ao, bo, g = (float(v) for v in links)
+        self._params = CostParams(Link(ai, bi), Link(ao, bo), g)
+        self._first = FirstStep([int(i) for i in order], [None if t < 0 else float(t) for t in ready])
 
     def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         """Restore :meth:`state_dict`. A state saved under another world size, topology, scheme
@@ -616,6 +740,7 @@ class SyncEngine:
                 codec.reset_state()
             self.step = int(state.get("step", 0))
             self.plan = None
+            self.loop.load_state_dict(None)
             self._set_buckets(self._initial_groups(), None)
             return
         for codec, cs in zip(self.codecs, state["codecs"], strict=True):
@@ -623,6 +748,7 @@ class SyncEngine:
         self.step = int(state["step"])
         if state["plan"] is not None:
             self._install_plan(Plan.from_state(state["plan"]))
+            self._load_loop_state(state.get("closed_loop"))
             self._report_plan(0.0)
 
     def close(self) -> None:

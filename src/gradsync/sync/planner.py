@@ -114,8 +114,16 @@ def make_plan(
     fuse_bytes: int | None = None,
     kinds: list[object] | None = None,
     rejects: Callable[[int, list[int], int], str | None] | None = None,
+    margin: float = COMPRESS_MARGIN,
+    dense_overhead: Callable[[float], float] | None = None,
 ) -> Plan:
     """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
+
+    In ``auto`` mode a bucket is compressed when its predicted time is below ``margin`` times the
+    dense one (the first plan asks for a 2x win; a re-plan from measured costs asks for less).
+    ``dense_overhead(S)``: seconds a dense bucket of S bytes spends besides its collective
+    (packing and unpacking, as measured by the closed loop; a compressed bucket's measured
+    encode already includes its packing).
 
     With ``fuse_bytes``, neighbouring buckets that both stay dense are fused again (up to that
     many bytes, only slots of one ``kinds`` entry together: same dtype and device), as DDP fuses
@@ -136,6 +144,8 @@ def make_plan(
             )
             continue
         algo, t_dense = best_dense(model, size, dense_algorithm)
+        if dense_overhead is not None:
+            t_dense += dense_overhead(size)
         b = BucketPlan(slots, codec_id, False, 1, algo, t_dense * 1e3)
         if codec_id >= 0 and mode == "dense":
             b.dense_reason = "plan"
@@ -144,7 +154,7 @@ def make_plan(
                 scheme, model, size, codec_costs[codec_id], model.m, model.n, partitions
             )
             b.partitions, b.compressed_ms = k, t_comp * 1e3
-            b.compress = mode == "compress" or t_comp < COMPRESS_MARGIN * t_dense
+            b.compress = mode == "compress" or t_comp < margin * t_dense
             b.dense_reason = "" if b.compress else "cost"
             if b.compress and rejects is not None and rejects(codec_id, slots, k) is not None:
                 b.compress, b.partitions, b.dense_reason = False, 1, "codec"
@@ -152,9 +162,11 @@ def make_plan(
     if fuse_bytes is not None:
 
         def dense_cost(size: float) -> tuple[str, float]:
+            extra = dense_overhead(size) if dense_overhead is not None else 0.0
             if scheme.kind == "dense":
-                return scheme.algorithm, predict(scheme, model, size, None)
-            return best_dense(model, size, dense_algorithm)
+                return scheme.algorithm, predict(scheme, model, size, None) + extra
+            algo, t = best_dense(model, size, dense_algorithm)
+            return algo, t + extra
 
         plan = _fuse_dense(plan, nbytes, dense_cost, fuse_bytes, kinds or [None] * len(nbytes))
     return plan
@@ -230,12 +242,30 @@ def decide_plan(
     first: FirstStep,
     classes: list[int],
     rejects: Callable[[int, list[int], int], str | None],
-) -> Plan:
+) -> tuple[Plan, dict[int, CodecCost]]:
     """The plan for this job, from the calibrated ``params`` and the codecs' timings at the sizes
     their encode calls will see (timed on fresh copies of the codecs, on the device and in the
-    dtype of the gradients they compress)."""
+    dtype of the gradients they compress); and those timings."""
     model = CostModel(params, topo.nodes, topo.per_node)
     groups = first_step_groups(slots, first, classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3)
+    costs = time_codecs(topo, scheme, slots, codecs, groups)
+    plan = make_plan(
+        groups, [s.nbytes for s in slots], scheme, model, costs, config.plan, config.dense_algorithm,
+        config.partitions, fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
+    )  # fmt: skip
+    return plan, costs
+
+
+def time_codecs(
+    topo: Topology,
+    scheme: Scheme,
+    slots: list[Slot],
+    codecs: list[Compressor],
+    groups: list[tuple[list[int], int]],
+) -> dict[int, CodecCost]:
+    """Each codec's encode and decode, timed at the smallest and the largest size its encode
+    calls will see in ``groups``, on a fresh copy, on the device and in the dtype of most of the
+    gradients it compresses."""
     nbytes = [s.nbytes for s in slots]
     costs = {}
     for cid, codec in enumerate(codecs):
@@ -251,10 +281,7 @@ def decide_plan(
         dtype, device = max(held, key=held.__getitem__)
         ends = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
         costs[cid] = measure_codec(codec, ends, reps=3, device=device, dtype=dtype)
-    return make_plan(
-        groups, nbytes, scheme, model, costs, config.plan, config.dense_algorithm, config.partitions,
-        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
-    )  # fmt: skip
+    return costs
 
 
 def plan_after_first_step(
@@ -266,30 +293,51 @@ def plan_after_first_step(
     first: FirstStep,
     classes: list[int],
     rejects: Callable[[int, list[int], int], str | None],
-) -> Plan:
-    """Calibrate the links (every rank), decide on rank 0, and give every rank rank 0's plan.
+) -> tuple[Plan, CostParams, dict[int, CodecCost]]:
+    """Calibrate the links (every rank), decide on rank 0, and give every rank rank 0's plan
+    (:func:`share_plan`); also return the calibrated links (every rank has the same) and the
+    codec timings (rank 0's; empty on the other ranks)."""
+    params = calibrate(topo, reps=3) if config.calibrate else DEFAULT_PARAMS
+    costs: dict[int, CodecCost] = {}
+
+    def decide() -> Plan:
+        plan, measured = decide_plan(topo, config, scheme, slots, codecs, params, first, classes, rejects)
+        costs.update(measured)
+        return plan
+
+    plan = share_plan(topo, decide)
+    assert plan is not None  # decide always makes one
+    return plan, params, costs
+
+
+def share_plan(topo: Topology, decide: Callable[[], Plan | None]) -> Plan | None:
+    """Run ``decide`` on rank 0 and give every rank its result (None: no new plan).
 
     Rank 0 decides alone, so a failure there is sent to every rank in place of the plan (the
     others would otherwise wait in the broadcast): every rank raises it."""
-    params = calibrate(topo, reps=3) if config.calibrate else DEFAULT_PARAMS
     dev, group = topo.comm_device, topo.control_group
     error: Exception | None = None
     wire = torch.zeros(0, dtype=torch.int64, device=dev)
+    status = 0  # 0: a plan, 1: a failure, 2: no plan
     if topo.rank == 0:
         try:
-            plan = decide_plan(topo, config, scheme, slots, codecs, params, first, classes, rejects)
-            wire = plan.to_tensor().to(dev)
+            plan = decide()
+            if plan is None:
+                status = 2
+            else:
+                wire = plan.to_tensor().to(dev)
         except Exception as e:
-            error = e
+            error, status = e, 1
             wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64, device=dev)
-    head = torch.tensor([wire.numel(), int(error is not None)], dtype=torch.int64, device=dev)
+    head = torch.tensor([wire.numel(), status], dtype=torch.int64, device=dev)
     dist.broadcast(head, 0, group=group)  # the control group holds every rank
-    size, failed = head.tolist()
+    size, status = head.tolist()
     if topo.rank != 0:
         wire = torch.zeros(size, dtype=torch.int64, device=dev)
-    dist.broadcast(wire, 0, group=group)
-    if failed:
+    if size:
+        dist.broadcast(wire, 0, group=group)
+    if status == 1:
         if error is not None:
             raise error
         raise RuntimeError(f"gradsync: making the plan failed on rank 0: {bytes(wire.tolist()).decode()}")
-    return Plan.from_tensor(wire.cpu())
+    return None if status == 2 else Plan.from_tensor(wire.cpu())

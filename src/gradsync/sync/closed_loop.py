@@ -1,0 +1,343 @@
+"""The closed-loop planner: re-plan from what each bucket actually cost in the running engine.
+
+The first plan (:mod:`gradsync.sync.planner`) rests on links calibrated with barrier-synchronized
+all-reduces and on codecs timed alone. Inside the running engine both cost more: each collective
+call pays for Python, the task threads and the size exchanges around it, and each encode runs
+next to the backward pass, sharing its cores. So, after a plan is installed, the engine
+measures every bucket for a few steps: the time inside its collectives, on the compute thread
+(packing, error feedback, encoding) and decoding. Then:
+
+1. **Agree.** Every rank contributes its per-bucket medians, and one all-reduce takes the
+   maximum. A step waits for its slowest rank, so every rank holds the same numbers.
+2. **Refit** (rank 0, :func:`refit`):
+   - alpha and beta of each link level, by least squares on the buckets' communication times
+     through the same formulas the planner uses (:mod:`gradsync.collectives.cost`), with a weak
+     pull towards the calibrated values where the measurements do not pin a parameter down;
+   - each codec's encode and decode, scaled to what its buckets measured;
+   - the dense buckets' packing and unpacking time, which the first plan ignores.
+3. **Re-plan.** :func:`~gradsync.sync.planner.make_plan` runs over the same buckets with the
+   refitted model. It asks a compressed bucket for a win of only ``replan_gain`` (the first plan
+   asks for 2x, because its model is the uncorrected one).
+4. **Switch or settle.** The new plan replaces the old one only when the refitted model predicts
+   it at least ``replan_gain`` faster in total (hysteresis: no oscillation between near-equal
+   plans). Rank 0 sends the decision (:func:`~gradsync.sync.planner.share_plan`), so every rank
+   switches at the same step. After ``replan`` switches, or a round that keeps the plan, the
+   loop settles.
+
+A switch keeps the compression state of every bucket it leaves as it was: same tensors,
+compressed, same number of parts. A bucket the switch changes starts afresh, as a bucket does
+after the dense warm-up. Its error-feedback residual is dropped and the engine's log names it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.collectives.topology import Topology
+from gradsync.sync.plan import Plan
+from gradsync.sync.planner import best_partitions, encode_sizes, predict
+from gradsync.sync.scheme import Scheme
+from gradsync.sync.stats import StepStats
+
+MISSING = -1.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One bucket's measured costs (seconds per step, the maximum over the ranks)."""
+
+    nbytes: float
+    compressed: bool
+    parts: int
+    algorithm: str  # a dense bucket's algorithm
+    codec_id: int
+    comm_s: float
+    compute_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class Refit:
+    """The cost model refitted on measured buckets."""
+
+    params: CostParams
+    codecs: dict[int, CodecCost]
+    pack: Linear | None  # a dense bucket's packing + unpacking, seconds against bytes
+    comm_error_before: float  # relative RMS error of the communication times, calibrated model
+    comm_error_after: float  # ... refitted model
+    encode_scale: dict[int, float] = field(default_factory=dict)
+
+    def dense_overhead(self, nbytes: float) -> float:
+        return self.pack(nbytes) if self.pack is not None else 0.0
+
+    def describe(self) -> str:
+        def level(name: str, link: Link) -> str:
+            rate = f"{1 / link.beta / 1e9:.2f} GB/s" if link.beta > 0 else "unbounded"
+            return f"{name} alpha {link.alpha * 1e6:.0f} us, {rate}"
+
+        p = self.params
+        parts = [level("intra", p.intra), level("inter", p.inter)]
+        parts += [f"codec {c} encode x{k:.2f}" for c, k in sorted(self.encode_scale.items())]
+        before, after = 100 * self.comm_error_before, 100 * self.comm_error_after
+        parts.append(f"communication error {before:.0f} % -> {after:.0f} %")
+        return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------- the formulas
+def _no_compute(c: CodecCost) -> CodecCost:
+    zero = Linear(0.0, 0.0)
+    return replace(c, encode=zero, decode=zero)
+
+
+def comm_seconds(scheme: Scheme, model: CostModel, s: Sample, codec: CodecCost | None) -> float:
+    """The model's communication time of a measured bucket: its collectives without the codec's
+    compute (which the compute thread's measurement covers)."""
+    if not s.compressed:
+        dense = scheme if scheme.kind == "dense" else Scheme("", "dense", s.algorithm)
+        return predict(dense, model, s.nbytes, None)
+    assert codec is not None
+    return s.parts * predict(scheme, model, s.nbytes / s.parts, _no_compute(codec))
+
+
+def _params(base: CostParams, u: list[float]) -> CostParams:
+    return CostParams(
+        Link(base.intra.alpha * u[0], base.intra.beta * u[1]),
+        Link(base.inter.alpha * u[2], base.inter.beta * u[3]),
+        base.gamma,
+    )
+
+
+def refit_links(
+    samples: list[Sample],
+    scheme: Scheme,
+    params: CostParams,
+    nodes: int,
+    per_node: int,
+    codecs: dict[int, CodecCost],
+    prior: float = 1e-8,
+    iterations: int = 6,
+) -> tuple[CostParams, float, float]:
+    """alpha and beta of both levels that best explain the measured communication times, and the
+    relative RMS error before and after.
+
+    Unknowns are the calibrated values' multipliers u; each Gauss-Newton round linearizes every
+    bucket's formula around the current u (the formulas are piecewise linear in alpha and beta)
+    and solves the least squares of the relative errors plus ``prior`` (u - 1)^2 per parameter,
+    so a parameter no measurement depends on stays as calibrated."""
+    data = [s for s in samples if s.comm_s > 0]
+    if not data:
+        return params, 0.0, 0.0
+    base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta]
+
+    def predictions(u: list[float]) -> list[float]:
+        model = CostModel(_params(params, u), nodes, per_node)
+        return [comm_seconds(scheme, model, s, codecs.get(s.codec_id)) for s in data]
+
+    def error(pred: list[float]) -> float:
+        return math.sqrt(
+            statistics.fmean(((p - s.comm_s) / s.comm_s) ** 2 for p, s in zip(pred, data, strict=True))
+        )
+
+    u = [1.0] * 4
+    before = error(predictions(u))
+    for _ in range(iterations):
+        f0 = predictions(u)
+        cols = []
+        for k in range(4):
+            if base[k] <= 0:
+                cols.append([0.0] * len(data))
+                continue
+            h = 1e-3 * u[k]
+            bumped = list(u)
+            bumped[k] += h
+            cols.append([(fb - fa) / h for fa, fb in zip(f0, predictions(bumped), strict=True)])
+        # rows: (m - f0 - J (v - u)) / m, with v the new u; prior rows sqrt(prior) (v - 1)
+        a = torch.zeros(len(data) + 4, 4, dtype=torch.float64)
+        b = torch.zeros(len(data) + 4, dtype=torch.float64)
+        for j, s in enumerate(data):
+            for k in range(4):
+                a[j, k] = cols[k][j] / s.comm_s
+            b[j] = (s.comm_s - f0[j] + sum(cols[k][j] * u[k] for k in range(4))) / s.comm_s
+        w = math.sqrt(prior)
+        for k in range(4):
+            a[len(data) + k, k] = w
+            b[len(data) + k] = w
+        v = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
+        step = [min(max(x, 1e-2), 1e3) for x in v]
+        if max(abs(x - y) / y for x, y in zip(step, u, strict=True)) < 1e-6:
+            u = step
+            break
+        u = step
+    fitted = _params(params, u)
+    return fitted, before, error(predictions(u))
+
+
+def refit(
+    samples: list[Sample],
+    scheme: Scheme,
+    params: CostParams,
+    nodes: int,
+    per_node: int,
+    codecs: dict[int, CodecCost],
+) -> Refit:
+    """The links, the codecs and the dense buckets' packing, refitted on ``samples``."""
+    fitted, before, after = refit_links(samples, scheme, params, nodes, per_node, codecs)
+    scaled: dict[int, CodecCost] = dict(codecs)
+    enc_scale: dict[int, float] = {}
+    for cid, c in codecs.items():
+        mine = [s for s in samples if s.compressed and s.codec_id == cid]
+        if not mine:
+            continue
+        enc = [encode_sizes(scheme, s.nbytes / s.parts, nodes, per_node) for s in mine]
+        pred_e = sum(s.parts * c.encode(e) for s, e in zip(mine, enc, strict=True))
+        pred_d = sum(s.parts * c.decode(e) for s, e in zip(mine, enc, strict=True))
+        ke = _ratio(sum(s.compute_s for s in mine), pred_e)
+        kd = _ratio(sum(s.decode_s for s in mine), pred_d)
+        enc_scale[cid] = ke
+        scaled[cid] = replace(
+            c,
+            encode=Linear(c.encode.a * ke, c.encode.b * ke),
+            decode=Linear(c.decode.a * kd, c.decode.b * kd),
+        )
+    dense = [s for s in samples if not s.compressed]
+    pack = None
+    if dense:
+        xs = [s.nbytes for s in dense]
+        ys = [s.compute_s + s.decode_s for s in dense]
+        pack = Linear.fit(xs, ys) if len(set(xs)) > 1 else Linear(0.0, sum(ys) / max(sum(xs), 1.0))
+    return Refit(fitted, scaled, pack, before, after, enc_scale)
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    if predicted <= 0 or measured <= 0:
+        return 1.0
+    return min(max(measured / predicted, 0.1), 100.0)
+
+
+# ---------------------------------------------------------------------------- plans under a model
+def plan_seconds(
+    plan: Plan, nbytes: list[int], scheme: Scheme, model: CostModel, codecs: dict[int, CodecCost],
+    dense_overhead: Callable[[float], float] | None = None,
+) -> float:  # fmt: skip
+    """The plan's buckets, each as the model predicts it with the plan's own choices (summed: the
+    comparison of two plans for the same gradients)."""
+    total = 0.0
+    for b in plan.buckets:
+        size = float(sum(nbytes[i] for i in b.slots))
+        if b.compress:
+            total += best_partitions(scheme, model, size, codecs[b.codec_id], model.m, model.n, b.partitions)[
+                1
+            ]
+        else:
+            dense = scheme if scheme.kind == "dense" else Scheme("", "dense", b.dense_algorithm)
+            total += predict(dense, model, size, None) + (dense_overhead(size) if dense_overhead else 0.0)
+    return total
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """The same buckets synchronized the same way (predictions aside)."""
+    key = [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in a.buckets]
+    return key == [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in b.buckets]
+
+
+def stream_prefixes(plan: Plan, keys: list[str]) -> dict[int, set[str]]:
+    """Per codec, the stream-key prefixes of the plan's compressed buckets (``key`` or
+    ``key#part``, as the engine names a part's coder): the streams a switch to this plan keeps."""
+    out: dict[int, set[str]] = {}
+    for b, bp in enumerate(plan.buckets):
+        if bp.compress:
+            names = [keys[b]] if bp.partitions == 1 else [f"{keys[b]}#{p}" for p in range(bp.partitions)]
+            out.setdefault(bp.codec_id, set()).update(names)
+    return out
+
+
+def keeps(prefixes: set[str]) -> Callable[[str], bool]:
+    """A stream-key filter: the streams of these coder keys (``prefix/role``) stay."""
+
+    def keep(key: str) -> bool:
+        return key.split("/", 1)[0] in prefixes
+
+    return keep
+
+
+# ------------------------------------------------------------------------------- the measurements
+@dataclass
+class ClosedLoop:
+    """The engine's side of the loop: which steps to measure, their per-bucket costs, how many
+    re-plans happened, and whether the loop has settled."""
+
+    replan: int  # re-plans allowed
+    steps: int  # measured steps per round
+    gain: float
+    replans: int = 0
+    settled: bool = False
+    counted: int = 0  # steps with the current plan (every rank counts the same ones)
+    history: list[dict[str, Any]] = field(default_factory=list)  # what each round decided (rank 0)
+    _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.replan > 0 and not self.settled
+
+    def restart(self) -> None:
+        """A new plan is in place: measure it from its second step on (the first allocates)."""
+        self.counted = 0
+        self._rows = []
+
+    def observe(self, stats: StepStats, valid: bool) -> bool:
+        """Count a step that ran with the current plan; keep its buckets' costs when ``valid`` (no
+        overflow, not a joined rank's shadow step). True when a re-plan is due (the same step on
+        every rank)."""
+        self.counted += 1
+        if self.counted == 1:
+            return False
+        if valid:
+            self._rows.append([(b.comm_s, b.compute_s, b.decode_s) for b in stats.bucket_stats])
+        return self.counted >= self.steps + 1
+
+    def agreed(self, topo: Topology, buckets: int) -> list[tuple[float, float, float] | None]:
+        """Per bucket, the medians of this rank's measured steps, maximum over the ranks (a
+        collective on the control group; None for a bucket no rank measured)."""
+        t = torch.full((buckets, 3), MISSING, dtype=torch.float64)
+        rows = [r for r in self._rows if len(r) == buckets]
+        for b in range(buckets):
+            if rows:
+                t[b] = torch.tensor([statistics.median(r[b][k] for r in rows) for k in range(3)])
+        t = t.to(topo.comm_device)
+        if topo.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.control_group)
+        out: list[tuple[float, float, float] | None] = []
+        for row in t.cpu().tolist():
+            out.append(None if row[0] < 0 else (row[0], row[1], row[2]))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replans": self.replans, "settled": self.settled}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore the count and whether the loop settled; a resumed run measures afresh."""
+        state = state or {}
+        self.replans = int(state.get("replans", 0))
+        self.settled = bool(state.get("settled", False))
+        self.restart()
+
+
+def samples_of(
+    plan: Plan, nbytes: list[int], measured: list[tuple[float, float, float] | None]
+) -> list[Sample]:
+    """The plan's buckets with their agreed measurements."""
+    out = []
+    for b, m in zip(plan.buckets, measured, strict=True):
+        if m is None:
+            continue
+        size = float(sum(nbytes[i] for i in b.slots))
+        out.append(Sample(size, b.compress, b.partitions, b.dense_algorithm, b.codec_id, *m))
+    return out

@@ -1,0 +1,356 @@
+"""The closed-loop planner (gradsync.sync.closed_loop): the refit against known links and codec
+costs, the plan switch's handling of compression state, and, in a 2-rank world, re-planning that
+every rank agrees on, that is checkpointed, and whose gradients after a switch equal an
+independent float64 reference (top-k of residual + gradient, plain mean for dense buckets)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.codecs import build_codec
+from gradsync.collectives import Topology
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.sync import Scheme, SyncConfig
+from gradsync.sync.closed_loop import (
+    ClosedLoop,
+    Refit,
+    Sample,
+    comm_seconds,
+    keeps,
+    refit,
+    refit_links,
+    same_plan,
+    stream_prefixes,
+)
+from gradsync.sync.plan import BucketPlan, Plan
+from worlds import named_check, run_checks, run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+CODEC = CodecCost(encode=Linear(2e-4, 3e-10), decode=Linear(5e-5, 1e-10), payload=Linear(16.0, 0.02))
+TRUE = CostParams(Link(40e-6, 1 / 2e9), Link(300e-6, 8 / 10e9), 1e-11)  # what the engine really sees
+CALIBRATED = CostParams(Link(5e-6, 1 / 10e9), Link(50e-6, 8 / 10e9), 1e-11)  # what calibration said
+
+
+def _samples(
+    scheme: Scheme, params: CostParams, nodes: int, per_node: int, codec: CodecCost = CODEC
+) -> list[Sample]:
+    """Buckets of several sizes, dense ones with each algorithm and compressed ones in 1, 2 and 4
+    parts, with the communication time ``params`` give them."""
+    model = CostModel(params, nodes, per_node)
+    out = []
+    dense = [(4e3, "flat"), (4e3, "hierarchical"), (64e3, "torus2d"), (1e6, "hierarchical"), (8e6, "torus2d"),
+             (32e6, "flat"), (4e6, "hierarchical")]  # fmt: skip
+    for size, algo in dense:
+        s = Sample(size, False, 1, algo, -1, 0.0, 0.0, 0.0)
+        out.append(replace(s, comm_s=comm_seconds(scheme, model, s, None)))
+    for size, parts in [(256e3, 1), (4e6, 1), (16e6, 2), (64e6, 4)]:
+        s = Sample(size, True, parts, "flat", 0, 0.0, 0.0, 0.0)
+        out.append(replace(s, comm_s=comm_seconds(scheme, model, s, codec)))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["hitopk:density=0.01", "allgather/topk:density=0.01", "powersgd:rank=4"])
+def test_the_refit_recovers_known_links(spec):
+    """Communication times made with known alpha/beta of both levels (2 nodes x 2): the refit,
+    started from the wrong calibrated values, finds them."""
+    scheme = Scheme.parse(spec).resolve(2, 2)
+    codec = replace(CODEC, lowrank=True) if spec.startswith("powersgd") else CODEC
+    samples = _samples(scheme, TRUE, 2, 2, codec)
+    fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: codec})
+    assert before > 0.5 and after < 1e-5
+    for got, want in [(fitted.intra, TRUE.intra), (fitted.inter, TRUE.inter)]:
+        assert got.alpha == pytest.approx(want.alpha, rel=1e-4)
+        assert got.beta == pytest.approx(want.beta, rel=1e-4)
+
+
+def test_a_dense_scheme_is_explained_where_it_cannot_be_identified():
+    """torus2d on 2 x 2 costs 2 alpha_i + S beta_i + 2 alpha_o + S beta_o: only the sums are
+    measurable. The refit explains the times exactly and does not invent a split."""
+    scheme = Scheme.parse("torus2d").resolve(2, 2)
+    samples = [s for s in _samples(scheme, TRUE, 2, 2) if not s.compressed]
+    fitted, _, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {})
+    assert after < 1e-3
+    alphas, betas = (fitted.intra.alpha, fitted.inter.alpha), (fitted.intra.beta, fitted.inter.beta)
+    assert sum(alphas) == pytest.approx(TRUE.intra.alpha + TRUE.inter.alpha, rel=1e-2)
+    assert sum(betas) == pytest.approx(TRUE.intra.beta + TRUE.inter.beta, rel=1e-2)
+
+
+def test_a_level_nothing_measures_stays_as_calibrated():
+    """On 2 nodes of 1 rank nothing crosses an intra link: its alpha and beta keep their
+    calibrated values (the prior), the inter level is refitted."""
+    scheme = Scheme.parse("allgather/topk:density=0.01").resolve(2, 1)
+    fitted, _, after = refit_links(_samples(scheme, TRUE, 2, 1), scheme, CALIBRATED, 2, 1, {0: CODEC})
+    assert fitted.intra.alpha == pytest.approx(CALIBRATED.intra.alpha, rel=1e-9)
+    assert fitted.intra.beta == pytest.approx(CALIBRATED.intra.beta, rel=1e-9)
+    assert fitted.inter.alpha == pytest.approx(TRUE.inter.alpha, rel=1e-2)
+    assert fitted.inter.beta == pytest.approx(TRUE.inter.beta, rel=1e-2)
+    assert after < 1e-2
+
+
+def test_the_refit_scales_codecs_and_fits_dense_packing():
+    """Compressed buckets whose compute thread measured 3x the codec table's encode and 2x its
+    decode; dense buckets that spent 1e-4 + 2e-10 S s packing: the refit says so."""
+    scheme = Scheme.parse("allgather/topk:density=0.01").resolve(2, 1)
+    samples = []
+    for s in _samples(scheme, TRUE, 2, 1):
+        part = s.nbytes / s.parts  # allgather: one encode of the whole part
+        if s.compressed:
+            s = replace(
+                s, compute_s=3 * s.parts * CODEC.encode(part), decode_s=2 * s.parts * CODEC.decode(part)
+            )
+        else:
+            s = replace(s, compute_s=0.5e-4 + 1e-10 * s.nbytes, decode_s=0.5e-4 + 1e-10 * s.nbytes)
+        samples.append(s)
+    fit = refit(samples, scheme, CALIBRATED, 2, 1, {0: CODEC})
+    assert fit.encode_scale == {0: pytest.approx(3.0)}
+    c = fit.codecs[0]
+    assert c.encode(1e6) == pytest.approx(3 * CODEC.encode(1e6))
+    assert c.decode(1e6) == pytest.approx(2 * CODEC.decode(1e6))
+    assert c.payload == CODEC.payload
+    assert fit.dense_overhead(5e6) == pytest.approx(1e-4 + 2e-10 * 5e6)
+    assert "inter alpha 300 us" in fit.describe()
+
+
+def test_stream_keys_a_switch_keeps():
+    """The coder keys of a plan's compressed buckets (``key``, ``key#part``): a stream
+    ``key/role`` is kept when its bucket is still compressed the same way, dropped otherwise."""
+    plan = Plan(
+        [
+            BucketPlan([0], 0, True, 1),
+            BucketPlan([1], 0, True, 2),
+            BucketPlan([2], 0, False, 1),
+            BucketPlan([3], -1, False, 1),
+        ]
+    )
+    prefixes = stream_prefixes(plan, ["a", "b", "c", "d"])
+    assert prefixes == {0: {"a", "b#0", "b#1"}}
+    keep = keeps(prefixes[0])
+    assert keep("a/allgather") and keep("b#1/allgather@0")
+    assert not keep("b/allgather") and not keep("c/ring0") and not keep("a#0/allgather")
+    assert same_plan(plan, copy.deepcopy(plan))
+    other = copy.deepcopy(plan)
+    other.buckets[1].partitions = 4
+    assert not same_plan(plan, other)
+
+
+def test_drop_streams_forgets_only_rejected_residuals():
+    codec = build_codec("topk:density=0.1+ef")
+    g = torch.Generator().manual_seed(0)
+    for key in ("x/allgather", "y/allgather"):
+        codec.encode(torch.randn(100, generator=g), gradsync_ctx(key))
+    before = codec.residual("x/allgather")
+    assert before is not None and codec.residual("y/allgather") is not None
+    assert codec.drop_streams(keeps({"x"})) == ["y/allgather"]
+    assert codec.residual("y/allgather") is None
+    assert torch.equal(codec.residual("x/allgather"), before)
+
+
+def gradsync_ctx(key: str):
+    from gradsync.codecs import EncodeContext
+
+    return EncodeContext(key=key)
+
+
+def test_the_loop_counts_the_same_steps_on_every_rank():
+    """The first step with a plan is not measured; a shadow or overflowed step counts but
+    contributes nothing; the re-plan is due after ``steps`` counted steps beyond the first."""
+    from gradsync.sync.stats import BucketStats, StepStats
+
+    def stats(ms):
+        b = BucketStats(0, "a", 4, 4, True, 1, 0.0, 0.0, 0.0, ms / 1e3, 0.0, ms / 1e3)
+        return StepStats(step=0, dense=False, buckets=1, compressed_buckets=1, launched_in_backward=1,
+                         bucket_stats=[b])  # fmt: skip
+
+    loop = ClosedLoop(replan=2, steps=2, gain=0.05)
+    assert loop.active
+    assert not loop.observe(stats(100), valid=True)  # the first step after a switch
+    assert not loop.observe(stats(1), valid=False)  # overflow: counted, not kept
+    assert loop.observe(stats(3), valid=True)
+    assert loop._rows == [[(3e-3, 3e-3, 0.0)]]  # (comm, compute, decode)
+    loop.settled = True
+    assert not loop.active
+    again = ClosedLoop(replan=2, steps=2, gain=0.05)
+    again.load_state_dict(loop.state_dict())
+    assert again.settled and not again.active
+
+
+@pytest.mark.parametrize(
+    "option, value, allowed",
+    [("replan", -1, "[0, 20]"), ("replan_steps", 0, "[1, 1000]"), ("replan_gain", 0.95, "[0, 0.9]")],
+)
+def test_bad_closed_loop_options_name_the_option(option, value, allowed):
+    with pytest.raises(ValueError, match=rf"{option}.*{re_escape(allowed)}"):
+        SyncConfig.from_options({option: str(value)})
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+# ----------------------------------------------------------------------------------- two ranks
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # every rank the same weights
+    return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 1024), nn.Linear(1024, 64))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return torch.randn(8, 256, generator=g), torch.randn(8, 64, generator=g)
+
+
+def _forced_refits(phases):
+    """Stand in for the refit, on rank 0, so the test decides what the measurements say:
+    each re-plan takes the next phase (a function of the calibrated links and codec costs)."""
+    it = iter(phases)
+
+    def fake(samples, scheme, params, nodes, per_node, codecs):
+        made = next(it)(params, codecs)
+        return Refit(made[0], made[1], None, 0.0, 0.0)
+
+    return fake
+
+
+def _compress_all(params, codecs):
+    """Dense crosses nodes at 1 kB/s, encoding is free: every bucket that may is compressed."""
+    free = {c: replace(v, encode=Linear(0.0, 0.0), decode=Linear(0.0, 0.0)) for c, v in codecs.items()}
+    return CostParams(Link(1e-6, 1e-12), Link(1e-6, 1e-3), 0.0), free
+
+
+def _compress_the_large_one(params, codecs):
+    """Dense at 250 MB/s (1.05 ms for 256 kB, 4.2 ms for 1 MB), an encode costs 2.5 ms: only the
+    1 MB weight is worth compressing."""
+    slow = {c: replace(v, encode=Linear(2.5e-3, 0.0), decode=Linear(0.0, 0.0)) for c, v in codecs.items()}
+    return CostParams(Link(1e-6, 1e-12), Link(1e-6, 4e-9), 0.0), slow
+
+
+def _wrap(module: nn.Module) -> gradsync.GradSync:
+    """2 nodes of 1 rank, a flat sparse all-gather of top 5 % with error feedback; the links
+    assumed (10 Gbit/s), one bucket per weight, one part per bucket, two re-plans of 2 steps."""
+    return gradsync.wrap(
+        module, topology=Topology(nodes=2, per_node=1), scheme="allgather/topk:density=0.05", calibrate=False,
+        bucket_bytes=200_000, partitions=1, replan=2, replan_steps=2, log_plan=False,
+    )  # fmt: skip
+
+
+def closed_loop_world():
+    run_checks(named_check(check_switches_carry_state_and_match_the_reference))
+
+
+def check_switches_carry_state_and_match_the_reference():
+    from gradsync.sync import engine as engine_module
+
+    world = dist.get_world_size()
+    real = engine_module.refit
+    engine_module.refit = _forced_refits([_compress_all, _compress_the_large_one])
+    try:
+        model = _wrap(_model())
+        engine = model.engine
+        codec = engine.codecs[0]
+        key = "1.weight/allgather"
+        seen: dict[int, torch.Tensor | None] = {}
+        engine.observers.append(lambda st, *_: seen.__setitem__(st.step, codec.residual(key)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        plans = []
+        for step in range(7):
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            plans.append([(b.compress, b.slots) for b in engine.plan.buckets])
+    finally:
+        engine_module.refit = real
+    names = [s.name for s in engine.slots]
+    compressed = [[names[s] for c, slots in p if c for s in slots] for p in plans]
+    failed: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        """Note a failed check and go on: every rank still runs the same collectives below."""
+        if not ok:
+            failed.append(what)
+
+    # step 0 dense, the first plan (calibrate=False: 10 Gbit/s) compresses nothing; the loop
+    # measures steps 2-3 and switches after step 3, measures 5-6 and switches after step 6
+    expect(compressed[0] == [], f"the first plan compressed {compressed[0]}")
+    expect(sorted(compressed[3]) == ["0.weight", "1.weight", "2.weight"], f"after re-plan 1: {compressed[3]}")
+    expect(compressed[6] == ["1.weight"], f"after re-plan 2: {compressed[6]}")
+    expect(engine.loop.replans == 2 and engine.loop.settled, f"loop {engine.loop.state_dict()}")
+    expect([h["switched"] for h in engine.loop.history] == [True, True], f"{engine.loop.history}")
+    # the bucket the second switch kept compressed keeps its residual bit for bit; the others'
+    # residuals are gone
+    kept = codec.residual(key)
+    expect(kept is not None and seen[6] is not None and torch.equal(kept, seen[6]), "residual not carried")
+    expect(kept is not None and float(kept.abs().sum()) > 0, "the carried residual is zero")
+    for gone in ("0.weight/allgather", "2.weight/allgather"):
+        expect(codec.residual(gone) is None, f"{gone}: residual kept after its bucket went dense")
+    # every rank runs the same plan
+    mine = engine.plan.to_tensor()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()]))
+    expect(len({int(s) for s in sizes}) == 1, "plans of different sizes")
+    if len({int(s) for s in sizes}) == 1:
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        expect(all(torch.equal(everyone[0], t) for t in everyone), "the ranks run different plans")
+
+    # step 7 against a float64 reference written out here: the dense buckets are the mean of
+    # the ranks' gradients; 1.weight is the mean of each rank's top 5 % of residual + gradient
+    # (the selection is made in float32 from the same float32 sums the engine makes, so
+    # that no rounding flips an element at the top-k boundary; the mean is taken in float64)
+    twin = copy.deepcopy(model.module)
+    x, y = _batch(7)
+    nn.functional.mse_loss(twin(x), y).backward()
+    residual = kept if kept is not None else torch.zeros(1024 * 256)
+    local = {n: p.grad for n, p in twin.named_parameters()}
+    v = residual + local["1.weight"].reshape(-1)
+    k = min(v.numel(), max(1, math.ceil(0.05 * v.numel())))  # TopK's k for density 0.05
+    sent = torch.zeros_like(v, dtype=torch.float64)
+    top = v.abs().topk(k).indices
+    sent[top] = v[top].double()
+    reference = {}
+    for n, g in local.items():
+        total = sent.view_as(g).clone() if n == "1.weight" else g.double()
+        dist.all_reduce(total)
+        reference[n] = total / world
+    nn.functional.mse_loss(model(x), y).backward()
+    for n, p in model.module.named_parameters():
+        err = float((p.grad.double() - reference[n]).abs().max() / reference[n].abs().max())
+        expect(err < 1e-5, f"step 7, {n}: gradient off the reference by {err:.2e} (relative)")
+
+    # the checkpoint holds the switched plan and the loop's progress: a restored engine runs
+    # the same plan without re-planning and gives the same gradients
+    state = engine.state_dict()
+    expect(
+        state["closed_loop"]["replans"] == 2 and state["closed_loop"]["settled"],
+        f"{state['closed_loop']}",
+    )
+    grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    opt.zero_grad(set_to_none=True)
+    restored = _wrap(copy.deepcopy(model.module))
+    # the state as it was before step 7 is gone (step 7 committed); compare a fresh step 8
+    restored.engine.load_state_dict(state)
+    expect(same_plan(restored.engine.plan, engine.plan), "the restored plan differs")
+    expect(restored.engine.loop.settled and restored.engine.loop.replans == 2, "the loop restarted")
+    x, y = _batch(8)
+    nn.functional.mse_loss(model(x), y).backward()
+    nn.functional.mse_loss(restored(x), y).backward()
+    for (n, p), q in zip(model.module.named_parameters(), restored.module.parameters(), strict=True):
+        expect(torch.equal(p.grad, q.grad), f"step 8, {n}: the restored engine's gradient differs")
+    expect(all(g is not None for g in grads.values()), "missing gradients")
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed)
+    model.close()
+    restored.close()
+
+
+def test_the_closed_loop_on_two_ranks():
+    run_world(2, closed_loop_world)
