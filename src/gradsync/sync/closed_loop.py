@@ -71,8 +71,8 @@ class Refit:
     params: CostParams
     codecs: dict[int, CodecCost]
     pack: Linear | None  # a dense bucket's packing + unpacking, seconds against bytes
-    comm_error_before: float  # relative RMS error of the communication times, calibrated model
-    comm_error_after: float  # ... refitted model
+    comm_error_before: float  # the fitted error (refit_links), calibrated links
+    comm_error_after: float  # ... refitted links
     encode_scale: dict[int, float] = field(default_factory=dict)
 
     def dense_overhead(self, nbytes: float) -> float:
@@ -123,31 +123,39 @@ def refit_links(
     per_node: int,
     codecs: dict[int, CodecCost],
     prior: float = 1e-8,
-    iterations: int = 6,
+    iterations: int = 8,
 ) -> tuple[CostParams, float, float]:
     """alpha and beta of both levels that best explain the measured communication times, and the
-    relative RMS error before and after.
+    model's error before and after: sqrt(sum (predicted - measured)^2 / measured / sum measured),
+    the root of the fitted objective as a share of the measured communication time.
 
-    Unknowns are the calibrated values' multipliers u; each Gauss-Newton round linearizes every
-    bucket's formula around the current u (the formulas are piecewise linear in alpha and beta)
-    and solves the least squares of the relative errors plus ``prior`` (u - 1)^2 per parameter,
-    so a parameter no measurement depends on stays as calibrated."""
+    Unknowns are the calibrated values' multipliers u. The objective weighs each bucket's squared
+    error by 1 / its time (large buckets count more than tiny ones, whose times are mostly the
+    wait for the slowest rank, but not in proportion to their size), plus ``prior`` (u - 1)^2 per
+    parameter, so a parameter no measurement depends on stays as calibrated. Each Gauss-Newton
+    round linearizes every bucket's formula around the current u (the formulas are piecewise
+    linear in alpha and beta); a round is taken only as far as it lowers the objective."""
     data = [s for s in samples if s.comm_s > 0]
     if not data:
         return params, 0.0, 0.0
     base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta]
+    total = sum(s.comm_s for s in data)
 
     def predictions(u: list[float]) -> list[float]:
         model = CostModel(_params(params, u), nodes, per_node)
         return [comm_seconds(scheme, model, s, codecs.get(s.codec_id)) for s in data]
 
-    def error(pred: list[float]) -> float:
+    def objective(u: list[float]) -> float:
+        fit = sum((p - s.comm_s) ** 2 / s.comm_s for p, s in zip(predictions(u), data, strict=True))
+        return fit + prior * total * sum((x - 1.0) ** 2 for x in u)
+
+    def mispredicted(u: list[float]) -> float:  # the fitted error, as a share of the time
         return math.sqrt(
-            statistics.fmean(((p - s.comm_s) / s.comm_s) ** 2 for p, s in zip(pred, data, strict=True))
+            sum((p - s.comm_s) ** 2 / s.comm_s for p, s in zip(predictions(u), data, strict=True)) / total
         )
 
     u = [1.0] * 4
-    before = error(predictions(u))
+    best = objective(u)
     for _ in range(iterations):
         f0 = predictions(u)
         cols = []
@@ -159,25 +167,35 @@ def refit_links(
             bumped = list(u)
             bumped[k] += h
             cols.append([(fb - fa) / h for fa, fb in zip(f0, predictions(bumped), strict=True)])
-        # rows: (m - f0 - J (v - u)) / m, with v the new u; prior rows sqrt(prior) (v - 1)
+        # rows (m - f0 - J (v - u)) / sqrt(m) for the new v; prior rows sqrt(prior * total) (v - 1)
         a = torch.zeros(len(data) + 4, 4, dtype=torch.float64)
         b = torch.zeros(len(data) + 4, dtype=torch.float64)
         for j, s in enumerate(data):
+            w = 1.0 / math.sqrt(s.comm_s)
             for k in range(4):
-                a[j, k] = cols[k][j] / s.comm_s
-            b[j] = (s.comm_s - f0[j] + sum(cols[k][j] * u[k] for k in range(4))) / s.comm_s
-        w = math.sqrt(prior)
+                a[j, k] = cols[k][j] * w
+            b[j] = (s.comm_s - f0[j] + sum(cols[k][j] * u[k] for k in range(4))) * w
+        w = math.sqrt(prior * total)
         for k in range(4):
             a[len(data) + k, k] = w
             b[len(data) + k] = w
-        v = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
-        step = [min(max(x, 1e-2), 1e3) for x in v]
-        if max(abs(x - y) / y for x, y in zip(step, u, strict=True)) < 1e-6:
-            u = step
+        v = [
+            min(max(x, 1e-2), 1e3) for x in torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
+        ]
+        step = 1.0
+        while step > 1e-3:  # backtrack until the objective goes down
+            trial = [x + step * (y - x) for x, y in zip(u, v, strict=True)]
+            value = objective(trial)
+            if value < best:
+                break
+            step /= 2
+        else:
             break
-        u = step
-    fitted = _params(params, u)
-    return fitted, before, error(predictions(u))
+        moved = max(abs(x - y) / y for x, y in zip(trial, u, strict=True))
+        u, best = trial, value
+        if moved < 1e-9:
+            break
+    return _params(params, u), mispredicted([1.0] * 4), mispredicted(u)
 
 
 def refit(
