@@ -42,9 +42,12 @@ def table():
     """A codec table written out, so nothing is timed: encode 1 ms + 1 ns/B, decode 0.1 ms, 1 %."""
     line = CodecCost(Linear(1e-3, 1e-9), Linear(1e-4, 0.0), Linear(16.0, 0.02))
     low = CodecCost(Linear(1e-3, 1e-9), Linear(1e-4, 0.0), Linear(16.0, 0.01), lowrank=True)
+    # the engine's codecs carry error feedback (``+ef``; ``powersgd`` is rank 4 by default);
+    # PyTorch's PowerSGD hook is timed as the plain codec
     return CodecTable(
-        entries={"mstopk:density=0.01": line, "topk:density=0.01": line, "powersgd:rank=4": low}
-    )
+        entries={"mstopk:density=0.01+ef": line, "topk:density=0.01+ef": line, "powersgd+ef": low,
+                 "powersgd:rank=4": low}
+    )  # fmt: skip
 
 
 def step_ms(name, w, pt, cpu=None, options=None):

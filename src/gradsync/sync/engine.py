@@ -74,6 +74,20 @@ class SyncError(RuntimeError):
     """Synchronization failed (a peer stopped, timed out, or the engine failed before)."""
 
 
+def build_codecs(config: SyncConfig, scheme: Scheme) -> list[Compressor]:
+    """The codecs an engine with ``config`` runs ``scheme`` with, error feedback included: the
+    scheme's, then the one for large tensors (none for a dense scheme)."""
+    codecs: list[Compressor] = []
+    main = scheme.build(config.error_feedback)
+    if main is not None:
+        codecs.append(main)
+        if config.large_codec is not None:
+            large = Scheme.parse(f"allgather/{config.large_codec}").build(config.error_feedback)
+            assert large is not None  # a compressed scheme always has a codec
+            codecs.append(large)
+    return codecs
+
+
 class SyncEngine:
     """Synchronizes the gradients of ``params`` (name, parameter) over ``topology``."""
 
@@ -88,14 +102,7 @@ class SyncEngine:
         self.topo = topology
         self.grad_scaler = grad_scaler
         self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
-        self.codecs: list[Compressor] = []
-        main = self.scheme.build(config.error_feedback)
-        if main is not None:
-            self.codecs.append(main)
-            if config.large_codec is not None:
-                large = Scheme.parse(f"allgather/{config.large_codec}").build(config.error_feedback)
-                assert large is not None  # a compressed scheme always has a codec
-                self.codecs.append(large)
+        self.codecs: list[Compressor] = build_codecs(config, self.scheme)
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
         self.active = topology.world > 1
         self.check_overflow = (

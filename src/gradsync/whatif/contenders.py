@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gradsync.codecs import build_codec
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.config import SyncConfig
+from gradsync.sync.engine import build_codecs
 from gradsync.sync.planner import FirstStep, first_step_groups, make_plan, predict
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
@@ -311,11 +311,7 @@ def _gradsync_program(
     scheme = Scheme.parse(config.scheme).resolve(cluster.nodes, cluster.per_node)
     prog = StepProgram(name)
     slots = _meta_slots(workload)
-    codecs: list[str] = []
-    if scheme.kind != "dense":
-        codecs.append(scheme.codec or "")
-        if config.large_codec is not None:
-            codecs.append(config.large_codec)
+    codecs = [c.spec() for c in build_codecs(config, scheme)]  # as the engine runs them (+ef)
     classes = [
         codec_class_for(s.nbytes, workload.tensors[s.index].floating, len(codecs), config.min_compress_bytes,
                         config.large_bytes)
@@ -399,10 +395,4 @@ def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list
     if k != "gradsync":
         return []
     config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})
-    scheme = Scheme.parse(config.scheme)
-    out = [scheme.codec] if scheme.kind != "dense" and scheme.codec else []
-    if out and config.large_codec:
-        out.append(config.large_codec)
-    for spec in out:
-        build_codec(spec)
-    return out
+    return [c.spec() for c in build_codecs(config, Scheme.parse(config.scheme))]
