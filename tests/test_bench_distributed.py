@@ -296,3 +296,21 @@ def test_rounds_merge_and_ratios_by_hand():
     assert "auto: 2.20x DDP (per round: median 2.10, 2.00-2.20)" in line
     fixed = "1.10x the best fixed gradsync contender (hitopk:density=0.01)"
     assert f"{fixed} (per round: median 1.00, 0.90-1.10)" in line
+
+
+def test_a_contender_carries_its_own_sync_options():
+    """``scheme@key=value``: validated before any process group; a bad one names what is wrong."""
+    assert (
+        bench_step._contender("hierarchical@grad_as_bucket_view=true")
+        == "hierarchical@grad_as_bucket_view=true"
+    )
+    assert bench_step.contender_options("auto@replan=0@replan_gain=0.1") == (
+        "auto",
+        {"replan": "0", "replan_gain": "0.1"},
+    )
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bench_step._contender("hierarchical@oops")
+    with pytest.raises(ValueError, match="no_such_option"):
+        bench_step._contender("hierarchical@no_such_option=1")
+    with pytest.raises(ValueError, match="replan"):
+        bench_step._contender("auto@replan=-1")

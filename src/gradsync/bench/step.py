@@ -40,7 +40,7 @@ from gradsync.bench.world import CableMeter, add_world_arguments, join_world, ma
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import build_model_for, models_for, parameter_count
-from gradsync.sync import Scheme, SyncConfig
+from gradsync.sync import SyncConfig
 
 DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
 
@@ -70,14 +70,25 @@ class StepRow:
 
 def _contender(name: str) -> str:
     """Validate a contender name: ``local``, ``ddp``, ``ddp-fp16``, ``ddp-powersgd[:rank=R]`` or a
-    gradsync scheme."""
+    gradsync scheme, optionally with its own sync options after ``@``
+    (``hierarchical@grad_as_bucket_view=true@bucket_bytes=26214400``)."""
     if name in ("local", "ddp", "ddp-fp16"):
         return name
     if name.startswith("ddp-powersgd"):
         _powersgd_rank(name)
         return name
-    Scheme.parse(name)  # validates
+    scheme, options = contender_options(name)
+    SyncConfig.from_options({"scheme": scheme, **options})  # validates both
     return name
+
+
+def contender_options(name: str) -> tuple[str, dict[str, str]]:
+    """``scheme@key=value@...`` -> the scheme and the contender's own sync options."""
+    scheme, *items = name.split("@")
+    try:
+        return scheme, _options(items)
+    except ValueError:
+        raise ValueError(f"contender {name!r}: options after '@' take KEY=VALUE") from None
 
 
 def is_ddp(name: str) -> bool:
@@ -167,7 +178,10 @@ def _measure(
     if is_ddp(name):
         model = _ddp(name, model, args.warmup, carry)
     elif name != "local":
-        options = dict(SyncConfig.from_options({"scheme": name, **_options(args.sync_option)}).to_dict())
+        scheme, own = contender_options(name)
+        options = dict(
+            SyncConfig.from_options({**_options(args.sync_option), **own, "scheme": scheme}).to_dict()
+        )
         trace = trace_path(args.trace, name) if getattr(args, "trace", None) and not later else None
         window = (warmup, warmup + args.steps)  # the measured steps
         synced = gradsync.wrap(
@@ -350,7 +364,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
-                   help="comma-separated: local, ddp and gradsync schemes")  # fmt: skip
+                   help="comma-separated: local, ddp and gradsync schemes, each with its own sync "
+                        "options after '@' (hierarchical@grad_as_bucket_view=true)")  # fmt: skip
     p.add_argument("--sync-option", action="append", metavar="KEY=VALUE",
                    help="a gradsync SyncConfig option for every scheme (repeatable)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps (gradsync plans after the first)")

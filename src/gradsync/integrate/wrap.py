@@ -84,6 +84,8 @@ class GradSync(nn.Module, Joinable):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
+        if engine.active and torch.is_grad_enabled() and self.module.training:
+            engine.attach_grads()  # zero-copy buckets: accumulate straight into them
         if engine.active and engine.enabled and torch.is_grad_enabled() and self.module.training:
             engine.forwards += 1  # the step check compares these across ranks
             work = Join.notify_join_context(self)

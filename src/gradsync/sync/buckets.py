@@ -151,10 +151,42 @@ class Bucket:
         s = self.slots[j]
         return self.flat[self.offsets[j] : self.offsets[j] + s.numel].view(s.param.shape)
 
+    def holds(self, j: int, g: torch.Tensor) -> bool:
+        """Whether gradient ``g`` of slot ``j`` already is its region of the flat buffer (a
+        zero-copy bucket): then nothing is copied in or out."""
+        if self._flat is None or g.dtype != self._flat.dtype or g.device != self._flat.device:
+            return False
+        start = self._flat.data_ptr() + self.offsets[j] * g.element_size()
+        return g.data_ptr() == start and g.is_contiguous()
+
+    def attach(self) -> None:
+        """Point every slot's ``.grad`` at its region of the flat buffer: a missing gradient
+        becomes zeros there, an existing one is copied in once (zero-copy buckets)."""
+        for j, s in enumerate(self.slots):
+            g = s.param.grad
+            if g is not None and self.holds(j, g):
+                continue
+            view = self.view(j)
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            s.param.grad = view
+
+    def detach(self) -> None:
+        """Give every gradient that is a view into the flat buffer its own copy (before the
+        buffer is used for something else than this rank's gradients)."""
+        for j, s in enumerate(self.slots):
+            g = s.param.grad
+            if g is not None and self.holds(j, g):
+                s.param.grad = g.clone()
+
     def pack(self) -> None:
         """Copy the gradients in (any memory layout); a missing gradient counts as zero."""
         for j, s in enumerate(self.slots):
             g = s.param.grad
+            if g is not None and self.holds(j, g):
+                continue
             if g is None:
                 self.view(j).zero_()
             elif g.layout != torch.strided:
@@ -171,7 +203,7 @@ class Bucket:
             g = s.param.grad
             if g is None:
                 s.param.grad = self.view(j).clone()
-            else:
+            elif not self.holds(j, g):
                 g.copy_(self.view(j))
 
     def part_range(self, part: int, parts: int) -> tuple[int, int]:

@@ -65,6 +65,13 @@ class SyncConfig(OptionsConfig):
     finish_in_backward: bool = True
     """Wait for the synchronization at the end of ``backward()`` (DDP's behaviour). False: the
     gradients are final only after ``finish_sync()`` (or the wrapped optimizer's ``step()``)."""
+    grad_as_bucket_view: bool = False
+    """Zero-copy buckets (DDP's ``gradient_as_bucket_view``): each parameter's ``.grad`` is a view
+    into its bucket's flat buffer, so the backward pass accumulates straight into the buffer and
+    the synchronized values land in ``.grad`` where they are; the copies into and out of the
+    buckets disappear. Every training forward pass points the gradients at the buffers again
+    (after ``zero_grad(set_to_none=True)``, or after a re-plan rebuilt the buckets: a gradient
+    that is not a view is copied in once). Do not keep references to ``.grad`` across steps."""
     find_unused_parameters: bool = False
     """Detect parameters no rank used in a step (one small extra all-reduce) and leave their
     gradient as None. Without it a parameter unused on some rank counts as a zero gradient there."""

@@ -380,6 +380,7 @@ class SyncEngine:
     def _program(self, bucket: Bucket, part: int, parts: int, compress: bool) -> Program:
         if part == 0:
             if self._shadow:
+                bucket.detach()  # a joined rank's own gradients stay as they were
                 bucket.flat.zero_()
             else:
                 bucket.pack()
@@ -460,6 +461,13 @@ class SyncEngine:
             for s in self.slots:
                 if s.param.grad is not None:
                     s.param.grad.mul_(self.topo.world / active)
+
+    def attach_grads(self) -> None:
+        """Zero-copy buckets (``grad_as_bucket_view``): before a training forward pass, point
+        every gradient at its bucket's buffer (between steps only)."""
+        if self.config.grad_as_bucket_view and self.active and not self._in_step:
+            for bucket in self._buckets:
+                bucket.attach()
 
     # ------------------------------------------------------------------ plan
     def _make_plan(self) -> None:
