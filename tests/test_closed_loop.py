@@ -65,7 +65,7 @@ def test_the_refit_recovers_known_links(spec):
     scheme = Scheme.parse(spec).resolve(2, 2)
     codec = replace(CODEC, lowrank=True) if spec.startswith("powersgd") else CODEC
     samples = _samples(scheme, TRUE, 2, 2, codec)
-    fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: codec})
+    fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: codec}, prior=1e-9)
     assert before > 0.2 and after < 1e-4
     for got, want in [(fitted.intra, TRUE.intra), (fitted.inter, TRUE.inter)]:
         assert got.alpha == pytest.approx(want.alpha, rel=1e-2)
@@ -77,7 +77,7 @@ def test_a_dense_scheme_is_explained_where_it_cannot_be_identified():
     measurable. The refit explains the times exactly and does not invent a split."""
     scheme = Scheme.parse("torus2d").resolve(2, 2)
     samples = [s for s in _samples(scheme, TRUE, 2, 2) if not s.compressed]
-    fitted, _, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {})
+    fitted, _, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {}, prior=1e-9)
     assert after < 1e-3
     alphas, betas = (fitted.intra.alpha, fitted.inter.alpha), (fitted.intra.beta, fitted.inter.beta)
     assert sum(alphas) == pytest.approx(TRUE.intra.alpha + TRUE.inter.alpha, rel=1e-2)
@@ -88,7 +88,9 @@ def test_a_level_nothing_measures_stays_as_calibrated():
     """On 2 nodes of 1 rank nothing crosses an intra link: its alpha and beta keep their
     calibrated values (the prior), the inter level is refitted."""
     scheme = Scheme.parse("allgather/topk:density=0.01").resolve(2, 1)
-    fitted, _, after = refit_links(_samples(scheme, TRUE, 2, 1), scheme, CALIBRATED, 2, 1, {0: CODEC})
+    fitted, _, after = refit_links(
+        _samples(scheme, TRUE, 2, 1), scheme, CALIBRATED, 2, 1, {0: CODEC}, prior=1e-9
+    )
     assert fitted.intra.alpha == pytest.approx(CALIBRATED.intra.alpha, rel=1e-9)
     assert fitted.intra.beta == pytest.approx(CALIBRATED.intra.beta, rel=1e-9)
     assert fitted.inter.alpha == pytest.approx(TRUE.inter.alpha, rel=1e-2)
@@ -117,7 +119,9 @@ def test_the_refit_scales_codecs_and_fits_dense_packing():
     assert c.decode(1e6) == pytest.approx(2 * CODEC.decode(1e6))
     assert c.payload == CODEC.payload
     assert fit.dense_overhead(5e6) == pytest.approx(1e-4 + 2e-10 * 5e6)
-    assert "inter alpha 300 us" in fit.describe()
+    text = fit.describe()  # the default prior holds alpha between the calibrated 50 us and the true 300 us
+    assert "inter alpha" in text and "codec 0 encode x3.00" in text
+    assert CALIBRATED.inter.alpha < fit.params.inter.alpha <= TRUE.inter.alpha
 
 
 def test_stream_keys_a_switch_keeps():
