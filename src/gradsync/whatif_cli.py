@@ -109,18 +109,8 @@ def _schemes(args: argparse.Namespace) -> list[str]:
     return [s.strip() for s in args.scheme.split(",") if s.strip()]
 
 
-def _sync_options(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def check(args: argparse.Namespace) -> None:
-    from gradsync.sync.config import SyncConfig
+    from gradsync.sync.config import SyncConfig, parse_options
     from gradsync.whatif.predict import check_contenders, parse_sweep
 
     parse_cluster(args.cluster)
@@ -149,12 +139,13 @@ def check(args: argparse.Namespace) -> None:
         if schemes.count(s) > 1:
             raise ValueError(f"--scheme names {s!r} twice")
     check_contenders(schemes, "ratio" in keys)
-    options = _sync_options(args.sync_option)
+    options = parse_options(args.sync_option)
     SyncConfig.from_options({"scheme": "auto", **options})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.observe.profiler import Profile
+    from gradsync.sync.config import parse_options
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.network import from_rates, load_links, rate_text
     from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
@@ -177,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu = Cpu(args.ranks_per_host or per_node, args.host_cores) if args.host_cores else Cpu()
     sweeps = [parse_sweep(s) for s in args.sweep or []]
     schemes = _schemes(args)
-    options = _sync_options(args.sync_option)
+    options = parse_options(args.sync_option)
     ddp_buckets = {s: int(args.ddp_bucket_mb * 2**20) for s in schemes if s.startswith("ddp")}
     rows: list[dict[str, Any]] = []
     for pt in points(Point(nodes, per_node, network), sweeps):

@@ -41,6 +41,7 @@ from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import build_model_for, models_for, parameter_count
 from gradsync.sync import SyncConfig
+from gradsync.sync.config import parse_options
 
 DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
 
@@ -260,25 +261,26 @@ def _measure(
 
 
 def _options(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_options(items)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+def join_with_batch(args: argparse.Namespace) -> tuple[Topology, nn.Module, torch.Tensor, torch.Tensor]:
+    """What every training benchmark starts from: this rank in the world, the model (the same
+    weights on every rank) and this rank's batch of random images and labels."""
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
-    rank0 = topo.rank == 0
     torch.manual_seed(0)
     base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
     g = torch.Generator().manual_seed(topo.rank)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    return topo, base, x, y
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    topo, base, x, y = join_with_batch(args)
+    rank0 = topo.rank == 0
     if rank0:
         print(
             f"gradsync bench step: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), "

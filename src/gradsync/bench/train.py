@@ -33,9 +33,8 @@ from torch import nn
 from gradsync.bench import nic as bench_nic
 from gradsync.bench import step as bench_step
 from gradsync.bench.output import save_result
-from gradsync.bench.world import join_world
 from gradsync.collectives import Topology
-from gradsync.models import build_model_for, parameter_count
+from gradsync.models import parameter_count
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,ddp-powersgd:rank=4,auto,hierarchical,hitopk:density=0.01,"
@@ -228,13 +227,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     contenders = [bench_step._contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
     bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
-    torch.set_num_threads(args.threads)
-    topo = join_world(args.timeout, args.nodes, args.per_node)
-    torch.manual_seed(0)
-    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
-    g = torch.Generator().manual_seed(topo.rank)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
-    y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
     link = os.environ.get("TB_RATE")
     if rank0:

@@ -37,8 +37,7 @@ from torch import nn
 from gradsync.bench import step as bench_step
 from gradsync.bench import train as bench_train
 from gradsync.bench.output import save_result
-from gradsync.bench.world import join_world
-from gradsync.models import build_model_for, parameter_count
+from gradsync.models import parameter_count
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -121,14 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     options = bench_step._options(args.sync_option)
-    torch.set_num_threads(args.threads)
-    topo = join_world(args.timeout, args.nodes, args.per_node)
+    topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
-    torch.manual_seed(0)
-    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
-    g = torch.Generator().manual_seed(topo.rank)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
-    y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
     link = os.environ.get("TB_RATE")
     ranks_per_host = args.ranks_per_host or (topo.world if link else topo.per_node)
 

@@ -10,6 +10,20 @@ from gradsync.collectives.dense import ALGORITHMS
 from gradsync.sync.scheme import Scheme
 
 PLAN_MODES = ("auto", "compress", "dense")
+
+
+def parse_options(items: list[str] | None, what: str = "--sync-option") -> dict[str, str]:
+    """``KEY=VALUE`` items (``--sync-option`` on every command line) as a dict; ``ValueError``
+    naming ``what`` for a malformed one. The values are checked by :meth:`SyncConfig.from_options`."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{what} takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 DENSE_CHOICES = ("auto", *ALGORITHMS)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
+from gradsync.sync.config import parse_options
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
@@ -155,13 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sync_options(args: argparse.Namespace) -> dict[str, str]:
     """``--sync-option KEY=VALUE`` items as a dict (``ValueError`` for a malformed one)."""
-    out: dict[str, str] = {}
-    for item in args.sync_option or []:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"--sync-option takes KEY=VALUE, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
+    return parse_options(args.sync_option)
 
 
 def _choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
