@@ -251,6 +251,9 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         (["bench", "train", "--nodes", "2"], "--nodes and --per-node go together"),
         (["bench", "train", "--nodes", "0", "--per-node", "2"], "--nodes must be at least 1"),
         (["bench", "train", "--steps", "0"], "--steps must be at least 1"),
+        (["bench", "train", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench", "train", "--contenders", "ddp,auto@replan=-1"], "replan"),
+        (["bench", "train", "--contenders", "ddp,auto@oops"], "KEY=VALUE"),
     ],
 )
 def test_benchmark_argument_errors_come_before_any_process_group(argv, message, capsys, monkeypatch):
