@@ -218,7 +218,7 @@ def _forced_refits(phases):
     each re-plan takes the next phase (a function of the calibrated links and codec costs)."""
     it = iter(phases)
 
-    def fake(samples, scheme, params, nodes, per_node, codecs):
+    def fake(samples, scheme, params, nodes, per_node, codecs, schemes=None):
         made = next(it)(params, codecs)
         return Refit(made[0], made[1], None, 0.0, 0.0)
 
@@ -247,8 +247,104 @@ def _wrap(module: nn.Module) -> gradsync.GradSync:
     )  # fmt: skip
 
 
+def _topk_small_powersgd_large(params, codecs):
+    """Dense crosses nodes at 1 MB/s; top-k's encode costs 0.2 us a byte, PowerSGD's 100 ms
+    whatever the size. The 1 MB weight goes to PowerSGD (0.1 s, against top-k's 0.2 s encoding
+    plus 0.1 s sending 5 % as values and indices), the 256 kB weights to top-k (0.05 + 0.026 s,
+    against at least 0.1 s); dense would take 1 s and 0.26 s."""
+    topk = replace(codecs[0], encode=Linear(0.0, 2e-7), decode=Linear(0.0, 0.0))
+    psgd = replace(codecs[1], encode=Linear(0.1, 0.0), decode=Linear(0.0, 0.0))
+    return CostParams(Link(1e-6, 1e-12), Link(1e-6, 1e-6), 0.0), {0: topk, 1: psgd}
+
+
+CANDIDATES = "auto:candidates=allgather/topk:density=0.05|allgather/powersgd:rank=1"
+
+
+def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
+    """``auto:candidates=``: the re-plan gives each bucket the candidate the (forced) model finds
+    cheapest; on the first compressed step, the top-k buckets equal a float64 top-k reference and
+    the PowerSGD bucket equals an engine that runs PowerSGD alone from the same step."""
+    from gradsync.sync import engine as engine_module
+
+    world = dist.get_world_size()
+    real = engine_module.refit
+    engine_module.refit = _forced_refits([_topk_small_powersgd_large] * 2)
+    common = dict(
+        topology=Topology(nodes=2, per_node=1), calibrate=False, bucket_bytes=200_000, partitions=1,
+        log_plan=False,
+    )  # fmt: skip
+    failed: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            failed.append(what)
+
+    try:
+        model = gradsync.wrap(_model(), scheme=CANDIDATES, replan=2, replan_steps=2, **common)
+        alone = gradsync.wrap(
+            _model(), scheme="allgather/powersgd:rank=1", plan="compress", dense_warmup_steps=4, **common
+        )
+        engine = model.engine
+        names = [s.name for s in engine.slots]
+        for step in range(4):  # dense, then the first plan, then the switch after step 3
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            nn.functional.mse_loss(alone(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            alone.zero_grad(set_to_none=True)
+            if step < 3:
+                expect(not any(b.compress for b in engine.plan.buckets), f"step {step} compressed already")
+    finally:
+        engine_module.refit = real
+    chosen = {names[s]: b.codec_id for b in engine.plan.buckets if b.compress for s in b.slots}
+    expect(
+        chosen == {"0.weight": 0, "1.weight": 1, "2.weight": 0}, f"the re-plan chose codecs {chosen}"
+    )
+    expect("powersgd" in engine.plan_table() and "topk" in engine.plan_table(), engine.plan_table())
+    assert engine.report is not None
+    summary = engine.report.summary
+    expect("allgather/topk:density=0.05 (2 tensors)" in summary, summary)
+    expect("allgather/powersgd:rank=1 (1 tensors)" in summary, summary)
+
+    x, y = _batch(4)
+    twin = copy.deepcopy(model.module)
+    nn.functional.mse_loss(twin(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()
+    nn.functional.mse_loss(alone(x), y).backward()
+    got = dict(model.module.named_parameters())
+    for n, p in twin.named_parameters():
+        g = p.grad.reshape(-1)
+        if n in ("0.weight", "2.weight"):  # the mean of each rank's top 5 %
+            k = max(1, math.ceil(0.05 * g.numel()))
+            sent = torch.zeros_like(g, dtype=torch.float64)
+            top = g.abs().topk(k).indices
+            sent[top] = g[top].double()
+        else:
+            sent = g.double()
+        dist.all_reduce(sent)
+        if n == "1.weight":
+            reference = dict(alone.module.named_parameters())[n].grad.double().reshape(-1)
+        else:
+            reference = sent / world
+        err = float((got[n].grad.double().reshape(-1) - reference).abs().max() / reference.abs().max())
+        expect(err < 1e-5, f"step 4, {n}: gradient off the reference by {err:.2e} (relative)")
+    left = engine.codecs[0].residual("0.weight/allgather")
+    expect(left is not None and float(left.abs().sum()) > 0, "top-k's bucket kept no residual")
+    state = engine.state_dict()
+    again = copy.deepcopy(model.module)
+    restored = gradsync.wrap(again, scheme=CANDIDATES, replan=2, replan_steps=2, **common)
+    restored.engine.load_state_dict(state)
+    expect(same_plan(restored.engine.plan, engine.plan), "the restored plan differs")
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed)
+    for m in (model, alone, restored):
+        m.close()
+
+
 def closed_loop_world():
-    run_checks(named_check(check_switches_carry_state_and_match_the_reference))
+    run_checks(
+        named_check(check_switches_carry_state_and_match_the_reference),
+        named_check(check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone),
+    )
 
 
 def check_switches_carry_state_and_match_the_reference():

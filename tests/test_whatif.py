@@ -144,6 +144,18 @@ def test_the_auto_plan_can_lose_to_its_own_codec():
     assert forced < 0.8 * auto
 
 
+def test_candidates_take_the_cheaper_scheme_per_bucket_in_the_simulator():
+    """``auto:candidates=`` in the simulator: with a clearly worse candidate (top-k at 50 %) next
+    to hitopk at 1 %, every bucket takes hitopk, in either order, and the step is hitopk's."""
+    w = workload([(0.3, 0.002), (4, 0.010), (30, 0.020), (2, 0.030), (60, 0.038)], backward=0.045)
+    pt = Point(4, 2, network(1 / parse_rate("1gbit", "--inter"), 2e-5, 1e-11))
+    good, bad = "hitopk:density=0.01", "allgather+local/topk:density=0.5"
+    alone = step_ms(good, w, pt)
+    assert step_ms(bad, w, pt) > 5 * alone
+    for pair in (f"{bad}|{good}", f"{good}|{bad}"):
+        assert step_ms(f"auto:candidates={pair}", w, pt) == pytest.approx(alone, rel=1e-12)
+
+
 def test_paper02_ring_formula():
     """2S(N-1)/N / bw + (N-1) AddEst(S/N), AddEst(x) = gamma x; gradsync's flat ring without
     alpha is the same formula; a free compression ratio divides the transfer only."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.collectives.topology import Topology
 from gradsync.sync.plan import Plan
-from gradsync.sync.planner import best_partitions, encode_sizes, predict
+from gradsync.sync.planner import best_partitions, encode_sizes, predict, scheme_for
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 
@@ -97,14 +97,22 @@ def _no_compute(c: CodecCost) -> CodecCost:
     return replace(c, encode=zero, decode=zero)
 
 
-def comm_seconds(scheme: Scheme, model: CostModel, s: Sample, codec: CodecCost | None) -> float:
+def comm_seconds(
+    scheme: Scheme,
+    model: CostModel,
+    s: Sample,
+    codec: CodecCost | None,
+    schemes: Sequence[Scheme] | None = None,
+) -> float:
     """The model's communication time of a measured bucket: its collectives without the codec's
-    compute (which the compute thread's measurement covers)."""
+    compute (which the compute thread's measurement covers). ``schemes``: one per codec id, as
+    in :func:`~gradsync.sync.planner.make_plan`."""
     if not s.compressed:
         dense = scheme if scheme.kind == "dense" else Scheme("", "dense", s.algorithm)
         return predict(dense, model, s.nbytes, None)
     assert codec is not None
-    return s.parts * predict(scheme, model, s.nbytes / s.parts, _no_compute(codec))
+    mine = scheme_for(scheme, schemes, s.codec_id)
+    return s.parts * predict(mine, model, s.nbytes / s.parts, _no_compute(codec))
 
 
 def _params(base: CostParams, u: list[float]) -> CostParams:
@@ -124,6 +132,7 @@ def refit_links(
     codecs: dict[int, CodecCost],
     prior: float = 1e-3,
     iterations: int = 8,
+    schemes: Sequence[Scheme] | None = None,
 ) -> tuple[CostParams, float, float]:
     """alpha and beta of both levels that best explain the measured communication times, and the
     model's error before and after: sqrt(sum (predicted - measured)^2 / measured / sum measured),
@@ -145,7 +154,7 @@ def refit_links(
 
     def predictions(u: list[float]) -> list[float]:
         model = CostModel(_params(params, u), nodes, per_node)
-        return [comm_seconds(scheme, model, s, codecs.get(s.codec_id)) for s in data]
+        return [comm_seconds(scheme, model, s, codecs.get(s.codec_id), schemes) for s in data]
 
     def objective(u: list[float]) -> float:
         fit = sum((p - s.comm_s) ** 2 / s.comm_s for p, s in zip(predictions(u), data, strict=True))
@@ -207,26 +216,32 @@ def refit(
     nodes: int,
     per_node: int,
     codecs: dict[int, CodecCost],
+    schemes: Sequence[Scheme] | None = None,
 ) -> Refit:
-    """The links, the codecs and the dense buckets' packing, refitted on ``samples``."""
-    fitted, before, after = refit_links(samples, scheme, params, nodes, per_node, codecs)
+    """The links, the codecs and the dense buckets' packing, refitted on ``samples``.
+
+    A codec no bucket ran in these samples (a candidate not chosen) keeps its timed cost,
+    scaled as the measured codecs were on average: both ran next to the same backward pass."""
+    fitted, before, after = refit_links(samples, scheme, params, nodes, per_node, codecs, schemes=schemes)
     scaled: dict[int, CodecCost] = dict(codecs)
     enc_scale: dict[int, float] = {}
     for cid, c in codecs.items():
         mine = [s for s in samples if s.compressed and s.codec_id == cid]
         if not mine:
             continue
-        enc = [encode_sizes(scheme, s.nbytes / s.parts, nodes, per_node) for s in mine]
+        mine_scheme = scheme_for(scheme, schemes, cid)
+        enc = [encode_sizes(mine_scheme, s.nbytes / s.parts, nodes, per_node) for s in mine]
         pred_e = sum(s.parts * c.encode(e) for s, e in zip(mine, enc, strict=True))
         pred_d = sum(s.parts * c.decode(e) for s, e in zip(mine, enc, strict=True))
         ke = _ratio(sum(s.compute_s for s in mine), pred_e)
         kd = _ratio(sum(s.decode_s for s in mine), pred_d)
         enc_scale[cid] = ke
-        scaled[cid] = replace(
-            c,
-            encode=Linear(c.encode.a * ke, c.encode.b * ke),
-            decode=Linear(c.decode.a * kd, c.decode.b * kd),
-        )
+        scaled[cid] = _scaled(c, ke, kd)
+    if enc_scale:
+        k = math.exp(statistics.fmean(math.log(v) for v in enc_scale.values()))
+        for cid, c in codecs.items():
+            if cid not in enc_scale:
+                scaled[cid] = _scaled(c, k, k)
     dense = [s for s in samples if not s.compressed]
     pack = None
     if dense:
@@ -234,6 +249,14 @@ def refit(
         ys = [s.compute_s + s.decode_s for s in dense]
         pack = Linear.fit(xs, ys) if len(set(xs)) > 1 else Linear(0.0, sum(ys) / max(sum(xs), 1.0))
     return Refit(fitted, scaled, pack, before, after, enc_scale)
+
+
+def _scaled(c: CodecCost, encode: float, decode: float) -> CodecCost:
+    return replace(
+        c,
+        encode=Linear(c.encode.a * encode, c.encode.b * encode),
+        decode=Linear(c.decode.a * decode, c.decode.b * decode),
+    )
 
 
 def _ratio(measured: float, predicted: float) -> float:
@@ -245,7 +268,7 @@ def _ratio(measured: float, predicted: float) -> float:
 # ---------------------------------------------------------------------------- plans under a model
 def plan_seconds(
     plan: Plan, nbytes: list[int], scheme: Scheme, model: CostModel, codecs: dict[int, CodecCost],
-    dense_overhead: Callable[[float], float] | None = None,
+    dense_overhead: Callable[[float], float] | None = None, schemes: Sequence[Scheme] | None = None,
 ) -> float:  # fmt: skip
     """The plan's buckets, each as the model predicts it with the plan's own choices (summed: the
     comparison of two plans for the same gradients)."""
@@ -253,9 +276,8 @@ def plan_seconds(
     for b in plan.buckets:
         size = float(sum(nbytes[i] for i in b.slots))
         if b.compress:
-            total += best_partitions(scheme, model, size, codecs[b.codec_id], model.m, model.n, b.partitions)[
-                1
-            ]
+            mine = scheme_for(scheme, schemes, b.codec_id)
+            total += best_partitions(mine, model, size, codecs[b.codec_id], model.m, model.n, b.partitions)[1]
         else:
             dense = scheme if scheme.kind == "dense" else Scheme("", "dense", b.dense_algorithm)
             total += predict(dense, model, size, None) + (dense_overhead(size) if dense_overhead else 0.0)

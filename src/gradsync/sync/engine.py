@@ -88,6 +88,19 @@ def build_codecs(config: SyncConfig, scheme: Scheme) -> list[Compressor]:
     return codecs
 
 
+def build_candidates(
+    config: SyncConfig, scheme: Scheme, nodes: int, per_node: int
+) -> list[tuple[Scheme, Compressor]]:
+    """The other candidates of ``auto:candidates=...`` (none for other schemes): each resolved
+    for the topology, with its codec (error feedback as :func:`build_codecs` adds it)."""
+    out = []
+    for alt in scheme.alternatives(nodes, per_node):
+        codec = alt.build(config.error_feedback)
+        assert codec is not None  # a candidate is a compressed scheme
+        out.append((alt, codec))
+    return out
+
+
 class SyncEngine:
     """Synchronizes the gradients of ``params`` (name, parameter) over ``topology``."""
 
@@ -103,6 +116,13 @@ class SyncEngine:
         self.grad_scaler = grad_scaler
         self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
         self.codecs: list[Compressor] = build_codecs(config, self.scheme)
+        self._class_codecs = len(self.codecs)  # the codecs a tensor belongs to by its size
+        self.schemes: list[Scheme] = [self.scheme] * len(self.codecs)
+        """The scheme each codec runs under (by codec id): the scheme's own, then the candidates'."""
+        for alt, codec in build_candidates(config, self.scheme, topology.nodes, topology.per_node):
+            self.schemes.append(alt)
+            self.codecs.append(codec)
+        self._candidates = list(range(self._class_codecs, len(self.codecs)))
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
         self.active = topology.world > 1
         self.check_overflow = (
@@ -178,10 +198,11 @@ class SyncEngine:
         """Refuse, before anything communicates, a codec that could not compress even the
         largest bucket this model can form (e.g. ``topk:k=100000`` on tensors that hold fewer
         elements); smaller buckets it cannot take are left dense by the plan, which says so."""
-        for cid, codec in enumerate(self.codecs):
+        for cid in range(len(self.codecs)):
             kinds: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
             for s in self.slots:
-                if self.codec_class(s) == cid:
+                c = self.codec_class(s)
+                if c == cid or (c >= 0 and cid in self._candidates):
                     kinds.setdefault(s.group, []).append(s)
             for members in kinds.values():
                 itemsize = members[0].param.element_size()
@@ -189,20 +210,20 @@ class SyncEngine:
                 # a bucket closes once it holds bucket_bytes, so none exceeds this
                 cap = (self.config.bucket_bytes - 1) // itemsize + max(s.numel for s in members)
                 largest = min(total, cap)
-                why = self._refusal(codec, largest, itemsize)
+                why = self._refusal(cid, largest, itemsize)
                 if why is not None:
                     raise ValueError(
                         f"{why}: the largest bucket of this model's compressible {members[0].param.dtype} "
                         f"tensors ({len(members)} tensors, {largest} elements) is too small for it under "
-                        f"{self.scheme.name} on {self.topo.nodes} x {self.topo.per_node}; use a density "
-                        "instead of k"
+                        f"{self.schemes[cid].name} on {self.topo.nodes} x {self.topo.per_node}; use a "
+                        "density instead of k"
                     )
 
     def codec_class(self, slot: Slot) -> int:
         """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
         cfg = self.config
         return codec_class_for(
-            slot.nbytes, slot.param.is_floating_point(), len(self.codecs), cfg.min_compress_bytes,
+            slot.nbytes, slot.param.is_floating_point(), self._class_codecs, cfg.min_compress_bytes,
             cfg.large_bytes,
         )  # fmt: skip
 
@@ -398,7 +419,7 @@ class SyncEngine:
                 comm_dtype = None
             return (yield from allreduce_program(view, self.topo, algo, "mean", comm_dtype, None, ws))
         codec_id = self.plan.buckets[bucket.index].codec_id if self.plan else 0
-        codec = self.codecs[codec_id]
+        codec, scheme = self.codecs[codec_id], self.schemes[codec_id]
         lowrank_parts = None
         if codec.lowrank:
             lowrank_parts = [(bucket.view(j), s.name) for j, s in enumerate(bucket.slots)]
@@ -476,8 +497,9 @@ class SyncEngine:
         first = FirstStep(list(self._order), list(self._ready_at))
         classes = [self.codec_class(s) for s in self.slots]
         plan, params, costs = plan_after_first_step(
-            self.topo, self.config, self.scheme, self.slots, self.codecs, first, classes, self.codec_rejects
-        )
+            self.topo, self.config, self.scheme, self.slots, self.codecs, first, classes, self.codec_rejects,
+            self.schemes, self._candidates,
+        )  # fmt: skip
         self._params, self._first, self._codec_costs = params, first, costs
         self._install_plan(plan)
         self.loop.restart()
@@ -501,16 +523,22 @@ class SyncEngine:
             timeout = cfg.bucket_timeout_ms / 1e3
             groups = first_step_groups(self.slots, self._first, classes, cfg.bucket_bytes, timeout)
             if not self._codec_costs:  # a run resumed from a checkpoint: time the codecs now
-                self._codec_costs = time_codecs(t, self.scheme, self.slots, self.codecs, groups)
-            fit = refit(samples_of(old, nbytes, measured), self.scheme, self._params, m, n, self._codec_costs)
+                self._codec_costs = time_codecs(
+                    t, self.scheme, self.slots, self.codecs, groups, self.schemes, self._candidates
+                )
+            samples = samples_of(old, nbytes, measured)
+            fit = refit(samples, self.scheme, self._params, m, n, self._codec_costs, self.schemes)
             model = CostModel(fit.params, m, n)
             candidate = make_plan(
                 groups, nbytes, self.scheme, model, fit.codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
                 fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.codec_rejects,
-                margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead,
+                margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead, schemes=self.schemes,
+                candidates=self._candidates,
             )  # fmt: skip
-            before = plan_seconds(old, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead)
-            after = plan_seconds(candidate, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead)
+            before, after = (
+                plan_seconds(p, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead, self.schemes)
+                for p in (old, candidate)
+            )
             record.update(refit=fit.describe(), predicted_ms=[before * 1e3, after * 1e3])
             if same_plan(candidate, old) or after > (1.0 - cfg.replan_gain) * before:
                 return None
@@ -557,14 +585,14 @@ class SyncEngine:
         when it can): the element counts its encode calls would see, checked by the codec."""
         numel = sum(self.slots[i].numel for i in slots)
         for part in range(parts):
-            why = self._refusal(self.codecs[codec_id], numel * (part + 1) // parts - numel * part // parts,
+            why = self._refusal(codec_id, numel * (part + 1) // parts - numel * part // parts,
                                 self.slots[slots[0]].param.element_size())  # fmt: skip
             if why is not None:
                 return why
         return None
 
-    def _refusal(self, codec: Compressor, numel: int, itemsize: int) -> str | None:
-        s, t = self.scheme, self.topo
+    def _refusal(self, codec_id: int, numel: int, itemsize: int) -> str | None:
+        s, t, codec = self.schemes[codec_id], self.topo, self.codecs[codec_id]
         return codec_refusal(
             codec, numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node, itemsize
         )
@@ -576,7 +604,7 @@ class SyncEngine:
         assert self.plan is not None
         self.report = explain_plan(
             self.plan, self.slots, [self.codec_class(s) for s in self.slots], self.scheme, self.config,
-            self.codecs, self.topo.nodes, self.codec_rejects,
+            self.codecs, self.topo.nodes, self.codec_rejects, self.schemes,
         )  # fmt: skip
         if self.config.log_plan and self.topo.rank == 0:
             log.info(
@@ -601,7 +629,7 @@ class SyncEngine:
             return ""
         return self.plan.table(
             [s.name for s in self.slots], [s.nbytes for s in self.slots], self.scheme,
-            [c.spec() for c in self.codecs],
+            [c.spec() for c in self.codecs], self.schemes,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ stats

@@ -11,7 +11,7 @@ rank reaches the same words.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,7 @@ from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.sync.buckets import Slot
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.plan import Plan
+from gradsync.sync.planner import scheme_for
 from gradsync.sync.scheme import Scheme
 
 # what to do about each reason, for the warning
@@ -60,9 +61,10 @@ def explain_plan(
     codecs: list[Compressor],
     nodes: int,
     rejects: Callable[[int, list[int], int], str | None],
+    schemes: Sequence[Scheme] | None = None,
 ) -> PlanReport:
     """The report of ``plan`` over ``slots`` (``classes``: each slot's codec class, -1 for never
-    compressed; ``rejects`` as in :func:`gradsync.sync.planner.make_plan`)."""
+    compressed; ``rejects`` and ``schemes`` as in :func:`gradsync.sync.planner.make_plan`)."""
     report = PlanReport(scheme.name)
     if scheme.kind == "dense":
         report.summary = f"dense scheme {scheme.name}: nothing is compressed"
@@ -73,6 +75,7 @@ def explain_plan(
         report.dense.setdefault(text, []).append((slot.name, slot.nbytes))
         kinds[text] = key
 
+    used: dict[int, int] = {}  # tensors compressed per codec id
     one_node = bool(scheme.local) and nodes == 1
     for b in plan.buckets:
         why = ""
@@ -99,12 +102,20 @@ def explain_plan(
             else:
                 report.compressed.append(s.name)
                 report.compressed_bytes += s.nbytes
+                used[b.codec_id] = used.get(b.codec_id, 0) + 1
     total = report.compressed_bytes + report.dense_bytes
-    codec_text = ", ".join(c.spec() for c in codecs)
+    if len(used) > 1 or (schemes is not None and len(set(schemes)) > 1):
+        how = ", ".join(
+            f"{scheme_for(scheme, schemes, c).own_name} ({n} tensors)"
+            for c, n in sorted(used.items())
+        )  # fmt: skip
+        codec_text = f"with {how or 'none of the candidates'}"
+    else:
+        specs = ", ".join(c.spec() for c in codecs)
+        codec_text = f"with {scheme.strategy}{'+local' if scheme.local else ''}/{specs}"
     parts = [
         f"compressing {len(report.compressed)} of {len(slots)} tensors "
-        f"({report.compressed_bytes / 1e6:.3f} of {total / 1e6:.3f} MB) with {scheme.strategy}"
-        f"{'+local' if scheme.local else ''}/{codec_text}"
+        f"({report.compressed_bytes / 1e6:.3f} of {total / 1e6:.3f} MB) {codec_text}"
     ]
     for text, items in report.dense.items():
         nbytes = sum(n for _, n in items)

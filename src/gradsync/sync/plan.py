@@ -8,6 +8,7 @@ rank as an int64 tensor (:meth:`Plan.to_tensor`) and it is saved in checkpoints
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -74,13 +75,18 @@ class Plan:
         return cls([BucketPlan(**b) for b in state])
 
     # ------------------------------------------------------------------ display
-    def rows(self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str]) -> list[list[str]]:
+    def rows(
+        self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str],
+        schemes: Sequence[Scheme] | None = None,
+    ) -> list[list[str]]:  # fmt: skip
+        """One row per bucket (``schemes``: the scheme of each codec id, where they differ)."""
         out = []
         for i, b in enumerate(self.buckets):
             first, last = names[b.slots[0]], names[b.slots[-1]]
             size = sum(nbytes[s] for s in b.slots)
             if b.compress:
-                how = f"{'+local ' if scheme.local else ''}{scheme.strategy} {codecs[b.codec_id]}"
+                mine = schemes[b.codec_id] if schemes is not None else scheme
+                how = f"{'+local ' if mine.local else ''}{mine.strategy} {codecs[b.codec_id]}"
                 how += f" x{b.partitions}" if b.partitions > 1 else ""
             else:
                 how = f"dense {b.dense_algorithm}" + (f"/{scheme.comm_dtype}" if scheme.comm_dtype else "")
@@ -93,9 +99,12 @@ class Plan:
             )  # fmt: skip
         return out
 
-    def table(self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str]) -> str:
+    def table(
+        self, names: list[str], nbytes: list[int], scheme: Scheme, codecs: list[str],
+        schemes: Sequence[Scheme] | None = None,
+    ) -> str:  # fmt: skip
         head = ["bucket", "tensors", "MiB", "parameters", "synchronized as", "dense ms", "compressed ms"]
-        rows = [head, *self.rows(names, nbytes, scheme, codecs)]
+        rows = [head, *self.rows(names, nbytes, scheme, codecs, schemes)]
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -19,7 +19,7 @@ tensor, :mod:`gradsync.sync.plan`) so every rank runs the same one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,12 @@ def encode_sizes(scheme: Scheme, nbytes: float, nodes: int, per_node: int) -> fl
     return nbytes
 
 
+def scheme_for(scheme: Scheme, schemes: Sequence[Scheme] | None, codec_id: int) -> Scheme:
+    """The scheme codec ``codec_id`` runs under: its own where ``schemes`` lists one per codec
+    (the candidates of ``auto:candidates=...``), else ``scheme``."""
+    return schemes[codec_id] if schemes is not None and 0 <= codec_id < len(schemes) else scheme
+
+
 def best_dense(model: CostModel, nbytes: float, algorithm: str) -> tuple[str, float]:
     """The dense algorithm to use (``auto``: the cheapest) and its predicted seconds."""
     if algorithm != "auto":
@@ -116,8 +122,14 @@ def make_plan(
     rejects: Callable[[int, list[int], int], str | None] | None = None,
     margin: float = COMPRESS_MARGIN,
     dense_overhead: Callable[[float], float] | None = None,
+    schemes: Sequence[Scheme] | None = None,
+    candidates: Sequence[int] = (),
 ) -> Plan:
     """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
+
+    ``candidates``: codec ids any compressible bucket may use besides its own group's codec
+    (``auto:candidates=...``), each run under its own scheme from ``schemes`` (one per codec id);
+    a bucket takes the cheapest codec its sizes allow, and dense when that is not cheap enough.
 
     In ``auto`` mode a bucket is compressed when its predicted time is below ``margin`` times the
     dense one (the first plan asks for a 2x win; a re-plan from measured costs asks for less).
@@ -150,14 +162,21 @@ def make_plan(
         if codec_id >= 0 and mode == "dense":
             b.dense_reason = "plan"
         elif codec_id >= 0:
-            k, t_comp = best_partitions(
-                scheme, model, size, codec_costs[codec_id], model.m, model.n, partitions
-            )
+            options = []  # (seconds, parts, codec id, refused)
+            for cid in dict.fromkeys((codec_id, *candidates)):
+                mine = scheme_for(scheme, schemes, cid)
+                k, t = best_partitions(mine, model, size, codec_costs[cid], model.m, model.n, partitions)
+                refused = rejects is not None and rejects(cid, slots, k) is not None
+                options.append((t, k, cid, refused))
+            usable = [o for o in options if not o[3]]
+            t_comp, k, cid, _ = min(usable or options)
             b.partitions, b.compressed_ms = k, t_comp * 1e3
             b.compress = mode == "compress" or t_comp < margin * t_dense
             b.dense_reason = "" if b.compress else "cost"
-            if b.compress and rejects is not None and rejects(codec_id, slots, k) is not None:
+            if b.compress and not usable:
                 b.compress, b.partitions, b.dense_reason = False, 1, "codec"
+            elif b.compress:
+                b.codec_id = cid
         plan.buckets.append(b)
     if fuse_bytes is not None:
 
@@ -242,16 +261,20 @@ def decide_plan(
     first: FirstStep,
     classes: list[int],
     rejects: Callable[[int, list[int], int], str | None],
+    schemes: Sequence[Scheme] | None = None,
+    candidates: Sequence[int] = (),
 ) -> tuple[Plan, dict[int, CodecCost]]:
     """The plan for this job, from the calibrated ``params`` and the codecs' timings at the sizes
     their encode calls will see (timed on fresh copies of the codecs, on the device and in the
-    dtype of the gradients they compress); and those timings."""
+    dtype of the gradients they compress); and those timings. ``schemes`` and ``candidates`` as
+    in :func:`make_plan`."""
     model = CostModel(params, topo.nodes, topo.per_node)
     groups = first_step_groups(slots, first, classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3)
-    costs = time_codecs(topo, scheme, slots, codecs, groups)
+    costs = time_codecs(topo, scheme, slots, codecs, groups, schemes, candidates)
     plan = make_plan(
         groups, [s.nbytes for s in slots], scheme, model, costs, config.plan, config.dense_algorithm,
         config.partitions, fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
+        schemes=schemes, candidates=candidates,
     )  # fmt: skip
     return plan, costs
 
@@ -262,18 +285,21 @@ def time_codecs(
     slots: list[Slot],
     codecs: list[Compressor],
     groups: list[tuple[list[int], int]],
+    schemes: Sequence[Scheme] | None = None,
+    candidates: Sequence[int] = (),
 ) -> dict[int, CodecCost]:
     """Each codec's encode and decode, timed at the smallest and the largest size its encode
-    calls will see in ``groups``, on a fresh copy, on the device and in the dtype of most of the
-    gradients it compresses."""
+    calls will see in ``groups`` (a candidate codec: in every compressible group), on a fresh
+    copy, on the device and in the dtype of most of the gradients it compresses."""
     nbytes = [s.nbytes for s in slots]
     costs = {}
     for cid, codec in enumerate(codecs):
-        members = [m for m, c in groups if c == cid]
+        members = [m for m, c in groups if c == cid or (c >= 0 and cid in candidates)]
         if not members:
             continue
         totals = [sum(nbytes[i] for i in m) for m in members]
-        sizes = sorted({max(int(encode_sizes(scheme, b, topo.nodes, topo.per_node)), 4) for b in totals})
+        mine = scheme_for(scheme, schemes, cid)
+        sizes = sorted({max(int(encode_sizes(mine, b, topo.nodes, topo.per_node)), 4) for b in totals})
         held: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes per (dtype, device)
         for m in members:
             for i in m:
@@ -293,6 +319,8 @@ def plan_after_first_step(
     first: FirstStep,
     classes: list[int],
     rejects: Callable[[int, list[int], int], str | None],
+    schemes: Sequence[Scheme] | None = None,
+    candidates: Sequence[int] = (),
 ) -> tuple[Plan, CostParams, dict[int, CodecCost]]:
     """Calibrate the links (every rank), decide on rank 0, and give every rank rank 0's plan
     (:func:`share_plan`); also return the calibrated links (every rank has the same) and the
@@ -301,7 +329,9 @@ def plan_after_first_step(
     costs: dict[int, CodecCost] = {}
 
     def decide() -> Plan:
-        plan, measured = decide_plan(topo, config, scheme, slots, codecs, params, first, classes, rejects)
+        plan, measured = decide_plan(
+            topo, config, scheme, slots, codecs, params, first, classes, rejects, schemes, candidates
+        )
         costs.update(measured)
         return plan
 

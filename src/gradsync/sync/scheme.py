@@ -10,6 +10,11 @@ Grammar (every part is case-sensitive and whitespace around it is ignored)::
     CODEC                       a codec alone; the strategy follows from the codec and topology
     auto                        hitopk/mstopk:density=0.01 on several nodes of several ranks,
                                 allgather/mstopk:density=0.01 otherwise
+    auto:candidates=A,B,...     the planner picks, per bucket, among the compressed schemes A, B, ...
+                                and dense (A is the scheme's own; each candidate is any compressed
+                                scheme above, e.g. auto:candidates=hitopk:density=0.01,powersgd:rank=1;
+                                ``|`` separates candidates too, as in comma-separated lists of schemes
+                                such as ``bench train --contenders``)
 
 For a codec alone (``topk:density=0.01``, ``powersgd:rank=4``, ``onebit``): sparsifiers use
 ``allgather`` (``+local``, i.e. hitopk, when there are several nodes of several ranks);
@@ -41,6 +46,9 @@ class Scheme:
     strategy: str | None = None  # allgather, ring, ps (compressed schemes)
     local: bool | None = None
     codec: str | None = None
+    candidates: tuple[str, ...] = ()
+    """More compressed schemes the planner may pick per bucket (``auto:candidates=...``), as
+    spec strings; the scheme's own fields are those of the first candidate."""
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
@@ -50,6 +58,8 @@ class Scheme:
         head, slash, tail = text.partition("/")
         head = head.strip()
         tail = tail.strip()
+        if head.startswith("auto:"):
+            return cls._with_candidates(text)
         if head == "auto" and not slash:
             return cls(text, "compressed", codec=DEFAULT_CODEC)
         if head in ("none", *ALGORITHMS):
@@ -92,6 +102,34 @@ class Scheme:
             return cls(text, "dense", "hybrid", comm_dtype=text)
         return cls(text, "compressed", codec=text)
 
+    @classmethod
+    def _with_candidates(cls, text: str) -> Scheme:
+        key, _, value = text.partition(":")[2].partition("=")
+        specs = split_candidates(value) if key.strip() == "candidates" else []
+        if not specs:
+            raise ValueError(
+                f"scheme {text!r}: expected auto:candidates=A,B,... with compressed schemes, e.g. "
+                "auto:candidates=hitopk:density=0.01,powersgd:rank=1"
+            )
+        parsed = []
+        for spec in specs:
+            one = cls.parse(spec)
+            if one.kind == "dense" or one.candidates:
+                raise ValueError(
+                    f"scheme {text!r}: candidate {spec!r} is not a compressed scheme; candidates are "
+                    "compressed schemes such as hitopk:density=0.01, powersgd:rank=1, ps+local/onebit "
+                    "(dense synchronization is always a candidate)"
+                )
+            parsed.append(one)
+        names = [p.text for p in parsed]
+        if len(set(names)) < len(names):
+            raise ValueError(f"scheme {text!r}: a candidate is listed twice")
+        return replace(parsed[0], text=text, candidates=tuple(names[1:]))
+
+    def alternatives(self, nodes: int, per_node: int) -> list[Scheme]:
+        """The other candidates (``auto:candidates=...``), resolved for the topology."""
+        return [Scheme.parse(c).resolve(nodes, per_node) for c in self.candidates]
+
     def resolve(self, nodes: int, per_node: int) -> Scheme:
         """Fill in the strategy and local aggregation that a shortcut leaves open."""
         if self.kind == "dense" or (self.strategy is not None and self.local is not None):
@@ -108,8 +146,16 @@ class Scheme:
         """A canonical name: ``torus2d/fp16``, ``allgather+local/mstopk:density=0.01``."""
         if self.kind == "dense":
             return self.algorithm + (f"/{self.comm_dtype}" if self.comm_dtype else "")
-        strategy = self.strategy or "?"
-        return f"{strategy}{'+local' if self.local else ''}/{self.codec}"
+        if not self.candidates:
+            return self.own_name
+        return f"auto:candidates={'|'.join((self.own_name, *self.candidates))}"
+
+    @property
+    def own_name(self) -> str:
+        """The canonical name without the other candidates: ``allgather+local/mstopk:density=0.01``."""
+        if self.kind == "dense":
+            return self.algorithm + (f"/{self.comm_dtype}" if self.comm_dtype else "")
+        return f"{self.strategy or '?'}{'+local' if self.local else ''}/{self.codec}"
 
     def build(self, error_feedback: bool | None = None) -> Compressor | None:
         """The codec of a compressed scheme (None for dense ones).
@@ -128,3 +174,19 @@ class Scheme:
         if codec.lossless:
             raise ValueError(f"error_feedback=True makes no sense with the lossless codec {codec.name!r}")
         return ErrorFeedback(codec.plain)
+
+
+def split_candidates(value: str) -> list[str]:
+    """``topk:density=0.01,compile=false,powersgd:rank=1`` -> the two candidate specs: ``|``
+    always separates candidates; a comma piece of the form ``key=value`` with a plain option name
+    continues the candidate before it (a codec's own options), any other piece starts the next."""
+    specs: list[str] = []
+    for chunk in value.split("|"):
+        start = len(specs)
+        for piece in (p.strip() for p in chunk.split(",")):
+            key, eq, _ = piece.partition("=")
+            if len(specs) > start and eq and key.strip().isidentifier():
+                specs[-1] += "," + piece
+            elif piece:
+                specs.append(piece)
+    return specs

@@ -36,7 +36,7 @@ import torch
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.engine import build_codecs
+from gradsync.sync.engine import build_candidates, build_codecs
 from gradsync.sync.planner import FirstStep, first_step_groups, make_plan, predict
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
@@ -317,6 +317,12 @@ def _gradsync_program(
                         config.large_bytes)
         for s in slots
     ]  # fmt: skip
+    schemes = [scheme] * len(codecs)  # the scheme of each codec id, then the other candidates'
+    candidates = []
+    for alt, codec in build_candidates(config, scheme, cluster.nodes, cluster.per_node):
+        candidates.append(len(codecs))
+        schemes.append(alt)
+        codecs.append(codec.spec())
     ready = [t.ready for t in workload.tensors]
     groups = first_step_groups(
         slots, FirstStep(order, ready), classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3
@@ -324,13 +330,14 @@ def _gradsync_program(
     gamma = cluster.params.gamma
     sizes: dict[int, list[float]] = {}
     for members, cid in groups:
-        if cid >= 0:
-            sizes.setdefault(cid, []).append(_bytes_of(workload, members))
+        for held in [cid, *candidates] if cid >= 0 else []:
+            sizes.setdefault(held, []).append(_bytes_of(workload, members))
     codec_costs = {cid: costs(codecs[cid], sizes[cid]) for cid in sizes}
     nbytes = [s.nbytes for s in slots]
     plan = make_plan(
         groups, nbytes, scheme, model, codec_costs, config.plan, config.dense_algorithm, config.partitions,
-        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots],
+        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], schemes=schemes,
+        candidates=candidates,
     )  # fmt: skip
     for b, bp in enumerate(plan.buckets):
         members = [m for m in bp.slots if workload.tensors[m].ready is not None]
@@ -355,22 +362,22 @@ def _gradsync_program(
             prog.cable_bytes += predict(dense, bytes_model, s, None)
             tasks.append(Task(f"bucket {b}", b, stages))
         else:
-            c = codec_costs[bp.codec_id]
+            c, mine = codec_costs[bp.codec_id], schemes[bp.codec_id]
             part = s / bp.partitions
-            enc, comm, dec = stage_times(scheme, model, part, c)
-            own = predict(scheme, host, part, _scaled(c, False, False))
+            enc, comm, dec = stage_times(mine, model, part, c)
+            own = predict(mine, host, part, _scaled(c, False, False))
             for j in range(bp.partitions):
                 first, last = j == 0, j == bp.partitions - 1
                 stages = [
                     Stage(
                         COMPUTE, enc + (gamma * s if first else 0.0), "pack, encode" if first else "encode"
                     ),
-                    *comm_stages(scheme.name, comm, own, part),
+                    *comm_stages(mine.name, comm, own, part),
                     Stage(
                         COMPUTE, dec + (gamma * s if last else 0.0), "decode, unpack" if last else "decode"
                     ),
                 ]
-                prog.cable_bytes += predict(scheme, bytes_model, part, _scaled(c, False, False))
+                prog.cable_bytes += predict(mine, bytes_model, part, _scaled(c, False, False))
                 label = f"bucket {b}" + (f" part {j + 1}/{bp.partitions}" if bp.partitions > 1 else "")
                 tasks.append(Task(label, b, stages))
         prog.bucket_tasks.append(tasks)
@@ -395,4 +402,6 @@ def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list
     if k != "gradsync":
         return []
     config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})
-    return [c.spec() for c in build_codecs(config, Scheme.parse(config.scheme))]
+    scheme = Scheme.parse(config.scheme)
+    alternatives = [codec for _, codec in build_candidates(config, scheme, 2, 2)]
+    return [c.spec() for c in [*build_codecs(config, scheme), *alternatives]]
