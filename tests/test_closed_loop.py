@@ -297,9 +297,7 @@ def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
     finally:
         engine_module.refit = real
     chosen = {names[s]: b.codec_id for b in engine.plan.buckets if b.compress for s in b.slots}
-    expect(
-        chosen == {"0.weight": 0, "1.weight": 1, "2.weight": 0}, f"the re-plan chose codecs {chosen}"
-    )
+    expect(chosen == {"0.weight": 0, "1.weight": 1, "2.weight": 0}, f"the re-plan chose codecs {chosen}")
     expect("powersgd" in engine.plan_table() and "topk" in engine.plan_table(), engine.plan_table())
     assert engine.report is not None
     summary = engine.report.summary
