@@ -21,8 +21,12 @@ measures every bucket for a few steps: the time inside its collectives, on the c
 4. **Switch or settle.** The new plan replaces the old one only when the refitted model predicts
    it at least ``replan_gain`` faster in total (hysteresis: no oscillation between near-equal
    plans). Rank 0 sends the decision (:func:`~gradsync.sync.planner.share_plan`), so every rank
-   switches at the same step. After ``replan`` switches, or a round that keeps the plan, the
-   loop settles.
+   switches at the same step. A round that keeps the plan settles the loop.
+5. **Guard.** Every switch is measured once more: the median time from a step's first ready
+   gradient to the end of its synchronization (agreed as the maximum over the ranks). If the new
+   plan measured more than ``1 + replan_gain`` times the old one, the model was wrong, and every
+   rank goes back to the old plan and settles. After ``replan`` switches the round after the
+   last one only runs this guard.
 
 A switch keeps the compression state of every bucket it leaves as it was: same tensors,
 compressed, same number of parts. A bucket the switch changes starts afresh, as a bucket does
@@ -323,7 +327,12 @@ class ClosedLoop:
     settled: bool = False
     counted: int = 0  # steps with the current plan (every rank counts the same ones)
     history: list[dict[str, Any]] = field(default_factory=list)  # what each round decided (rank 0)
+    revert_above: float = 1.05
+    """A switch is undone when the new plan measured more than this many times the old one."""
+    before: tuple[Plan, float] | None = None
+    """The plan before the last switch and its measured seconds per step (see :meth:`span`)."""
     _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
+    _spans: list[float] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -333,6 +342,7 @@ class ClosedLoop:
         """A new plan is in place: measure it from its second step on (the first allocates)."""
         self.counted = 0
         self._rows = []
+        self._spans = []
 
     def observe(self, stats: StepStats, valid: bool) -> bool:
         """Count a step that ran with the current plan; keep its buckets' costs when ``valid`` (no
@@ -343,23 +353,41 @@ class ClosedLoop:
             return False
         if valid:
             self._rows.append([(b.comm_s, b.compute_s, b.decode_s) for b in stats.bucket_stats])
+            self._spans.append(stats.backward_s + stats.exposed_s)
         return self.counted >= self.steps + 1
 
-    def agreed(self, topo: Topology, buckets: int) -> list[tuple[float, float, float] | None]:
-        """Per bucket, the medians of this rank's measured steps, maximum over the ranks (a
-        collective on the control group; None for a bucket no rank measured)."""
-        t = torch.full((buckets, 3), MISSING, dtype=torch.float64)
+    def agreed(self, topo: Topology, buckets: int) -> tuple[list[tuple[float, float, float] | None], float]:
+        """Per bucket, the medians of this rank's measured steps, maximum over the ranks (None for
+        a bucket no rank measured); and the plan's measured span, the median of the steps' time
+        from their first ready gradient to the end of synchronization, maximum over the ranks
+        (the part of a step the plan changes; -1 when nothing was measured). One collective on
+        the control group, so every rank holds the same numbers."""
+        t = torch.full((buckets + 1, 3), MISSING, dtype=torch.float64)
         rows = [r for r in self._rows if len(r) == buckets]
         for b in range(buckets):
             if rows:
                 t[b] = torch.tensor([statistics.median(r[b][k] for r in rows) for k in range(3)])
+        if self._spans:
+            t[buckets, 0] = statistics.median(self._spans)
         t = t.to(topo.comm_device)
         if topo.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.control_group)
         out: list[tuple[float, float, float] | None] = []
-        for row in t.cpu().tolist():
+        rows_out = t.cpu().tolist()
+        for row in rows_out[:buckets]:
             out.append(None if row[0] < 0 else (row[0], row[1], row[2]))
-        return out
+        return out, rows_out[buckets][0]
+
+    def worse_than_before(self, span: float) -> bool:
+        """The measured guard: did the last switch make the measured span slower than the plan it
+        replaced, by more than ``revert_above``? (The same answer on every rank: the spans are
+        agreed.)"""
+        return (
+            self.before is not None
+            and span > 0
+            and self.before[1] > 0
+            and span > self.revert_above * self.before[1]
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"replans": self.replans, "settled": self.settled}

@@ -132,7 +132,10 @@ class SyncEngine:
         self.step = 0  # completed steps
         self.plan: Plan | None = None
         loop_on = config.plan == "auto" and self.scheme.kind != "dense" and bool(self.codecs)
-        self.loop = ClosedLoop(config.replan if loop_on else 0, config.replan_steps, config.replan_gain)
+        self.loop = ClosedLoop(
+            config.replan if loop_on else 0, config.replan_steps, config.replan_gain,
+            revert_above=1.0 + config.replan_gain,
+        )  # fmt: skip
         """The closed loop's state: re-plans done, settled, what each round decided."""
         self._params: CostParams | None = None  # the links as calibrated after the first step
         self._first: FirstStep | None = None  # the first step's gradient order and ready times
@@ -512,9 +515,22 @@ class SyncEngine:
         assert self.plan is not None and self._first is not None and self._params is not None
         t0 = time.perf_counter()
         cfg, old = self.config, self.plan
-        measured = self.loop.agreed(self.topo, len(self._buckets))
+        measured, span = self.loop.agreed(self.topo, len(self._buckets))
         nbytes = [s.nbytes for s in self.slots]
-        record: dict[str, Any] = {"step": self.step}
+        record: dict[str, Any] = {"step": self.step, "measured_ms": span * 1e3}
+        if self.loop.worse_than_before(span):
+            self._revert(record, t0)
+            return
+        if self.loop.replans >= self.loop.replan:  # the last switch measured no slower: keep it
+            self.loop.settled, self.loop.before = True, None
+            record.update(switched=False, verified=True, seconds=time.perf_counter() - t0)
+            self.loop.history.append(record)
+            if cfg.log_plan and self.topo.rank == 0:
+                log.info(
+                    "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step, no "
+                    "slower than before it; the plan stays", self.step, span * 1e3,
+                )  # fmt: skip
+            return
 
         def decide() -> Plan | None:
             assert self._first is not None and self._params is not None
@@ -558,14 +574,34 @@ class SyncEngine:
                 )  # fmt: skip
             return
         self.loop.replans += 1
-        self.loop.settled = self.loop.replans >= self.loop.replan
         dropped = self._switch_plan(new)
+        # every switch is measured once more before the loop settles: the guard compares the
+        # new plan's span with this one (or, after the last allowed switch, only that)
+        self.loop.before = (old, span)
         if cfg.log_plan and self.topo.rank == 0:
             log.info(
                 "gradsync closed loop at step %d: re-plan %d of at most %d (%s; predicted %.1f -> %.1f ms "
                 "of synchronization per step; %d compression streams of changed buckets start afresh)",
                 self.step, self.loop.replans, self.loop.replan, record.get("refit"),
                 *record.get("predicted_ms", [0.0, 0.0]), len(dropped),
+            )  # fmt: skip
+        self._report_plan(time.perf_counter() - t0)
+
+    def _revert(self, record: dict[str, Any], t0: float) -> None:
+        """The guard of the closed loop: the last switch measured slower than the plan before
+        it (the refitted model was wrong), so go back to that plan, on every rank, and settle."""
+        assert self.loop.before is not None
+        old, old_span = self.loop.before
+        self.loop.before = None
+        self.loop.settled = True
+        dropped = self._switch_plan(old)
+        record.update(switched=True, reverted=True, seconds=time.perf_counter() - t0)
+        self.loop.history.append(record)
+        if self.config.log_plan and self.topo.rank == 0:
+            log.info(
+                "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step against "
+                "%.1f ms before it; going back to the previous plan and settling (%d compression "
+                "streams start afresh)", self.step, record["measured_ms"], old_span * 1e3, len(dropped),
             )  # fmt: skip
         self._report_plan(time.perf_counter() - t0)
 
