@@ -288,10 +288,18 @@ def test_rounds_merge_and_ratios_by_hand():
         {"contender": c, "samples_per_s": 100.0 / s[1], "scaling_factor": None, "scaling_vs_local": None,
          "round_step_ms": s}
         for c, s in (("ddp", [20.0, 22.0]), ("ddp-fp16", [12.0, 10.0]), ("hitopk:density=0.01", [9.0, 11.0]),
-                     ("auto", [10.0, 10.0]))
+                     ("auto", [10.0, 10.0]), ("auto:candidates=topk|powersgd", [8.0, 8.0]),
+                     ("auto@replan=0", [11.0, 11.0]))
     ]  # fmt: skip
     summary = bench_train.summarize(rows)
     assert summary["best_fixed"] == "hitopk:density=0.01" and summary["best_hook"] == "ddp-fp16"
+    # every automatic contender is measured against the fixed ones, never against another
+    others = summary["others"]
+    assert set(others) == {"auto:candidates=topk|powersgd", "auto@replan=0"}
+    assert others["auto:candidates=topk|powersgd"]["auto_over_best_fixed_rounds"]["rounds"] == pytest.approx(
+        [9.0 / 8.0, 11.0 / 8.0]
+    )
+    assert "\nauto@replan=0: " in bench_train.headline(summary)
     assert summary["auto_over_ddp_rounds"]["rounds"] == pytest.approx([2.0, 2.2])
     assert summary["auto_over_best_hook_rounds"]["rounds"] == pytest.approx([1.2, 1.0])
     assert summary["auto_over_best_fixed_rounds"]["rounds"] == pytest.approx([0.9, 1.1])

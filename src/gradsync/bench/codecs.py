@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsync.bench.output import save_result
+from gradsync.bench.output import markdown_table, save_result
 from gradsync.bench.timing import paired
 from gradsync.codecs import build_codec, codec_class, codec_names
 from gradsync.codecs.config import SparsityConfig
@@ -203,9 +203,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The result table as GitHub markdown."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
-    return "\n".join(lines) + "\n"
+    return markdown_table(COLUMNS, [_cells(r) for r in result["rows"]])
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.bench.output import save_result
+from gradsync.bench.output import markdown_table, save_result
 from gradsync.bench.world import CableMeter, join_world, link_bytes_per_s
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology, allreduce, compressed_allreduce
@@ -219,9 +219,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]]
-    return "\n".join(lines) + "\n"
+    return markdown_table(COLUMNS, [_cells(r) for r in result["rows"]])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

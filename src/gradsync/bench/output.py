@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table; a ``|`` inside a cell (``auto:candidates=a|b``) is escaped."""
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(columns), "|" + "---|" * len(columns), *(line(r) for r in rows)]) + "\n"
 
 
 def save_result(

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 from gradsync.bench import nic as bench_nic
-from gradsync.bench.output import save_result
+from gradsync.bench.output import markdown_table, save_result
 from gradsync.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
@@ -354,10 +354,7 @@ def cells(result: dict[str, Any], r: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    cols = columns(result)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cells(result, r)) + " |" for r in result["rows"]]
-    return "\n".join(lines) + "\n"
+    return markdown_table(columns(result), [cells(result, r) for r in result["rows"]])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from gradsync.bench import nic as bench_nic
 from gradsync.bench import step as bench_step
-from gradsync.bench.output import save_result
+from gradsync.bench.output import markdown_table, save_result
 from gradsync.collectives import Topology
 from gradsync.models import parameter_count
 
@@ -209,19 +209,39 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if top:
             out["best_hook"] = top["contender"]
             ratio("best_over_best_hook", best, top)
-        auto = next((r for r in rows if r["contender"] == "auto"), None)
-        fixed = [r for r in ours if r["contender"] != "auto"]
-        if auto:
-            out["auto_scaling_vs_local"] = auto["scaling_vs_local"]
+        autos = [r for r in ours if is_automatic(r["contender"])]
+        fixed = [r for r in ours if not is_automatic(r["contender"])]
+        best_fixed = max(fixed, key=lambda r: r["samples_per_s"]) if fixed else None
+        if best_fixed is not None and autos:
+            out["best_fixed"] = best_fixed["contender"]
+        for auto in autos:
+            # "auto" itself keeps the flat keys; every other automatic contender (auto@...,
+            # auto:candidates=...) gets the same keys under others[name]
+            name = auto["contender"]
+            keys: dict[str, Any] = out if name == "auto" else {}
+            if name != "auto":
+                out.setdefault("others", {})[name] = keys
+
+            def each(key: str, a: dict[str, Any], b: dict[str, Any], into: dict[str, Any] = keys) -> None:
+                into[key] = a["samples_per_s"] / b["samples_per_s"]
+                spread = round_ratios(a, b)
+                if spread is not None:
+                    into[key + "_rounds"] = spread
+
+            keys["auto_scaling_vs_local"] = auto["scaling_vs_local"]
             if ddp:
-                ratio("auto_over_ddp", auto, ddp)
+                each("auto_over_ddp", auto, ddp)
             if top:
-                ratio("auto_over_best_hook", auto, top)
-            if fixed:
-                best_fixed = max(fixed, key=lambda r: r["samples_per_s"])
-                out["best_fixed"] = best_fixed["contender"]
-                ratio("auto_over_best_fixed", auto, best_fixed)
+                each("auto_over_best_hook", auto, top)
+            if best_fixed is not None:
+                each("auto_over_best_fixed", auto, best_fixed)
     return out
+
+
+def is_automatic(name: str) -> bool:
+    """A contender whose plan gradsync chooses: ``auto``, ``auto@...``, ``auto:candidates=...``."""
+    scheme = bench_step.contender_options(name)[0]
+    return scheme == "auto" or scheme.startswith("auto:")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -311,17 +331,18 @@ def headline(summary: dict[str, Any]) -> str | None:
         f"(vs local {_num(summary['best_scaling_vs_local'], '.2f')})"
     )
     line = " ".join(parts)
-    auto = [
-        f"{summary[key]:.2f}x {what}{_spread(summary.get(key + '_rounds'))}"
-        for key, what in (
-            ("auto_over_ddp", "DDP"),
-            ("auto_over_best_hook", f"the best hook ({summary.get('best_hook')})"),
-            ("auto_over_best_fixed", f"the best fixed gradsync contender ({summary.get('best_fixed')})"),
-        )
-        if key in summary
-    ]
-    if auto:
-        line += "\nauto: " + ", ".join(auto)
+    for name, keys in [("auto", summary), *summary.get("others", {}).items()]:
+        auto = [
+            f"{keys[key]:.2f}x {what}{_spread(keys.get(key + '_rounds'))}"
+            for key, what in (
+                ("auto_over_ddp", "DDP"),
+                ("auto_over_best_hook", f"the best hook ({summary.get('best_hook')})"),
+                ("auto_over_best_fixed", f"the best fixed gradsync contender ({summary.get('best_fixed')})"),
+            )
+            if key in keys
+        ]
+        if auto:
+            line += f"\n{name}: " + ", ".join(auto)
     return line
 
 
@@ -342,10 +363,7 @@ def cells(result: dict[str, Any], r: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    cols = columns(result)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cells(result, r)) + " |" for r in result["rows"]]
-    return "\n".join(lines) + "\n"
+    return markdown_table(columns(result), [cells(result, r) for r in result["rows"]])
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from gradsync.bench import step as bench_step
 from gradsync.bench import train as bench_train
-from gradsync.bench.output import save_result
+from gradsync.bench.output import markdown_table, save_result
 from gradsync.models import parameter_count
 
 DEFAULT_CONTENDERS = (
@@ -224,10 +224,9 @@ def cells(r: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in result["rows"]]
+    lines = [markdown_table(COLUMNS, [cells(r) for r in result["rows"]])]
     s = result["summary"]
-    lines += ["", f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
+    lines += [f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
     return "\n".join(lines) + "\n"
 
 
