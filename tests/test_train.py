@@ -259,6 +259,11 @@ def test_ranks_agree_on_a_diverged_loss():
         (["--warmup-epochs", "-1"], "--warmup-epochs must be a number >= 0"),
         (["--dense-warmup", "-2"], "--dense-warmup must be a number >= 0"),
         (["--clip-grad", "0"], "--clip-grad must be a positive number"),
+        (["--clip-mode", "bucket"], "--clip-mode bucket needs --clip-grad (the threshold)"),
+        (
+            ["--clip-grad", "1", "--sync-option", "clip_local=1"],
+            "--sync-option clip_local=... has its own option",
+        ),
         (["--max-restarts", "-1"], "--max-restarts must be a number >= 0"),
         (["--timeout", "0"], "--timeout must be a positive number of seconds"),
         (["--keep-checkpoints", "0", "--checkpoint-dir", "x"], "--keep-checkpoints must be a number >= 1"),
@@ -319,3 +324,28 @@ def test_convergence_benchmark_option_errors_come_before_any_run(extra, message,
     assert main(["bench", "convergence", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "gradsync bench convergence: digits" not in err  # no run started
+
+
+@pytest.mark.parametrize(
+    "argv, where, clip_local, mode",
+    [
+        (["--scheme", "topk:density=0.01"], "local", 1.5, "global"),  # error feedback: local
+        (["--scheme", "dgc:density=0.01+ef:momentum=0.9"], "local", 1.5, "global"),
+        (["--scheme", "terngrad"], "sync", None, "global"),  # unbiased, no error feedback
+        (["--scheme", "hierarchical"], "sync", None, "global"),
+        (["--scheme", "topk:density=0.01", "--clip-mode", "sync"], "sync", None, "global"),
+        (["--scheme", "none", "--clip-mode", "bucket"], "bucket", 1.5, "bucket"),
+        (["--scheme", "auto:candidates=terngrad|powersgd:rank=1"], "local", 1.5, "global"),
+    ],
+)
+def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, where, clip_local, mode):
+    import argparse
+
+    from gradsync.train.options import add_arguments, clip_where, sync_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--clip-grad", "1.5", *argv])
+    config = sync_config(args, steps_per_epoch=10)
+    assert clip_where(args, config) == where
+    assert config.clip_local == clip_local and config.clip_local_mode == mode

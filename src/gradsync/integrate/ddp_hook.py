@@ -275,6 +275,22 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut
 
 
+def hook_config(config: SyncConfig) -> SyncConfig:
+    """Refuse what a DDP hook cannot do (DDP decides the buckets and starts them during the
+    backward pass; the hook sees one bucket at a time), rather than ignore it."""
+    if Scheme.parse(config.scheme).candidates:
+        raise ValueError(
+            f"scheme {config.scheme!r}: candidates need gradsync.wrap (its planner picks a scheme per "
+            "bucket); the DDP hook runs one scheme; pass one of the candidates"
+        )
+    if config.clip_local is not None:
+        raise ValueError(
+            "clip_local: local gradient clipping needs gradsync.wrap (the DDP hook sees one bucket "
+            "at a time, after DDP started it); clip with wrap, or clip the synchronized gradient"
+        )
+    return config
+
+
 def ddp_comm_hook(
     scheme: str | SyncConfig = "auto",
     topology: Topology | None = None,
@@ -291,10 +307,10 @@ def ddp_comm_hook(
     checks that every rank passed the same), else at its first call."""
     check_model(model)
     if not (dist.is_available() and dist.is_initialized()):
-        return HookState(build_config(scheme, config, options), topology, model), gradsync_hook
+        return HookState(hook_config(build_config(scheme, config, options)), topology, model), gradsync_hook
     # with a process group, a bad option on one rank must fail on every rank: agree first
     topo = topology.bind() if topology is not None else Topology()
-    cfg = agreed(topo, lambda: build_config(scheme, config, options), lambda c: c.spec(), model)
+    cfg = agreed(topo, lambda: hook_config(build_config(scheme, config, options)), lambda c: c.spec(), model)
     state = HookState(cfg, topo, model)
     state._bound_to(topo)
     return state, gradsync_hook

@@ -103,6 +103,9 @@ class GradSync(nn.Module, Joinable):
             engine = self.engine
             if not engine.active:
                 _check_not_stale(engine)
+                if engine.enabled and engine.config.clip_local is not None and not self._callback_queued:
+                    self._callback_queued = True  # one rank: clip_local still clips
+                    torch.autograd.Variable._execution_engine.queue_callback(self._clip_alone)
                 return
             if not engine.enabled:
                 return
@@ -112,6 +115,10 @@ class GradSync(nn.Module, Joinable):
             engine.ready(index)
 
         return hook
+
+    def _clip_alone(self) -> None:
+        self._callback_queued = False
+        self.engine.clip_alone()
 
     def _backward_end(self) -> None:
         self._callback_queued = False

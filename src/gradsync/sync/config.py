@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from gradsync.codecs.config import OptionsConfig, check_choice, check_range
 from gradsync.collectives.dense import ALGORITHMS
+from gradsync.sync.clipping import CLIP_MODES
 from gradsync.sync.scheme import Scheme
 
 PLAN_MODES = ("auto", "compress", "dense")
@@ -53,6 +55,15 @@ class SyncConfig(OptionsConfig):
     replan_gain: float = 0.05
     """A re-plan replaces the plan only when the refitted model predicts it at least this
     fraction faster (hysteresis), and compresses a bucket for a predicted win of this much."""
+    clip_local: float | None = None
+    """Local gradient clipping (:mod:`gradsync.sync.clipping`, paper 04): clip each rank's own
+    gradient to ``clip_local / sqrt(world)`` before it is added to the error-feedback residual
+    and synchronized. Use it instead of clipping the synchronized gradient, which rescales the
+    residual updates error feedback releases."""
+    clip_local_mode: str = "global"
+    """``global``: one norm over all of a rank's gradients, taken when the backward pass ended
+    (no bucket starts during the backward pass); ``bucket``: each bucket clipped alone, to its
+    share of the bound, as soon as it is ready (keeps the overlap)."""
     dense_algorithm: str = "auto"
     """For dense buckets: ``auto`` (cheapest by the cost model) or flat, hierarchical, torus2d, hybrid."""
     error_feedback: bool | None = None
@@ -111,6 +122,9 @@ class SyncConfig(OptionsConfig):
         Scheme.parse(self.scheme)
         check_choice(self.codec, "plan", self.plan, PLAN_MODES)
         check_choice(self.codec, "dense_algorithm", self.dense_algorithm, DENSE_CHOICES)
+        check_choice(self.codec, "clip_local_mode", self.clip_local_mode, CLIP_MODES)
+        if self.clip_local is not None and not (math.isfinite(self.clip_local) and self.clip_local > 0):
+            raise ValueError(f"sync: clip_local must be a positive number or None, got {self.clip_local!r}")
         check_range(self.codec, "partitions", self.partitions, 0, 64)
         check_range(self.codec, "replan", self.replan, 0, 20)
         check_range(self.codec, "replan_steps", self.replan_steps, 1, 1000)

@@ -40,6 +40,7 @@ from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups, codec_class_for
+from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import (
     ClosedLoop,
     keeps,
@@ -124,6 +125,9 @@ class SyncEngine:
             self.codecs.append(codec)
         self._candidates = list(range(self._class_codecs, len(self.codecs)))
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
+        self._numel = sum(s.numel for s in self.slots)
+        self._clip_global = config.clip_local is not None and config.clip_local_mode == "global"
+        """Local clipping over all gradients: no bucket may start before the backward pass ends."""
         self.active = topology.world > 1
         self.check_overflow = (
             config.check_overflow if config.check_overflow is not None else grad_scaler is not None
@@ -248,7 +252,7 @@ class SyncEngine:
             self._order.append(index)
             bucket = self._buckets[self._bucket_of[index]]
             bucket.pending -= 1
-            if self.config.overlap:
+            if self.config.overlap and not self._clip_global:
                 while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
                     self._launch(self._next)
 
@@ -266,10 +270,29 @@ class SyncEngine:
             if not self._backward_end_at:
                 self._backward_end_at = time.perf_counter()
             in_backward = self._next
+            if self._clip_global and not self._shadow:
+                self._clip_all()  # nothing was launched yet: see ready()
             while self._next < len(self._buckets):
                 self._launch(self._next)
             flags = self._flags_task()
         return self._complete(in_backward, flags)
+
+    def _clip_all(self) -> None:
+        """``clip_local`` in ``global`` mode: this rank's gradients, all together, before any
+        bucket packs them (so before the error-feedback residual is added)."""
+        assert self.config.clip_local is not None
+        grads = [s.param.grad for s in self.slots if s.param.grad is not None]
+        bound = local_threshold(self.config.clip_local, self.topo.world)
+        clip_(grads, bound, self._loss_scale)
+
+    def clip_alone(self) -> None:
+        """A world of one rank synchronizes nothing; ``clip_local`` then is plain clipping of
+        the gradients, once per synchronizing backward pass (the wrapper calls this at its end)."""
+        if self.active or not self.enabled or self.config.clip_local is None:
+            return
+        scaler = self.grad_scaler
+        self._loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        self._clip_all()
 
     def shadow_step(self) -> StepStats | None:
         """Take part in one step's synchronization without data: every gradient counts as zero
@@ -408,6 +431,11 @@ class SyncEngine:
                 bucket.flat.zero_()
             else:
                 bucket.pack()
+                if self.config.clip_local is not None and not self._clip_global:
+                    bound = bucket_threshold(
+                        self.config.clip_local, self.topo.world, bucket.numel, self._numel
+                    )
+                    clip_([bucket.flat], bound, self._loss_scale)
             if self.check_overflow and not bool(torch.isfinite(bucket.flat).all()):
                 self._nonfinite = True
         lo, hi = bucket.part_range(part, parts)

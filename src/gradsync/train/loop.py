@@ -34,7 +34,7 @@ from gradsync.observe.telemetry import format_line, step_record
 from gradsync.train import checkpoint
 from gradsync.train.metrics import EpochMeter, epoch_record
 from gradsync.train.optim import build_optimizer, build_scheduler
-from gradsync.train.options import sync_config, trace_steps
+from gradsync.train.options import clip_where, sync_config, trace_steps
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
 
@@ -104,6 +104,8 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if args.amp and cuda else None
         self.config = sync_config(args, self.steps_per_epoch)
+        self.clip_after_sync = clip_where(args, self.config) == "sync"
+        """``--clip-grad`` on the synchronized gradient (else the engine clips locally, or nothing)."""
         self.model = gradsync.wrap(
             net,
             self.config,
@@ -238,7 +240,7 @@ class Trainer:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with self._autocast():
             loss = self._loss(self.model(x), y)
-        clip = self.args.clip_grad
+        clip = self.args.clip_grad if self.clip_after_sync else None
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             if clip:

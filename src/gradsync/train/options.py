@@ -7,15 +7,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.config import parse_options
+from gradsync.sync.engine import build_candidates, build_codecs
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
+CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
 
 
@@ -53,7 +56,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear learning-rate warm-up")
     g.add_argument("--schedule", default="cosine", help=f"one of {', '.join(SCHEDULES)} (after warm-up)")
-    g.add_argument("--clip-grad", type=float, default=None, help="clip the synchronized gradient's norm")
+    g.add_argument(
+        "--clip-grad", type=float, default=None, help="clip the gradient's norm to this (see --clip-mode)"
+    )
+    g.add_argument(
+        "--clip-mode",
+        default="auto",
+        choices=CLIP_WHERE,
+        help="where --clip-grad clips: sync (the synchronized gradient), local (each rank's own "
+        "gradient to CLIP/sqrt(N) once the backward pass ended, before error feedback: paper 04), "
+        "bucket (local, bucket by bucket, keeping the overlap); auto: local when the scheme uses "
+        "error feedback, else sync",
+    )
     g.add_argument(
         "--amp",
         action="store_true",
@@ -205,6 +219,8 @@ def validate(args: argparse.Namespace) -> None:
     _at_least("--switch-to-dense-at", args.switch_to_dense_at, 0.0, allow_none=True)
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
         raise ValueError(f"--clip-grad must be a positive number, got {args.clip_grad!r}")
+    if args.clip_mode not in ("auto", "sync") and args.clip_grad is None:
+        raise ValueError(f"--clip-mode {args.clip_mode} needs --clip-grad (the threshold)")
     _at_least("--max-restarts", args.max_restarts, 0)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(
@@ -259,10 +275,29 @@ def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
     if args.switch_to_dense_at is not None:
         options["dense_from_step"] = round(args.switch_to_dense_at * steps_per_epoch)
     extra = sync_options(args)
-    clash = sorted(set(extra) & {"scheme", "plan", "dense_warmup_steps", "dense_from_step"})
+    own = {"scheme", "plan", "dense_warmup_steps", "dense_from_step", "clip_local", "clip_local_mode"}
+    clash = sorted(set(extra) & own)
     if clash:
         raise ValueError(
             f"--sync-option {clash[0]}=... has its own option (--scheme, --plan, --dense-warmup, "
-            "--switch-to-dense-at)"
+            "--switch-to-dense-at, --clip-grad with --clip-mode)"
         )
-    return SyncConfig.from_options({**options, **extra})
+    config = SyncConfig.from_options({**options, **extra})
+    where = clip_where(args, config)
+    if where in ("local", "bucket"):
+        mode = "global" if where == "local" else "bucket"
+        config = replace(config, clip_local=args.clip_grad, clip_local_mode=mode)
+    return config
+
+
+def clip_where(args: argparse.Namespace, config: SyncConfig) -> str | None:
+    """Where ``--clip-grad`` clips: ``sync``, ``local`` or ``bucket`` (None: no clipping).
+    ``auto`` is ``local`` for a scheme with error feedback (clipping the synchronized gradient
+    would rescale the residual updates error feedback releases), else ``sync``."""
+    if args.clip_grad is None:
+        return None
+    if args.clip_mode != "auto":
+        return str(args.clip_mode)
+    scheme = Scheme.parse(config.scheme)
+    codecs = [*build_codecs(config, scheme), *(c for _, c in build_candidates(config, scheme, 2, 2))]
+    return "local" if any(c.error_feedback for c in codecs) else "sync"
