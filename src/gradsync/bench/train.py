@@ -192,11 +192,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ddp = next((r for r in rows if r["contender"] == "ddp"), None)
     out: dict[str, Any] = {}
 
-    def ratio(key: str, a: dict[str, Any], b: dict[str, Any]) -> None:
-        out[key] = a["samples_per_s"] / b["samples_per_s"]
+    def ratio(key: str, a: dict[str, Any], b: dict[str, Any], into: dict[str, Any] = out) -> None:
+        into[key] = a["samples_per_s"] / b["samples_per_s"]
         spread = round_ratios(a, b)
         if spread is not None:
-            out[key + "_rounds"] = spread
+            into[key + "_rounds"] = spread
 
     if ours:
         best = max(ours, key=lambda r: r["samples_per_s"])
@@ -221,20 +221,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             keys: dict[str, Any] = out if name == "auto" else {}
             if name != "auto":
                 out.setdefault("others", {})[name] = keys
-
-            def each(key: str, a: dict[str, Any], b: dict[str, Any], into: dict[str, Any] = keys) -> None:
-                into[key] = a["samples_per_s"] / b["samples_per_s"]
-                spread = round_ratios(a, b)
-                if spread is not None:
-                    into[key + "_rounds"] = spread
-
             keys["auto_scaling_vs_local"] = auto["scaling_vs_local"]
             if ddp:
-                each("auto_over_ddp", auto, ddp)
+                ratio("auto_over_ddp", auto, ddp, keys)
             if top:
-                each("auto_over_best_hook", auto, top)
+                ratio("auto_over_best_hook", auto, top, keys)
             if best_fixed is not None:
-                each("auto_over_best_fixed", auto, best_fixed)
+                ratio("auto_over_best_fixed", auto, best_fixed, keys)
     return out
 
 
