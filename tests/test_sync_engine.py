@@ -177,7 +177,14 @@ def run_steps(model, opt, start, stop):
 
 def check_resume_is_bitwise(topo):
     scheme = "hitopk/topk:density=0.1+ef:momentum=0.5"
-    opts = {"plan": "compress", "min_compress_bytes": 0, "bucket_bytes": 4096, **FAST}
+    # resumed inside the density schedule's first stage (steps 0-3), with the dense step's momentum
+    opts = {
+        "plan": "compress",
+        "min_compress_bytes": 0,
+        "bucket_bytes": 4096,
+        "density_schedule": "0.5@4",
+        **FAST,
+    }
     base = mlp(seed=3)
     straight = gradsync.wrap(copy.deepcopy(base), scheme, topo, **opts)
     opt = torch.optim.SGD(straight.parameters(), lr=0.1)

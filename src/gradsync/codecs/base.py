@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 import torch
 
 from gradsync.codecs.compressor import Compressor
-from gradsync.codecs.config import CodecConfig
+from gradsync.codecs.config import CodecConfig, SparsityConfig
 from gradsync.codecs.ops.backend import backend
 from gradsync.codecs.ops.random import make_generator
 from gradsync.codecs.ops.workspace import Workspace
@@ -82,6 +82,21 @@ class Codec(Compressor, Generic[StreamT]):
         self._streams: dict[str, StreamT] = {}
         # compile=true: the common operators run their torch definitions through torch.compile
         self._backend = "compiled" if config.compile else None
+        self.scheduled_density: float | None = None
+        """A density that replaces the configured one for now (the sync engine's density
+        schedule, a sparsity warm-up); only for :attr:`schedulable` codecs."""
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether the codec keeps a share of the elements given by a ``density`` that a
+        schedule may raise for a while (sparsifiers configured by density, not by k or a threshold)."""
+        c = self.config
+        return (
+            isinstance(c, SparsityConfig)
+            and c.k is None
+            and c.density is not None
+            and getattr(c, "threshold", None) is None
+        )
 
     # ------------------------------------------------------------------ public API
     @property

@@ -180,10 +180,13 @@ class SparsityConfig(CodecConfig):
         if self.k is not None:
             check_range(self.codec, "k", self.k, 1)
 
-    def k_for(self, numel: int) -> int:
-        """Elements to keep from a tensor of ``numel`` (at least 1 for a non-empty tensor)."""
+    def k_for(self, numel: int, density: float | None = None) -> int:
+        """Elements to keep from a tensor of ``numel`` (at least 1 for a non-empty tensor);
+        ``density`` replaces the configured density or k (a density schedule's stage)."""
         if numel == 0:
             return 0
+        if density is not None:
+            return min(numel, max(1, math.ceil(density * numel)))
         if self.k is not None:
             if self.k > numel:
                 raise ValueError(f"{self.codec}: k={self.k} exceeds the tensor's {numel} elements")

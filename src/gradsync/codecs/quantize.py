@@ -217,14 +217,14 @@ class QRGC(Codec[Stream]):
     config: QrgcConfig
 
     def check_numel(self, numel: int) -> None:
-        self.config.k_for(numel)
+        self.config.k_for(numel, self.scheduled_density)
 
     @staticmethod
     def _layout(numel: int, count: int) -> Layout:
         return Layout([("idx", count, index_dtype(numel))])
 
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
-        return self._layout(numel, self.config.k_for(numel)).nbytes
+        return self._layout(numel, self.config.k_for(numel, self.scheduled_density)).nbytes
 
     def payload_nbytes(self, payload: Payload) -> int:
         if not 0 <= payload.count <= payload.numel:
@@ -238,7 +238,11 @@ class QRGC(Codec[Stream]):
         positive = stream.calls % 2 == 0
         if n:
             idx, val, st = topk(
-                x, self.config.k_for(n), Key.POS if positive else Key.NEG, at_least=_TINY, ws=self.ws
+                x,
+                self.config.k_for(n, self.scheduled_density),
+                Key.POS if positive else Key.NEG,
+                at_least=_TINY,
+                ws=self.ws,
             )
         else:
             idx, val, st = x.new_zeros(0, dtype=torch.int32), x[:0], tensor_stats(x)

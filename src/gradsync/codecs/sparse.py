@@ -44,7 +44,7 @@ class SparseCodec(Codec[StreamT]):
 
     def target_count(self, numel: int) -> int:
         """The ``k`` handed to :meth:`select` (and the expected payload count)."""
-        return self.config.k_for(numel)
+        return self.config.k_for(numel, self.scheduled_density)
 
     def max_count(self, numel: int) -> int:
         """Most elements a payload can hold (its capacity)."""
@@ -193,7 +193,7 @@ class Bsearch(SparseCodec[BsearchStream]):
         return numel
 
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
-        k = self.config.k_for(numel)
+        k = self.config.k_for(numel, self.scheduled_density)
         return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
 
     def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:
@@ -259,7 +259,7 @@ class GradDrop(SparseCodec[Stream]):
     randomized = True
 
     def target_count(self, numel: int) -> int:
-        return 0 if self.config.threshold is not None else self.config.k_for(numel)
+        return 0 if self.config.threshold is not None else self.config.k_for(numel, self.scheduled_density)
 
     def max_count(self, numel: int) -> int:
         return numel

@@ -44,6 +44,8 @@ from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
 from gradsync.integrate.wrap import build_config
 from gradsync.sync.config import SyncConfig
+from gradsync.sync.density_schedule import apply_schedule, schedule_for
+from gradsync.sync.engine import build_codecs, sync_momentum
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import sequence_program
 from gradsync.sync.tasks import TaskManager
@@ -71,6 +73,9 @@ class HookState:
         self.config = config
         self.model = model
         self.codec = Scheme.parse(config.scheme).build(config.error_feedback)
+        self.density_schedule = schedule_for(
+            config.density_schedule, [self.codec] if self.codec is not None else [], config.scheme
+        )
         self.manager = TaskManager("gradsync-ddp")
         self.step = 0
         self.forwards = 0  # training-mode forward passes of ``model`` (for the step check)
@@ -223,6 +228,7 @@ def _program(state: HookState, bucket: dist.GradBucket, key: str, compress: bool
         return (yield from allreduce_program(buf, topo, algo, "mean", comm_dtype, None, ws))
     codec = state.codec
     assert codec is not None
+    apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
     parts = None
     if codec.lowrank:
         names = [state._names.get(id(p)) for p in bucket.parameters()]
@@ -287,6 +293,14 @@ def hook_config(config: SyncConfig) -> SyncConfig:
         raise ValueError(
             "clip_local: local gradient clipping needs gradsync.wrap (the DDP hook sees one bucket "
             "at a time, after DDP started it); clip with wrap, or clip the synchronized gradient"
+        )
+    scheme = Scheme.parse(config.scheme)
+    if scheme.kind != "dense" and sync_momentum(build_codecs(config, scheme)) is not None:
+        raise ValueError(
+            f"scheme {config.scheme!r}: ef momentum (momentum correction) needs gradsync.wrap: it "
+            "moves the optimizer's momentum into the synchronization, and the DDP hook cannot give "
+            "it back to the buckets it sends densely; use ef without momentum and the optimizer's "
+            "momentum, or gradsync.wrap"
         )
     return config
 

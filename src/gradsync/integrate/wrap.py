@@ -103,9 +103,9 @@ class GradSync(nn.Module, Joinable):
             engine = self.engine
             if not engine.active:
                 _check_not_stale(engine)
-                if engine.enabled and engine.config.clip_local is not None and not self._callback_queued:
-                    self._callback_queued = True  # one rank: clip_local still clips
-                    torch.autograd.Variable._execution_engine.queue_callback(self._clip_alone)
+                if engine.enabled and engine.acts_alone and not self._callback_queued:
+                    self._callback_queued = True  # one rank: clipping and momentum still apply
+                    torch.autograd.Variable._execution_engine.queue_callback(self._finish_alone)
                 return
             if not engine.enabled:
                 return
@@ -116,9 +116,9 @@ class GradSync(nn.Module, Joinable):
 
         return hook
 
-    def _clip_alone(self) -> None:
+    def _finish_alone(self) -> None:
         self._callback_queued = False
-        self.engine.clip_alone()
+        self.engine.finish_alone()
 
     def _backward_end(self) -> None:
         self._callback_queued = False

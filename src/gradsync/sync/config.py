@@ -9,6 +9,7 @@ from typing import ClassVar
 from gradsync.codecs.config import OptionsConfig, check_choice, check_range
 from gradsync.collectives.dense import ALGORITHMS
 from gradsync.sync.clipping import CLIP_MODES
+from gradsync.sync.density_schedule import DensitySchedule
 from gradsync.sync.scheme import Scheme
 
 PLAN_MODES = ("auto", "compress", "dense")
@@ -83,6 +84,10 @@ class SyncConfig(OptionsConfig):
     dense_warmup_steps: int = 1
     """Steps synchronized densely before compression starts (at least 1: the first step measures
     the gradient-ready order and times the plan is made from)."""
+    density_schedule: str | None = None
+    """Sparsity warm-up (:mod:`gradsync.sync.density_schedule`, paper 04): ``exp@STEPS`` sends
+    25 %, 6.25 %, 1.5625 %, ... of each tensor, one stage per STEPS synchronized steps, down to
+    each sparsifier's own density; ``D1,D2,...@STEPS`` gives the stages."""
     dense_from_step: int | None = None
     """Switch to dense synchronization from this step on (paper 01's sparse-then-dense recipe)."""
     overlap: bool = True
@@ -134,6 +139,8 @@ class SyncConfig(OptionsConfig):
         check_range(self.codec, "min_compress_bytes", self.min_compress_bytes, 0)
         check_range(self.codec, "large_bytes", self.large_bytes, 1)
         check_range(self.codec, "dense_warmup_steps", self.dense_warmup_steps, 1)
+        if self.density_schedule is not None:
+            DensitySchedule.parse(self.density_schedule)
         if self.dense_from_step is not None:
             check_range(self.codec, "dense_from_step", self.dense_from_step, 0)
         check_range(self.codec, "timeout_s", self.timeout_s, 0.0, lo_open=True)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.codecs import Compressor
+from gradsync.codecs import Compressor, ErrorFeedback
 from gradsync.collectives import primitives as P
 from gradsync.collectives.compressed import codec_refusal, compressed_program
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
@@ -51,7 +51,9 @@ from gradsync.sync.closed_loop import (
     stream_prefixes,
 )
 from gradsync.sync.config import SyncConfig
+from gradsync.sync.density_schedule import apply_schedule, schedule_for
 from gradsync.sync.explain import PlanReport, explain_plan
+from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.plan import Plan
 from gradsync.sync.planner import (
     FirstStep,
@@ -102,6 +104,24 @@ def build_candidates(
     return out
 
 
+def sync_momentum(codecs: list[Compressor]) -> SyncMomentum | None:
+    """The dense side of momentum correction when the codecs carry the optimizer's momentum
+    (``ef:momentum=M``), else None. Every codec must then carry the same momentum: a bucket
+    under a codec without it would get none."""
+    kinds = {
+        (c.config.momentum, c.config.nesterov) if isinstance(c, ErrorFeedback) else (0.0, False)
+        for c in codecs
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            "ef: momentum must be the same for every codec of the scheme (momentum correction moves "
+            "the optimizer's momentum into the synchronization, so every bucket needs it), got "
+            + ", ".join(sorted(c.spec() for c in codecs))
+        )
+    m, nesterov = kinds.pop() if kinds else (0.0, False)
+    return SyncMomentum(m, nesterov) if m > 0 else None
+
+
 class SyncEngine:
     """Synchronizes the gradients of ``params`` (name, parameter) over ``topology``."""
 
@@ -124,6 +144,11 @@ class SyncEngine:
             self.schemes.append(alt)
             self.codecs.append(codec)
         self._candidates = list(range(self._class_codecs, len(self.codecs)))
+        self.momentum = sync_momentum(self.codecs)
+        """Momentum correction (``ef:momentum``): the optimizer's momentum for what is sent
+        densely (see :mod:`gradsync.sync.momentum`); None for other schemes."""
+        self.density_schedule = schedule_for(config.density_schedule, self.codecs, config.scheme)
+        self._density: float | None = None  # what the last step ran at under the schedule
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
         self._numel = sum(s.numel for s in self.slots)
         self._clip_global = config.clip_local is not None and config.clip_local_mode == "global"
@@ -200,6 +225,32 @@ class SyncEngine:
         produces gradients), fused by size only; these buckets are synchronized densely."""
         order = [s.index for s in reversed(self.slots)]
         return build_groups(self.slots, order, None, [-1] * len(self.slots), self.config.bucket_bytes, 0.0)
+
+    def _set_density(self) -> float | None:
+        """Set each sparsifier's density for this step from the schedule; the largest one, or
+        None when all run at their own. Logged when it changes."""
+        if self.density_schedule is None:
+            return None
+        density = apply_schedule(self.density_schedule, self.codecs, self.step)
+        if density != self._density and self.config.log_plan and self.topo.rank == 0:
+            if density is None:
+                log.info(
+                    "gradsync: step %d: density schedule %s over; every sparsifier at its own density",
+                    self.step, self.density_schedule.text,
+                )  # fmt: skip
+            else:
+                stage = self.step // self.density_schedule.stage_steps + 1
+                log.info(
+                    "gradsync: step %d: density schedule %s, stage %d: sparsifiers send %.4g %% of "
+                    "each tensor (until step %d)", self.step, self.density_schedule.text, stage,
+                    100 * density, stage * self.density_schedule.stage_steps,
+                )  # fmt: skip
+        self._density = density
+        return density
+
+    def _own_density(self) -> None:
+        """Back to the codecs' own densities (what the planner and its timings assume)."""
+        apply_schedule(None, self.codecs, self.step)
 
     def _check_codecs_fit(self) -> None:
         """Refuse, before anything communicates, a codec that could not compress even the
@@ -285,14 +336,29 @@ class SyncEngine:
         bound = local_threshold(self.config.clip_local, self.topo.world)
         clip_(grads, bound, self._loss_scale)
 
-    def clip_alone(self) -> None:
-        """A world of one rank synchronizes nothing; ``clip_local`` then is plain clipping of
-        the gradients, once per synchronizing backward pass (the wrapper calls this at its end)."""
-        if self.active or not self.enabled or self.config.clip_local is None:
+    @property
+    def acts_alone(self) -> bool:
+        """A world of one rank with something to do at the end of a backward pass (see
+        :meth:`finish_alone`)."""
+        return not self.active and (self.config.clip_local is not None or self.momentum is not None)
+
+    def finish_alone(self) -> None:
+        """A world of one rank synchronizes nothing, but ``clip_local`` still clips (plain
+        clipping of the gradients) and momentum correction still applies the momentum: once per
+        synchronizing backward pass (the wrapper calls this at its end)."""
+        if self.active or not self.enabled:
             return
         scaler = self.grad_scaler
-        self._loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-        self._clip_all()
+        scaled = scaler is not None and bool(scaler.is_enabled())
+        self._loss_scale = float(scaler.get_scale()) if scaler is not None and scaled else 1.0
+        if self.config.clip_local is not None:
+            self._clip_all()
+        if self.momentum is not None:
+            live = [(s.name, g) for s in self.slots if (g := s.param.grad) is not None]
+            if scaled and not all(bool(torch.isfinite(g).all()) for _, g in live):
+                return  # the GradScaler skips this step: the momentum stays as it was
+            self.momentum.begin_round()
+            self.momentum.dense([n for n, _ in live], [g for _, g in live], self._loss_scale)
 
     def shadow_step(self) -> StepStats | None:
         """Take part in one step's synchronization without data: every gradient counts as zero
@@ -315,6 +381,7 @@ class SyncEngine:
     def _complete(self, in_backward: int, flags: torch.Tensor | None) -> StepStats:
         with self._failing():
             self.manager.wait(self._tasks, timeout=self.config.timeout_s)
+            self._own_density()
             overflow = False
             if flags is not None:
                 overflow = self._apply_flags(flags)
@@ -334,6 +401,7 @@ class SyncEngine:
             elif (
                 self.loop.active
                 and not stats.dense
+                and stats.density is None  # a warm-up step costs what later steps will not
                 and self._first is not None
                 and self.loop.observe(stats, valid=not overflow and not shadow)
             ):
@@ -395,6 +463,9 @@ class SyncEngine:
             self._loss_scale = float(self.grad_scaler.get_scale())
         for codec in self.codecs:
             codec.begin_round()
+        self._set_density()
+        if self.momentum is not None:
+            self.momentum.begin_round()
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
             program = sequence_program(self.topo, self.step, None if shadow else self.forwards, self._lag)
             self._tasks.append(self.manager.submit(program, "step check"))
@@ -406,7 +477,7 @@ class SyncEngine:
         parts = self._parts[b] if compress else 1
         bucket.parts_left = parts
         self._launched_at[b] = time.perf_counter()
-        done = self._unpacker(bucket)
+        done = self._unpacker(bucket, compress)
         for part in range(parts):
             program = self._program(bucket, part, parts, compress)
             name = f"bucket {b} [{bucket.key}]" + (f" part {part + 1}/{parts}" if parts > 1 else "")
@@ -414,12 +485,19 @@ class SyncEngine:
             self._task_bucket.append(b)
         self._next = b + 1
 
-    def _unpacker(self, bucket: Bucket) -> Callable[[], None]:
+    def _unpacker(self, bucket: Bucket, compressed: bool) -> Callable[[], None]:
         shadow = self._shadow
+        momentum, scale = self.momentum, self._loss_scale
 
         def done() -> None:  # on the compute thread, after each part's finisher
             bucket.parts_left -= 1
-            if bucket.parts_left == 0 and not shadow:
+            if bucket.parts_left:
+                return
+            if momentum is not None:  # a joined rank's too: the momentum stays the same everywhere
+                names = [s.name for s in bucket.slots]
+                views = [bucket.view(j) for j in range(len(bucket.slots))]
+                (momentum.release if compressed else momentum.dense)(names, views, scale)
+            if not shadow:
                 bucket.unpack()
 
         return done
@@ -495,10 +573,15 @@ class SyncEngine:
                     s.param.grad.fill_(float("nan"))
             for codec in self.codecs:
                 codec.rollback_round()
+            if self.momentum is not None:
+                self.momentum.rollback_round()
         if self.config.find_unused_parameters:
-            for i, s in enumerate(self.slots):
-                if flags[1 + i] == 0:
+            unused = {s.name for i, s in enumerate(self.slots) if flags[1 + i] == 0}
+            for s in self.slots:
+                if s.name in unused:
                     s.param.grad = None  # no rank used it: leave it as DDP would
+            if unused and self.momentum is not None and not overflow:
+                self.momentum.rollback_round(unused)  # SGD skips it: its momentum too
         return overflow
 
     def _rescale_for_join(self) -> None:
@@ -727,6 +810,7 @@ class SyncEngine:
             check_wait_s=self._lag.wait_s if self.config.check_steps else None,
             lag_s=self._lag.lag_s if self.config.check_steps else None,
             bucket_stats=buckets,
+            density=None if self._dense_step else self._density,
         )
 
     def _bucket_stats(self) -> list[BucketStats]:
@@ -798,6 +882,7 @@ class SyncEngine:
             "plan": None if self.plan is None else self.plan.to_state(),
             "codecs": [c.state_dict() for c in self.codecs],
             "closed_loop": self._loop_state(),
+            "momentum": None if self.momentum is None else self.momentum.state_dict(),
         }
 
     def _loop_state(self) -> dict[str, Any]:
@@ -845,6 +930,7 @@ class SyncEngine:
             )
             for codec in self.codecs:
                 codec.reset_state()
+            self.momentum = sync_momentum(self.codecs)
             self.step = int(state.get("step", 0))
             self.plan = None
             self.loop.load_state_dict(None)
@@ -852,6 +938,8 @@ class SyncEngine:
             return
         for codec, cs in zip(self.codecs, state["codecs"], strict=True):
             codec.load_state_dict(cs)
+        if self.momentum is not None and state.get("momentum") is not None:
+            self.momentum.load_state_dict(state["momentum"])
         self.step = int(state["step"])
         if state["plan"] is not None:
             self._install_plan(Plan.from_state(state["plan"]))

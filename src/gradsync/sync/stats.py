@@ -71,6 +71,9 @@ class StepStats:
     lag_s: float | None = None
     """The largest ``check_wait_s`` over all ranks, of the *previous* step (it travels in this
     step's check): how far the slowest rank lagged behind the fastest. None without the check."""
+    density: float | None = None
+    """The density the sparsifiers ran at under ``density_schedule`` (the largest, when codecs
+    differ); None at their own density."""
     bucket_stats: list[BucketStats] = field(default_factory=list)
 
     @property
