@@ -260,6 +260,14 @@ def test_ranks_agree_on_a_diverged_loss():
         (["--dense-warmup", "-2"], "--dense-warmup must be a number >= 0"),
         (["--clip-grad", "0"], "--clip-grad must be a positive number"),
         (["--clip-mode", "bucket"], "--clip-mode bucket needs --clip-grad (the threshold)"),
+        (["--density-schedule", "exp"], "--density-schedule takes STAGES@EPOCHS"),
+        (["--density-schedule", "exp@-1"], "--density-schedule takes STAGES@EPOCHS"),
+        (["--density-schedule", "5%,25%@1"], "--density-schedule must list falling densities"),
+        (
+            ["--density-schedule", "exp@1", "--scheme", "powersgd:rank=2"],
+            "density_schedule='exp@1' needs a sparsifier configured by a density",
+        ),
+        (["--density-schedule", "exp@1", "--sync-option", "density_schedule=exp@3"], "has its own option"),
         (
             ["--clip-grad", "1", "--sync-option", "clip_local=1"],
             "--sync-option clip_local=... has its own option",
@@ -317,6 +325,7 @@ def test_language_model_with_bf16_autocast_and_powersgd(tmp_path, monkeypatch):
         (["--datasets", "mnist"], "--datasets takes names from digits, text"),
         (["--epochs", "0"], "--epochs must be at least 1"),
         (["--nodes", "0"], "--nodes must be at least 1"),
+        (["--ablation", "topk,warp"], "--ablation takes names from none, topk"),
     ],
 )
 def test_convergence_benchmark_option_errors_come_before_any_run(extra, message, capsys, monkeypatch):
@@ -349,3 +358,31 @@ def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, whe
     config = sync_config(args, steps_per_epoch=10)
     assert clip_where(args, config) == where
     assert config.clip_local == clip_local and config.clip_local_mode == mode
+
+
+def test_the_convergence_ablation_takes_away_one_ingredient_per_run():
+    import argparse
+
+    from gradsync.bench import convergence
+
+    parser = argparse.ArgumentParser()
+    convergence.add_arguments(parser)
+    args = parser.parse_args(["--datasets", "text,digits", "--schemes", "none,onebit", "--ablation", "topk"])
+    runs = {(d, s, v): argv for d, s, v, _, argv in convergence._runs(args, "/tmp")}
+
+    def value(argv, option):
+        return argv[argv.index(option) + 1] if option in argv else None
+
+    # the recipe: local clipping (--clip-grad, auto) and the sparsity warm-up, for sparsifiers only
+    recipe = runs[("text", "topk", "recipe")]
+    assert value(recipe, "--clip-grad") == "1.0" and value(recipe, "--density-schedule") == "exp@1"
+    assert value(runs[("text", "onebit", "recipe")], "--density-schedule") is None
+    assert value(runs[("text", "none", "recipe")], "--density-schedule") is None
+    assert value(runs[("text", "topk", "no clip")], "--clip-grad") is None
+    assert value(runs[("text", "topk", "clip after sync")], "--clip-mode") == "sync"
+    assert value(runs[("text", "topk", "no warm-up")], "--density-schedule") is None
+    dense = runs[("text", "topk", "dense warm-up")]
+    # topk at 1 %: stages 25 %, 6.25 %, 1.5625 % of one epoch each, so 3 dense epochs instead
+    assert value(dense, "--density-schedule") is None and value(dense, "--dense-warmup") == "3"
+    # digits clips nothing and has no warm-up: only the recipe runs there
+    assert [v for d, s, v in runs if d == "digits" and s == "topk"] == ["recipe"]

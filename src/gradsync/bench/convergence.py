@@ -6,6 +6,11 @@ on this machine, topology emulated with ``--nodes/--per-node``) and reports the 
 accuracy or perplexity next to the dense run's, with the gap: percentage points of accuracy,
 percent of perplexity. Schemes with a recipe of their own get it: DGC carries the momentum in
 its error feedback (momentum correction), so the optimizer's momentum is turned off for it.
+
+A dataset may have a recipe for compressed training (:data:`WARMUP`: the sparsity warm-up for
+every sparsifier; the text runs clip locally, paper 04, as ``--clip-grad`` does for every
+error-feedback scheme). ``--ablation SCHEMES`` also runs those schemes without each ingredient
+(:data:`VARIANTS`), so that what each one is worth can be read off one table.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any, NoReturn
 
 from gradsync import train
 from gradsync.bench.output import save_result
+from gradsync.sync import Scheme
+from gradsync.sync.density_schedule import DensitySchedule
 
 # scheme label -> (scheme spec, extra train options)
 RECIPES: dict[str, tuple[str, list[str]]] = {
@@ -61,10 +68,30 @@ DATASETS: dict[str, list[str]] = {
 }
 
 
+# dataset -> the stages of the sparsity warm-up its sparsifiers get (``--density-schedule``)
+WARMUP: dict[str, str] = {"text": "exp@1"}
+
+# ablation variant -> what it changes in a run's ``gradsync train`` options
+VARIANTS: dict[str, str] = {
+    "recipe": "the dataset's recipe",
+    "no clip": "without --clip-grad",
+    "clip after sync": "--clip-mode sync (the synchronized gradient, not each rank's own)",
+    "no warm-up": "without the sparsity warm-up",
+    "dense warm-up": "dense synchronization for as long as the sparsity warm-up would last",
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", default=",".join(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}")
     p.add_argument(
         "--datasets", default=",".join(DATASETS), help=f"comma-separated, from {', '.join(DATASETS)}"
+    )
+    p.add_argument(
+        "--ablation",
+        default="",
+        metavar="SCHEMES",
+        help="also run these schemes (comma-separated) without each ingredient of the recipe: "
+        + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items() if k != "recipe"),
     )
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--per-node", type=int, default=2)
@@ -88,11 +115,55 @@ def _pick(text: str, allowed: dict[str, Any], option: str) -> list[str]:
     return names
 
 
-def _train_argv(dataset: str, scheme: str, args: argparse.Namespace, json_path: str) -> list[str]:
+def _sparsifies(spec: str) -> bool:
+    """Whether a scheme has a codec a density schedule applies to."""
+    scheme = Scheme.parse(spec)
+    codecs = [scheme.build(None), *(alt.build(None) for alt in scheme.alternatives(2, 2))]
+    return any(c is not None and c.plain.schedulable for c in codecs)
+
+
+def _drop(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value."""
+    out = list(argv)
+    if option in out:
+        i = out.index(option)
+        del out[i : i + 2]
+    return out
+
+
+def _variant_options(dataset: str, scheme: str, variant: str) -> list[str] | None:
+    """The dataset's options for ``scheme`` under an ablation ``variant``; None when the variant
+    changes nothing for it (no clipping or no warm-up to take away)."""
+    options = list(DATASETS[dataset])
+    warmup = WARMUP.get(dataset) if _sparsifies(RECIPES[scheme][0]) else None
+    if warmup is not None:
+        options += ["--density-schedule", warmup]
+    if variant == "recipe":
+        return options
+    if variant in ("no clip", "clip after sync"):
+        if "--clip-grad" not in options:
+            return None
+        return _drop(options, "--clip-grad") if variant == "no clip" else [*options, "--clip-mode", "sync"]
+    if warmup is None:
+        return None
+    options = _drop(options, "--density-schedule")
+    if variant == "dense warm-up":
+        stages, _, epochs = warmup.partition("@")
+        codec = Scheme.parse(RECIPES[scheme][0]).build(None)
+        assert codec is not None  # a sparsifier
+        own = codec.plain.config.density  # type: ignore[attr-defined]
+        count = len(DensitySchedule.parse(f"{stages}@1").stages_for(own))
+        options += ["--dense-warmup", f"{count * float(epochs):g}"]
+    return options
+
+
+def _train_argv(
+    dataset: str, scheme: str, args: argparse.Namespace, json_path: str, options: list[str] | None = None
+) -> list[str]:
     spec, extra = RECIPES[scheme]
     argv = [
         "train",
-        *DATASETS[dataset],
+        *(DATASETS[dataset] if options is None else options),
         "--scheme",
         spec,
         *extra,
@@ -132,14 +203,21 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, list[str]]]:
-    """(dataset, scheme, JSON summary path in ``folder``, ``gradsync train`` command line) of
-    every run."""
+def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, str, list[str]]]:
+    """(dataset, scheme, variant, JSON summary path in ``folder``, ``gradsync train`` command
+    line) of every run: each scheme's recipe, then the ablation's variants."""
     runs = []
+    ablated = _pick(args.ablation, RECIPES, "--ablation") if args.ablation.strip() else []
     for dataset in _pick(args.datasets, DATASETS, "--datasets"):
-        for scheme in _pick(args.schemes, RECIPES, "--schemes"):
-            out = os.path.join(folder, f"{dataset}-{scheme}.json")
-            runs.append((dataset, scheme, out, _train_argv(dataset, scheme, args, out)))
+        schemes = _pick(args.schemes, RECIPES, "--schemes")
+        for scheme in schemes + [s for s in ablated if s not in schemes]:
+            for variant in VARIANTS if scheme in ablated else ["recipe"]:
+                options = _variant_options(dataset, scheme, variant)
+                if options is None:
+                    continue
+                tag = variant.replace(" ", "-")
+                out = os.path.join(folder, f"{dataset}-{scheme}-{tag}.json")
+                runs.append((dataset, scheme, variant, out, _train_argv(dataset, scheme, args, out, options)))
     return runs
 
 
@@ -148,6 +226,8 @@ def check(args: argparse.Namespace) -> None:
     before the first run starts (``ValueError`` naming the option)."""
     _pick(args.schemes, RECIPES, "--schemes")
     _pick(args.datasets, DATASETS, "--datasets")
+    if args.ablation.strip():
+        _pick(args.ablation, RECIPES, "--ablation")
     for name in ("nodes", "per_node"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -162,15 +242,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every run, one after the other (options checked by :func:`check`)."""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dataset, scheme, out, argv in _runs(args, tmp):
+        for dataset, scheme, variant, out, argv in _runs(args, tmp):
+            label = f"{dataset} / {scheme}" + ("" if variant == "recipe" else f" ({variant})")
             print(
-                f"gradsync bench convergence: {dataset} / {scheme}: gradsync {' '.join(argv)}",
-                file=sys.stderr,
-                flush=True,
+                f"gradsync bench convergence: {label}: gradsync {' '.join(argv)}", file=sys.stderr, flush=True
             )
             rc = train.main(_train_args(argv))
             if rc != 0:
-                raise RunFailed(f"the {dataset} / {scheme} run failed (exit {rc})")
+                raise RunFailed(f"the {label} run failed (exit {rc})")
             with open(out) as fh:
                 summary = json.load(fh)
             final = summary["final"]
@@ -178,7 +257,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 {
                     "dataset": dataset,
                     "scheme": scheme,
+                    "variant": variant,
                     "spec": RECIPES[scheme][0],
+                    "argv": argv,
                     "task": summary["task"],
                     "epochs": summary["epochs"],
                     "accuracy": final.get("val_accuracy"),
@@ -189,7 +270,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
     for r in rows:
-        dense = next((d for d in rows if d["dataset"] == r["dataset"] and d["scheme"] == "none"), None)
+        dense = next(
+            (
+                d
+                for d in rows
+                if d["dataset"] == r["dataset"] and d["scheme"] == "none" and d["variant"] == "recipe"
+            ),
+            None,
+        )
         r["gap"] = None
         if dense is not None and r["accuracy"] is not None:
             r["gap"] = 100 * (r["accuracy"] - dense["accuracy"])  # percentage points
@@ -205,9 +293,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "| dataset | scheme | spec | epochs | val accuracy % / perplexity | vs dense | compression | "
+        "| dataset | scheme | spec | variant | epochs | val accuracy % / perplexity | vs dense | "
+        "compression | "
         "MB/step per worker (intra, inter, world) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         sent = ", ".join(f"{r['bytes_per_step'][k] / 1e6:.3f}" for k in ("intra", "inter", "world"))
@@ -218,7 +307,8 @@ def markdown(result: dict[str, Any]) -> str:
             else (f"{r['gap']:+.2f} pp" if r["accuracy"] is not None else f"{r['gap']:+.2f} %")
         )
         lines.append(
-            f"| {r['dataset']} | {r['scheme']} | `{r['spec']}` | {r['epochs']} | {metric} | {gap} | "
+            f"| {r['dataset']} | {r['scheme']} | `{r['spec']}` | {r['variant']} | {r['epochs']} | "
+            f"{metric} | {gap} | "
             f"x{r['compression_ratio']:.1f} | {sent} |"
         )
     return "\n".join(lines) + "\n"

@@ -31,6 +31,18 @@ EXP_FACTOR = 4.0
 FORMS = "'exp@STEPS' or 'D1,D2,...@STEPS' (densities in (0, 1] or percentages, e.g. '25%,6.25%,1.5625%@100')"
 
 
+def check_stages(text: str, option: str) -> None:
+    """Check the part of a schedule before ``@`` (``ValueError`` naming ``option``)."""
+    stages = text.partition("@")[0]
+    try:
+        DensitySchedule.parse(f"{stages}@1")
+    except ValueError as e:
+        why = str(e).partition("density_schedule ")[2].partition(";")[0]
+        raise ValueError(
+            f"{option} {why}: give exp or falling densities in (0, 1] (e.g. 25%,6.25%), got {text!r}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class DensitySchedule:
     """A parsed ``density_schedule``: the stage densities (None: the ``exp`` form) and the steps

@@ -10,10 +10,12 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from gradsync.codecs import Compressor
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.config import parse_options
+from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.sync.engine import build_candidates, build_codecs
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -93,6 +95,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="EPOCHS",
         help="synchronize densely for the first EPOCHS epochs (at least the first step is)",
+    )
+    g.add_argument(
+        "--density-schedule",
+        default=None,
+        metavar="STAGES@EPOCHS",
+        help="sparsity warm-up (paper 04): exp@EPOCHS sends 25%%, 6.25%%, 1.5625%%, ... of each tensor, "
+        "EPOCHS epochs per stage, down to the sparsifier's own density; or D1,D2,...@EPOCHS "
+        "(e.g. 25%%,6.25%%@0.5)",
     )
     g.add_argument(
         "--switch-to-dense-at",
@@ -262,7 +272,8 @@ def validate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ValueError(f"--trace: {e}") from e
     Scheme.parse(args.scheme)
-    sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
+    config = sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
+    schedule_for(config.density_schedule, _codecs(config), config.scheme)  # a codec that follows it
 
 
 def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
@@ -274,13 +285,18 @@ def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
     }
     if args.switch_to_dense_at is not None:
         options["dense_from_step"] = round(args.switch_to_dense_at * steps_per_epoch)
+    if args.density_schedule is not None:
+        options["density_schedule"] = density_schedule_steps(args.density_schedule, steps_per_epoch)
     extra = sync_options(args)
-    own = {"scheme", "plan", "dense_warmup_steps", "dense_from_step", "clip_local", "clip_local_mode"}
+    own = {
+        "scheme", "plan", "dense_warmup_steps", "dense_from_step", "clip_local", "clip_local_mode",
+        "density_schedule",
+    }  # fmt: skip
     clash = sorted(set(extra) & own)
     if clash:
         raise ValueError(
             f"--sync-option {clash[0]}=... has its own option (--scheme, --plan, --dense-warmup, "
-            "--switch-to-dense-at, --clip-grad with --clip-mode)"
+            "--switch-to-dense-at, --density-schedule, --clip-grad with --clip-mode)"
         )
     config = SyncConfig.from_options({**options, **extra})
     where = clip_where(args, config)
@@ -288,6 +304,22 @@ def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
         mode = "global" if where == "local" else "bucket"
         config = replace(config, clip_local=args.clip_grad, clip_local_mode=mode)
     return config
+
+
+def density_schedule_steps(text: str, steps_per_epoch: int) -> str:
+    """``--density-schedule STAGES@EPOCHS`` as the engine's ``STAGES@STEPS`` (at least 1 step)."""
+    stages, at, length = text.partition("@")
+    try:
+        epochs = float(length)
+    except ValueError:
+        epochs = -1.0
+    if not at or not (math.isfinite(epochs) and epochs > 0):
+        raise ValueError(
+            "--density-schedule takes STAGES@EPOCHS: exp@EPOCHS or D1,D2,...@EPOCHS with EPOCHS > 0 "
+            f"per stage (e.g. exp@1 or 25%,6.25%@0.5), got {text!r}"
+        )
+    check_stages(text, "--density-schedule")
+    return f"{stages}@{max(1, round(epochs * steps_per_epoch))}"
 
 
 def clip_where(args: argparse.Namespace, config: SyncConfig) -> str | None:
@@ -298,6 +330,10 @@ def clip_where(args: argparse.Namespace, config: SyncConfig) -> str | None:
         return None
     if args.clip_mode != "auto":
         return str(args.clip_mode)
+    return "local" if any(c.error_feedback for c in _codecs(config)) else "sync"
+
+
+def _codecs(config: SyncConfig) -> list[Compressor]:
+    """Every codec the scheme may run (its own, the one for large tensors, the candidates')."""
     scheme = Scheme.parse(config.scheme)
-    codecs = [*build_codecs(config, scheme), *(c for _, c in build_candidates(config, scheme, 2, 2))]
-    return "local" if any(c.error_feedback for c in codecs) else "sync"
+    return [*build_codecs(config, scheme), *(c for _, c in build_candidates(config, scheme, 2, 2))]
