@@ -269,6 +269,15 @@ def test_ranks_agree_on_a_diverged_loss():
         ),
         (["--density-schedule", "exp@1", "--sync-option", "density_schedule=exp@3"], "has its own option"),
         (
+            ["--scheme", "dgc:density=0.01+ef:momentum=0.9"],
+            "carries the optimizer's momentum in its error feedback (momentum correction: "
+            "dgc:density=0.01+ef:momentum=0.9); it needs --optimizer sgd with --momentum 0",
+        ),
+        (
+            ["--scheme", "dgc+ef:momentum=0.9", "--momentum", "0", "--optimizer", "adamw"],
+            "momentum correction",
+        ),
+        (
             ["--clip-grad", "1", "--sync-option", "clip_local=1"],
             "--sync-option clip_local=... has its own option",
         ),

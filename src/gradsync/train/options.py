@@ -10,7 +10,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from gradsync.codecs import Compressor
+from gradsync.codecs import Compressor, ErrorFeedback
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
@@ -273,7 +273,15 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--trace: {e}") from e
     Scheme.parse(args.scheme)
     config = sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
-    schedule_for(config.density_schedule, _codecs(config), config.scheme)  # a codec that follows it
+    codecs = _codecs(config)
+    schedule_for(config.density_schedule, codecs, config.scheme)  # a codec that follows it
+    corrected = [c.spec() for c in codecs if isinstance(c, ErrorFeedback) and c.config.momentum > 0]
+    if corrected and (args.optimizer != "sgd" or args.momentum > 0):
+        raise ValueError(
+            f"--scheme {args.scheme!r} carries the optimizer's momentum in its error feedback "
+            f"(momentum correction: {corrected[0]}); it needs --optimizer sgd with --momentum 0, "
+            "or drop ef:momentum and keep the optimizer's"
+        )
 
 
 def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
