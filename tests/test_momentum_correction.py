@@ -244,3 +244,20 @@ def one_rank_world():
 
 def test_one_rank_momentum_correction_is_momentum_sgd():
     run_world(1, one_rank_world)
+
+
+def test_momentum_of_bf16_gradients_is_kept_in_float32():
+    """A bf16 model's gradients: the momentum is float32 (not rounded to bf16 every step) and
+    the update is the float32 formula rounded once."""
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(64, generator=g) for _ in range(5)]
+    mine = SyncMomentum(0.9)
+    u = torch.zeros(64, dtype=torch.float64)
+    for grad in grads:
+        u = 0.9 * u + grad.bfloat16().double()
+        got = grad.bfloat16()
+        mine.begin_round()
+        mine.dense(["w"], [got])
+        assert mine.velocity["w"].dtype == torch.float32 and got.dtype == torch.bfloat16
+        torch.testing.assert_close(mine.velocity["w"].double(), u, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.double(), u.bfloat16().double(), rtol=0, atol=0)

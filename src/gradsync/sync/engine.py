@@ -226,11 +226,11 @@ class SyncEngine:
         order = [s.index for s in reversed(self.slots)]
         return build_groups(self.slots, order, None, [-1] * len(self.slots), self.config.bucket_bytes, 0.0)
 
-    def _set_density(self) -> float | None:
-        """Set each sparsifier's density for this step from the schedule; the largest one, or
-        None when all run at their own. Logged when it changes."""
+    def _set_density(self) -> None:
+        """Set each sparsifier's density for this step from the schedule (kept in ``_density``:
+        the largest one, None when all run at their own). Logged when it changes."""
         if self.density_schedule is None:
-            return None
+            return
         density = apply_schedule(self.density_schedule, self.codecs, self.step)
         if density != self._density and self.config.log_plan and self.topo.rank == 0:
             if density is None:
@@ -246,7 +246,6 @@ class SyncEngine:
                     100 * density, stage * self.density_schedule.stage_steps,
                 )  # fmt: skip
         self._density = density
-        return density
 
     def _own_density(self) -> None:
         """Back to the codecs' own densities (what the planner and its timings assume)."""
@@ -493,7 +492,9 @@ class SyncEngine:
             bucket.parts_left -= 1
             if bucket.parts_left:
                 return
-            if momentum is not None:  # a joined rank's too: the momentum stays the same everywhere
+            # a joined rank's too (the momentum stays the same everywhere); a compressed bucket
+            # only while earlier dense steps' momentum is still being released
+            if momentum is not None and (not compressed or momentum.velocity):
                 names = [s.name for s in bucket.slots]
                 views = [bucket.view(j) for j in range(len(bucket.slots))]
                 (momentum.release if compressed else momentum.dense)(names, views, scale)
