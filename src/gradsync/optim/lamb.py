@@ -1,0 +1,129 @@
+"""LAMB: Adam's direction with a trust ratio per layer (You et al. 2020, "Large batch optimization
+for deep learning: training BERT in 76 minutes"; paper 01 applies PTO to it as to LARS).
+
+Per layer ``w`` with gradient ``g`` at step ``t``::
+
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w      (no bias correction: m, v)
+    ratio = c * |w| / |u|                                              (1 where |w| or |u| is 0)
+    w = w - lr * ratio * u
+
+``max_trust_ratio`` caps the ratio (the paper's clipping function phi, upper bound only); the
+fallback 1 of a zero norm is not capped.
+Moments, norms and ratios are float32 for bf16 and fp16 parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check
+from gradsync.optim.norms import safe_ratio
+
+
+class LAMB(LayerwiseOptimizer):
+    """Layer-wise adaptive moments (see the module for the update).
+
+    Args:
+        params: parameters or param groups (``adapt=False``: trust ratio 1, i.e. AdamW).
+        lr: the global learning rate.
+        betas: decay of the first and second moment.
+        eps: added to the second moment's root.
+        weight_decay: decoupled, added to the Adam direction before the trust ratio.
+        trust_coefficient: ``c`` (1 in the LAMB paper).
+        max_trust_ratio: cap of the ratio, or None for none.
+        bias_correction: divide the moments by ``1 - beta^t``.
+        parallel: trust ratios through the parallel tensor operator (see :class:`LARS`).
+    """
+
+    _buffers = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 1.0,
+        max_trust_ratio: float | None = None,
+        bias_correction: bool = True,
+        parallel: Parallel = None,
+    ) -> None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        _check("betas[0]", betas[0], 0.0, 1.0)
+        _check("betas[1]", betas[1], 0.0, 1.0)
+        _check("eps", eps, 0.0)
+        if max_trust_ratio is not None:
+            _check("max_trust_ratio", max_trust_ratio, 0.0, low_open=True)
+        defaults = dict(
+            lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient, max_trust_ratio=max_trust_ratio,
+            bias_correction=bool(bias_correction),
+        )  # fmt: skip
+        super().__init__(params, defaults, parallel)
+
+    def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
+        group = batch.group
+        b1, b2 = group["betas"]
+        grads = batch.work_grads()
+        states = [self.state[p] for p in batch.params]
+        for s, g in zip(states, grads, strict=True):
+            if "step" not in s:
+                s["step"] = torch.tensor(0.0)  # on the host, as torch's Adam keeps it
+                s["exp_avg"] = torch.zeros_like(g)
+                s["exp_avg_sq"] = torch.zeros_like(g)
+        steps = [s["step"] for s in states]
+        m = [s["exp_avg"] for s in states]
+        v = [s["exp_avg_sq"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        torch._foreach_lerp_(m, grads, 1.0 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
+        denom = torch._foreach_sqrt(v)
+        if group["bias_correction"]:
+            t = [float(s.item()) for s in steps]  # host tensors: no device synchronization
+            torch._foreach_div_(denom, [math.sqrt(1.0 - b2**k) for k in t])
+            torch._foreach_add_(denom, group["eps"])
+            direction = list(torch._foreach_div(m, denom))
+            torch._foreach_div_(direction, [1.0 - b1**k for k in t])
+        else:
+            torch._foreach_add_(denom, group["eps"])
+            direction = list(torch._foreach_div(m, denom))
+        if group["weight_decay"]:
+            torch._foreach_add_(direction, work, alpha=group["weight_decay"])
+        return direction
+
+    def _norm_inputs(
+        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return batch.params, direction
+
+    def _trust(
+        self, w_norm: torch.Tensor, x_norm: torch.Tensor, groups: list[dict[str, Any]]
+    ) -> torch.Tensor:
+        inf = math.inf
+        hyper = torch.tensor(
+            [
+                [g["trust_coefficient"], inf if g["max_trust_ratio"] is None else g["max_trust_ratio"]]
+                for g in groups
+            ],
+            dtype=w_norm.dtype,
+        ).to(w_norm.device, non_blocking=True)
+        coef, cap = hyper.unbind(1)
+        valid = (w_norm > 0) & (x_norm > 0)
+        ratio = safe_ratio(coef * w_norm, x_norm, valid)
+        return torch.where(valid, torch.minimum(ratio, cap), ratio)  # the fallback 1 is not capped
+
+    def _apply(
+        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
+        rate: list[torch.Tensor] | float,
+    ) -> None:  # fmt: skip
+        torch._foreach_mul_(direction, rate)
+        torch._foreach_sub_(work, direction)

@@ -1,0 +1,113 @@
+"""LARS: layer-wise adaptive rate scaling (You et al. 2017; paper 01 Eq. 11; paper 03 Eq. 1).
+
+Per layer (one parameter tensor) ``w`` with gradient ``g``, weight decay ``wd``, coefficient ``c``::
+
+    ratio = c * |w| / (|g| + wd * |w| + eps)     (1 where |w| or |g| is 0)
+    v = m * v + lr * ratio * (g + wd * w)
+    w = w - v                                   (Nesterov: w - (m * v + lr * ratio * (g + wd * w)))
+
+The learning rate sits inside the momentum, as in the LARS paper and MLPerf's reference: a
+schedule's change of ``lr`` reaches the step gradually. With ``trust_clip`` (LARC's clipping)
+the ratio is capped so that a layer's rate ``lr * ratio`` never exceeds ``lr``.
+
+Norms and ratios are float32 (float64 for float64 parameters) whatever the parameter dtype, and a
+16-bit parameter's momentum is a float32 buffer (paper 03: LARS in FP32 under mixed precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check
+from gradsync.optim.norms import safe_ratio
+
+
+class LARS(LayerwiseOptimizer):
+    """Momentum SGD with a trust ratio per layer (see the module for the update).
+
+    Args:
+        params: parameters or param groups; a group with ``adapt=False`` skips the trust ratio
+            (biases and normalization parameters: use
+            :func:`~gradsync.optim.layerwise_param_groups`).
+        lr: the global learning rate.
+        momentum, nesterov: heavy-ball momentum, optionally Nesterov's form.
+        weight_decay: L2 coefficient, added to the gradient and to the ratio's denominator.
+        trust_coefficient: ``c``, LARS's eta (0.001 in the LARS paper).
+        eps: keeps the ratio finite when ``|g| + wd |w|`` is tiny.
+        trust_clip: cap the layer's rate at ``lr`` (LARC).
+        parallel: compute the trust ratios with the parallel tensor operator over this process
+            group (True: the world); the result equals the local one.
+    """
+
+    _buffers = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        trust_clip: bool = False,
+        parallel: Parallel = None,
+    ) -> None:
+        _check("momentum", momentum, 0.0, 1.0)
+        _check("eps", eps, 0.0)
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs a momentum above 0")
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=bool(nesterov), weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient, eps=eps, trust_clip=bool(trust_clip),
+        )  # fmt: skip
+        super().__init__(params, defaults, parallel)
+
+    def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = batch.work_grads()
+        wd = batch.group["weight_decay"]
+        if wd:
+            return list(torch._foreach_add(grads, work, alpha=wd))
+        return grads if batch.low_precision else list(torch._foreach_mul(grads, 1.0))
+
+    def _norm_inputs(
+        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return batch.params, batch.grads  # |w| and the raw |g|, in their own dtype
+
+    def _trust(
+        self, w_norm: torch.Tensor, x_norm: torch.Tensor, groups: list[dict[str, Any]]
+    ) -> torch.Tensor:
+        hyper = torch.tensor(
+            [[g["trust_coefficient"], g["weight_decay"], g["eps"], g["lr"] if g["trust_clip"] else 0.0]
+             for g in groups],
+            dtype=w_norm.dtype,
+        ).to(w_norm.device, non_blocking=True)  # fmt: skip
+        coef, wd, eps, clip_lr = hyper.unbind(1)
+        ratio = safe_ratio(coef * w_norm, x_norm + wd * w_norm + eps, (w_norm > 0) & (x_norm > 0))
+        clipped = clip_lr > 0  # ratio / lr capped at 1: the layer's rate is min(lr * ratio, lr)
+        return torch.where(clipped, torch.clamp(safe_ratio(ratio, clip_lr, clipped), max=1.0), ratio)
+
+    def _apply(
+        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
+        rate: list[torch.Tensor] | float,
+    ) -> None:  # fmt: skip
+        torch._foreach_mul_(direction, rate)  # lr * ratio * (g + wd w)
+        m = batch.group["momentum"]
+        step = direction
+        if m:
+            states = [self.state[p] for p in batch.params]
+            for s, d in zip(states, direction, strict=True):
+                if "momentum_buffer" not in s:  # v starts at 0: the first step's v is the direction
+                    s["momentum_buffer"] = torch.zeros_like(d)
+            bufs = [s["momentum_buffer"] for s in states]
+            torch._foreach_mul_(bufs, m)
+            torch._foreach_add_(bufs, direction)
+            if batch.group["nesterov"]:
+                torch._foreach_add_(direction, bufs, alpha=m)
+            else:
+                step = bufs
+        torch._foreach_sub_(work, step)
