@@ -144,6 +144,26 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
     assert "resumed from" not in err
 
 
+def test_lars_with_pto_and_bf16_autocast_resumes_bit_identically(tmp_path, monkeypatch):
+    """LARS's momentum and the PTO's group survive a kill and --resume: the resumed run ends on
+    the uninterrupted run's parameters, bit for bit."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    lars = [*BASE, "--epochs", "2", "--optimizer", "lars", "--pto", "--amp", "--trust-coefficient", "0.002"]
+    assert main([*lars, "--checkpoint-dir", str(tmp_path / "a")]) == 0
+    reference = _final_model(tmp_path / "a")
+    crashed = [*lars, "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", "8"]
+    crashed += ["--crash-at-step", "20"]
+    assert main(crashed) == 1
+    assert main([*lars, "--checkpoint-dir", str(tmp_path / "b"), "--resume"]) == 0
+    for k, v in _final_model(tmp_path / "b").items():
+        assert torch.equal(v, reference[k]), k
+    folder = checkpoint.latest(tmp_path / "b")
+    assert folder is not None
+    state = checkpoint.load(folder, 0)[0]["optimizer"]["state"]
+    assert state and all("momentum_buffer" in s for s in state.values())
+
+
 def test_diverging_loss_fails_every_rank(tmp_path, monkeypatch, capfd):
     """A learning rate far too high: the loss turns non-finite within a few steps. Every rank stops
     with exit code 1, the message says where, and no checkpoint holds the diverged model (one
@@ -242,6 +262,11 @@ def test_ranks_agree_on_a_diverged_loss():
         (["--lr", "-1"], "--lr must be a positive number"),
         (["--momentum", "1.5"], "--momentum must be in [0, 1)"),
         (["--optimizer", "adamw", "--nesterov"], "--nesterov needs --optimizer sgd"),
+        (["--optimizer", "lamb", "--nesterov"], "--nesterov needs --optimizer sgd or lars"),
+        (["--optimizer", "lion"], "--optimizer must be one of sgd, adamw, lars, lamb"),
+        (["--trust-coefficient", "0.01"], "--trust-coefficient needs --optimizer lars or lamb"),
+        (["--optimizer", "lars", "--trust-coefficient", "0"], "--trust-coefficient must be a positive"),
+        (["--optimizer", "adamw", "--pto"], "--pto needs --optimizer lars or lamb"),
         (["--scheme", "warp9"], "unknown codec 'warp9'"),
         (["--sync-option", "bucket_bytes=-4"], "bucket_bytes"),
         (["--sync-option", "plan=dense"], "--sync-option plan=... has its own option"),

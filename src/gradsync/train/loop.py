@@ -116,7 +116,14 @@ class Trainer:
         )
         self.net = net
         self.optimizer = build_optimizer(
-            net, args.optimizer, args.lr, args.momentum, args.nesterov, args.weight_decay
+            net,
+            args.optimizer,
+            args.lr,
+            args.momentum,
+            args.nesterov,
+            args.weight_decay,
+            trust_coefficient=args.trust_coefficient,
+            parallel=self._pto_group(),
         )
         total = args.epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(
@@ -224,6 +231,13 @@ class Trainer:
                 f"step {self.global_step})",
                 file=sys.stderr,
             )
+
+    def _pto_group(self) -> dist.ProcessGroup | None:
+        """``--pto``: a group of its own for the trust ratios' all-gather (every rank creates it,
+        at the same point), so that it never interleaves with the engine's collectives."""
+        if not self.args.pto or self.world == 1:
+            return None
+        return dist.new_group(list(range(self.world)))
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> AbstractContextManager[Any]:

@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule for ``gradsync train``.
 
-Weight decay applies to weight matrices and convolution kernels only: biases and normalization
-weights (every parameter with fewer than two dimensions) are left undecayed, as paper 03 does.
+Weight decay applies to weight matrices, embeddings and convolution kernels only: biases and
+normalization parameters are left undecayed, as paper 03 does, and out of LARS's and LAMB's
+trust ratios (:func:`gradsync.optim.layerwise_param_groups`).
 The schedule is per optimizer step: a linear warm-up from lr/10, then cosine to zero, a step
 decay (x0.1 at 50 % and 75 % of the run) or a constant rate.
 """
@@ -14,30 +15,37 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-DEFAULT_LR = {"sgd": 0.1, "adamw": 0.002}
+from gradsync.optim import LAMB, LARS, layerwise_param_groups
+from gradsync.optim.layerwise import Parallel
 
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    decay: list[nn.Parameter] = []
-    plain: list[nn.Parameter] = []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else plain).append(p)
-    groups: list[dict[str, object]] = [{"params": decay, "weight_decay": weight_decay}]
-    if plain:
-        groups.append({"params": plain, "weight_decay": 0.0})
-    return groups
+DEFAULT_LR = {"sgd": 0.1, "adamw": 0.002, "lars": 2.0, "lamb": 0.005}
+DEFAULT_TRUST = {"lars": 0.001, "lamb": 1.0}  # LARS paper's eta; LAMB paper's ratio as it is
 
 
 def build_optimizer(
-    model: nn.Module, name: str, lr: float | None, momentum: float, nesterov: bool, weight_decay: float
+    model: nn.Module,
+    name: str,
+    lr: float | None,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    trust_coefficient: float | None = None,
+    parallel: Parallel = None,
 ) -> torch.optim.Optimizer:
-    groups = param_groups(model, weight_decay)
+    """``--optimizer NAME`` over ``model``'s parameters; ``parallel``: the process group over
+    which LARS/LAMB compute their trust ratios by the parallel tensor operator (``--pto``)."""
+    groups = layerwise_param_groups(model, weight_decay)
     rate = lr if lr is not None else DEFAULT_LR[name]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=rate, momentum=momentum, nesterov=nesterov)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=rate)
+    trust = trust_coefficient if trust_coefficient is not None else DEFAULT_TRUST[name]
+    if name == "lars":
+        return LARS(groups, lr=rate, momentum=momentum, nesterov=nesterov, trust_coefficient=trust,
+                    parallel=parallel)  # fmt: skip
+    if name == "lamb":
+        return LAMB(groups, lr=rate, trust_coefficient=trust, parallel=parallel)
     raise ValueError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {name!r}")
 
 

@@ -18,7 +18,7 @@ from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.sync.engine import build_candidates, build_codecs
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 SCHEDULES = ("cosine", "step", "constant")
 CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
@@ -46,10 +46,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--optimizer", default="sgd", help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument(
-        "--lr", type=float, default=None, help="peak learning rate (default: 0.1 sgd, 0.002 adamw)"
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: 0.1 sgd, 0.002 adamw, 2.0 lars, 0.005 lamb)",
     )
-    g.add_argument("--momentum", type=float, default=0.9, help="sgd momentum")
-    g.add_argument("--nesterov", action="store_true", help="sgd with Nesterov momentum")
+    g.add_argument("--momentum", type=float, default=0.9, help="sgd and lars momentum")
+    g.add_argument("--nesterov", action="store_true", help="sgd or lars with Nesterov momentum")
+    g.add_argument(
+        "--trust-coefficient",
+        type=float,
+        default=None,
+        help="lars and lamb: the trust ratio's coefficient (default: 0.001 lars, 1.0 lamb)",
+    )
+    g.add_argument(
+        "--pto",
+        action="store_true",
+        help="lars and lamb: each rank computes the trust ratios of its share of the layers, "
+        "then one all-gather (paper 01's parallel tensor operator); the result is the same",
+    )
     g.add_argument(
         "--weight-decay",
         type=float,
@@ -221,8 +236,16 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr!r}")
     if not (0.0 <= args.momentum < 1.0):
         raise ValueError(f"--momentum must be in [0, 1), got {args.momentum!r}")
-    if args.nesterov and (args.optimizer != "sgd" or args.momentum == 0):
-        raise ValueError("--nesterov needs --optimizer sgd and a --momentum above 0")
+    if args.nesterov and (args.optimizer not in ("sgd", "lars") or args.momentum == 0):
+        raise ValueError("--nesterov needs --optimizer sgd or lars and a --momentum above 0")
+    layerwise = args.optimizer in ("lars", "lamb")
+    if args.trust_coefficient is not None:
+        if not layerwise:
+            raise ValueError("--trust-coefficient needs --optimizer lars or lamb")
+        if not (math.isfinite(args.trust_coefficient) and args.trust_coefficient > 0):
+            raise ValueError(f"--trust-coefficient must be a positive number, got {args.trust_coefficient!r}")
+    if args.pto and not layerwise:
+        raise ValueError("--pto needs --optimizer lars or lamb (the trust ratios are what it shares out)")
     _at_least("--weight-decay", args.weight_decay, 0.0)
     _at_least("--warmup-epochs", args.warmup_epochs, 0.0)
     _at_least("--dense-warmup", args.dense_warmup, 0.0)
