@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
+    from gradsync.bench import optim as bench_optim
     from gradsync.bench import overhead as bench_overhead
     from gradsync.bench import step as bench_step
     from gradsync.bench import train as bench_train
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+        (
+            "optim",
+            bench_optim,
+            "the LARS and LAMB step against a per-parameter loop, SGD and the memory floor",
+        ),
         ("overhead", bench_overhead, "what recording a timeline (--trace) costs a step"),
         ("whatif", bench_whatif, "the what-if simulator's predicted step next to the measured one"),
     ]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check, add_scaled_
 from gradsync.optim.norms import safe_ratio
 
 
@@ -87,17 +87,16 @@ class LAMB(LayerwiseOptimizer):
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
         denom = torch._foreach_sqrt(v)
-        if group["bias_correction"]:
-            t = [float(s.item()) for s in steps]  # host tensors: no device synchronization
+        corrected = group["bias_correction"]
+        t = [float(s.item()) for s in steps] if corrected else []  # host tensors: no device sync
+        if corrected:
             torch._foreach_div_(denom, [math.sqrt(1.0 - b2**k) for k in t])
-            torch._foreach_add_(denom, group["eps"])
-            direction = list(torch._foreach_div(m, denom))
-            torch._foreach_div_(direction, [1.0 - b1**k for k in t])
-        else:
-            torch._foreach_add_(denom, group["eps"])
-            direction = list(torch._foreach_div(m, denom))
-        if group["weight_decay"]:
-            torch._foreach_add_(direction, work, alpha=group["weight_decay"])
+        torch._foreach_add_(denom, group["eps"])
+        # u = wd w + m / (1 - b1^t) / denom, in two passes
+        wd = group["weight_decay"]
+        direction = list(torch._foreach_mul(work, wd)) if wd else [torch.zeros_like(x) for x in m]
+        scale = [1.0 / (1.0 - b1**k) for k in t] if corrected else [1.0] * len(m)
+        torch._foreach_addcdiv_(direction, m, denom, scale)
         return direction
 
     def _norm_inputs(
@@ -125,5 +124,4 @@ class LAMB(LayerwiseOptimizer):
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
         rate: list[torch.Tensor] | float,
     ) -> None:  # fmt: skip
-        torch._foreach_mul_(direction, rate)
-        torch._foreach_sub_(work, direction)
+        add_scaled_(work, direction, rate, -1.0)  # w -= lr ratio u

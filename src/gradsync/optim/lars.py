@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check, add_scaled_
 from gradsync.optim.norms import safe_ratio
 
 
@@ -95,19 +95,19 @@ class LARS(LayerwiseOptimizer):
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
         rate: list[torch.Tensor] | float,
     ) -> None:  # fmt: skip
-        torch._foreach_mul_(direction, rate)  # lr * ratio * (g + wd w)
         m = batch.group["momentum"]
-        step = direction
-        if m:
-            states = [self.state[p] for p in batch.params]
-            for s, d in zip(states, direction, strict=True):
-                if "momentum_buffer" not in s:  # v starts at 0: the first step's v is the direction
-                    s["momentum_buffer"] = torch.zeros_like(d)
-            bufs = [s["momentum_buffer"] for s in states]
-            torch._foreach_mul_(bufs, m)
-            torch._foreach_add_(bufs, direction)
-            if batch.group["nesterov"]:
-                torch._foreach_add_(direction, bufs, alpha=m)
-            else:
-                step = bufs
-        torch._foreach_sub_(work, step)
+        if not m:
+            add_scaled_(work, direction, rate, -1.0)  # w -= lr ratio (g + wd w)
+            return
+        states = [self.state[p] for p in batch.params]
+        for s, d in zip(states, direction, strict=True):
+            if "momentum_buffer" not in s:  # v starts at 0: the first step's v is the direction
+                s["momentum_buffer"] = torch.zeros_like(d)
+        bufs = [s["momentum_buffer"] for s in states]
+        torch._foreach_mul_(bufs, m)
+        add_scaled_(bufs, direction, rate)  # v = m v + lr ratio d
+        if batch.group["nesterov"]:
+            add_scaled_(work, direction, rate, -1.0)
+            torch._foreach_add_(work, bufs, alpha=-m)  # w -= lr ratio d + m v
+        else:
+            torch._foreach_sub_(work, bufs)

@@ -66,6 +66,20 @@ class Batch:
             torch._foreach_copy_(self.params, work)
 
 
+def add_scaled_(
+    target: list[torch.Tensor],
+    source: list[torch.Tensor],
+    rate: list[torch.Tensor] | float,
+    sign: float = 1.0,
+) -> None:
+    """``target += sign * rate * source`` in one pass; ``rate`` is one number, or one 0-dim tensor
+    per tensor (kept on the device: no host synchronization)."""
+    if isinstance(rate, float):
+        torch._foreach_add_(target, source, alpha=sign * rate)
+    else:
+        torch._foreach_addcmul_(target, source, rate, value=sign)
+
+
 def _check(
     name: str, value: object, low: float, high: float | None = None, *, low_open: bool = False
 ) -> None:
