@@ -391,3 +391,38 @@ def _pto_world() -> None:
 
 def test_pto_on_four_ranks_equals_the_local_optimizer() -> None:
     run_world(4, _pto_world)
+
+
+# ---------------------------------------------------------------------------------------- bench
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--models", "vgg99"], "--models takes names from resnet50, bert-base"),
+        (["--contenders", "lars"], "--contenders must include sgd"),
+        (["--contenders", "sgd,lion"], "--contenders takes names from floor, sgd"),
+        (["--dtype", "float8"], "--dtype must be one of float32, bfloat16"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+    ],
+)
+def test_bench_optim_option_errors(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradsync.cli import main
+
+    assert main(["bench", "optim", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_optim_runs_every_contender_on_resnet50_shapes(tmp_path, capsys) -> None:
+    import json
+
+    from gradsync.cli import main
+
+    out = tmp_path / "optim.json"
+    argv = ["bench", "optim", "--models", "resnet50", "--rounds", "1", "--steps", "1", "--dtype", "bfloat16"]
+    assert main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["contender"] for r in rows] == ["floor", "sgd", "lars", "lars-loop", "adamw", "lamb"]
+    assert all(r["tensors"] == 161 and r["dtype"] == "bfloat16" and r["ms"] > 0 for r in rows)
+    assert next(r for r in rows if r["contender"] == "sgd")["x_sgd"] == 1.0
+    assert "| resnet50 | 161 | bfloat16 | lars |" in capsys.readouterr().out
