@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from gradsync.train.options import add_arguments, validate
+from gradsync.train.options import add_arguments, batch_plan, validate
 
 __all__ = ["add_arguments", "check", "main"]
 
@@ -31,11 +31,17 @@ def _check_data_and_model(args: argparse.Namespace) -> None:
     data = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
     build_model_for(args.model or default_model(data.task), data.task, data.input_shape, data.num_classes)
     share = -(-len(data.train) // _workers(args))
-    if args.batch_size > share:
+    per_worker, _ = batch_plan(args, _workers(args))
+    if per_worker > share:
+        what = f"--batch-size {args.batch_size}" if args.global_batch is None else (
+            f"--global-batch {args.global_batch} ({per_worker} per worker)"
+        )  # fmt: skip
         raise ValueError(
-            f"--batch-size {args.batch_size} is larger than a worker's share of the training data "
+            f"{what} is larger than a worker's share of the training data "
             f"({share} samples on each of {_workers(args)} workers)"
         )
+    if args.label_smoothing and data.task != "classify":
+        raise ValueError(f"--label-smoothing is for classifiers; --data {args.data} is a language model")
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,8 +34,8 @@ from gradsync.models import build_model_for, parameter_count
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.train import checkpoint
 from gradsync.train.metrics import EpochMeter, epoch_record
-from gradsync.train.optim import build_optimizer, build_scheduler
-from gradsync.train.options import clip_where, sync_config, trace_steps
+from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
+from gradsync.train.options import batch_plan, clip_where, scaled_lr, sync_config, trace_steps
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
 
@@ -76,6 +77,31 @@ def default_model(task: str) -> str:
     return DEFAULT_MODEL[task]
 
 
+def accumulated_backward(
+    model: gradsync.GradSync,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: int,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """Forward and backward over a worker's batch in ``parts`` equal micro-batches (gradient
+    accumulation, ``--global-batch``): all but the last under ``model.no_sync()``, so their
+    gradients add up locally and the last backward synchronizes the sum; each loss is divided by
+    ``parts``, so the gradient is that of the whole batch's mean loss. Returns that mean loss."""
+    total = 0.0
+    pieces = list(zip(x.chunk(parts), y.chunk(parts), strict=True))
+    for i, (xs, ys) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        with nullcontext() if last else model.no_sync():
+            with autocast():
+                loss = loss_fn(model(xs), ys) / len(pieces)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += float(loss.detach())
+    return total
+
+
 class Trainer:
     """The state of one worker's run; :meth:`run` trains and returns the summary (rank 0)."""
 
@@ -94,11 +120,12 @@ class Trainer:
         self.sampler = ShardedSampler(
             len(self.data.train), self.rank, self.world, shuffle=True, seed=args.seed
         )
-        self.loader = PrefetchLoader(self.data.train, self.sampler, args.batch_size, drop_last=True)
+        self.per_worker, self.accumulation = batch_plan(args, self.world)
+        self.loader = PrefetchLoader(self.data.train, self.sampler, self.per_worker, drop_last=True)
         self.steps_per_epoch = len(self.loader)
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"--batch-size {args.batch_size} is larger than a worker's share of the training data "
+                f"a worker's batch of {self.per_worker} is larger than its share of the training data "
                 f"({len(self.sampler)} samples on each of {self.world} workers)"
             )
         cuda = self.device.type == "cuda"
@@ -118,7 +145,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             net,
             args.optimizer,
-            args.lr,
+            scaled_lr(args.lr if args.lr is not None else DEFAULT_LR[args.optimizer], args, self.world),
             args.momentum,
             args.nesterov,
             args.weight_decay,
@@ -127,7 +154,11 @@ class Trainer:
         )
         total = args.epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(
-            self.optimizer, args.schedule, round(args.warmup_epochs * self.steps_per_epoch), total
+            self.optimizer,
+            args.schedule,
+            round(args.warmup_epochs * self.steps_per_epoch),
+            total,
+            args.poly_power,
         )
         torch.manual_seed(args.seed + 1 + self.rank)  # per-rank stream (dropout)
         self.epoch, self.batch, self.global_step = 0, 0, 0
@@ -162,7 +193,7 @@ class Trainer:
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must have been saved by (else resuming would misapply it)."""
         a = self.args
-        return {
+        ident = {
             "data": self.data.fingerprint,
             "model": self.model_name,
             "scheme": a.scheme,
@@ -174,6 +205,9 @@ class Trainer:
             "optimizer": a.optimizer,
             "epochs": a.epochs,
         }
+        if a.global_batch is not None:  # absent otherwise, so older checkpoints still match
+            ident["global_batch"] = a.global_batch
+        return ident
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> None:
@@ -248,28 +282,33 @@ class Trainer:
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        smoothing = self.args.label_smoothing if self.data.task == "classify" else 0.0
+        return nn.functional.cross_entropy(
+            out.reshape(-1, out.shape[-1]).float(), y.reshape(-1), label_smoothing=smoothing
+        )
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return accumulated_backward(
+            self.model, self._loss, x, y, self.accumulation, self._autocast, self.scaler
+        )
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with self._autocast():
-            loss = self._loss(self.model(x), y)
+        loss = self._backward(x, y)
         clip = self.args.clip_grad if self.clip_after_sync else None
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
             if clip:
                 self.scaler.unscale_(self.optimizer)
                 nn.utils.clip_grad_norm_(self.net.parameters(), clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            loss.backward()
             if clip:
                 nn.utils.clip_grad_norm_(self.net.parameters(), clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return float(loss.detach())
+        return loss
 
     def _check_finite(self, loss: float, now: bool) -> None:
         """Stop every rank at the same step once any rank's loss is NaN or infinite.
@@ -455,6 +494,8 @@ class Trainer:
             "nodes": self.topo.nodes,
             "per_node": self.topo.per_node,
             "batch_size": a.batch_size,
+            "global_batch": self.per_worker * self.world,
+            "accumulation": self.accumulation,
             "epochs": a.epochs,
             "steps": self.global_step,
             "final": last,

@@ -49,8 +49,11 @@ def build_optimizer(
     raise ValueError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {name!r}")
 
 
-def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """The multiplier of the peak learning rate at optimizer step ``s`` (0-based)."""
+def lr_factor(
+    schedule: str, warmup_steps: int, total_steps: int, power: float = 2.0
+) -> Callable[[int], float]:
+    """The multiplier of the peak learning rate at optimizer step ``s`` (0-based); ``poly``:
+    ``(1 - progress) ** power`` after the warm-up (MLPerf's large-batch schedule uses power 2)."""
     total = max(total_steps, 1)
 
     def factor(s: int) -> float:
@@ -61,12 +64,14 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
         frac = (s - warmup_steps) / max(total - warmup_steps, 1)
         if schedule == "step":
             return 0.01 if frac >= 0.75 else 0.1 if frac >= 0.5 else 1.0
+        if schedule == "poly":
+            return (1.0 - min(frac, 1.0)) ** power
         return 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
 
     return factor
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int
+    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int, power: float = 2.0
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, warmup_steps, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, warmup_steps, total_steps, power))

@@ -19,7 +19,8 @@ from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.sync.engine import build_candidates, build_codecs
 
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
-SCHEDULES = ("cosine", "step", "constant")
+SCHEDULES = ("cosine", "step", "constant", "poly")
+LR_SCALING = ("none", "linear", "sqrt")
 CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
 
@@ -72,7 +73,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decoupled for adamw; never applied to biases and norm weights",
     )
     g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear learning-rate warm-up")
-    g.add_argument("--schedule", default="cosine", help=f"one of {', '.join(SCHEDULES)} (after warm-up)")
+    g.add_argument(
+        "--schedule",
+        default="cosine",
+        help=f"one of {', '.join(SCHEDULES)} (after warm-up; poly: (1 - progress)^--poly-power, MLPerf's)",
+    )
+    g.add_argument("--poly-power", type=float, default=2.0, help="the power of --schedule poly")
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all workers: each worker takes GLOBAL/workers, in "
+        "micro-batches of --batch-size (gradient accumulation); default --batch-size x workers",
+    )
+    g.add_argument(
+        "--lr-scaling",
+        default="none",
+        help="none | linear | sqrt: scale --lr by (global batch / --reference-batch) or its square root",
+    )
+    g.add_argument("--reference-batch", type=int, default=256, help="the batch --lr is given for")
+    g.add_argument(
+        "--label-smoothing", type=float, default=0.0, help="classifiers: cross-entropy label smoothing"
+    )
     g.add_argument(
         "--clip-grad", type=float, default=None, help="clip the gradient's norm to this (see --clip-mode)"
     )
@@ -231,6 +253,13 @@ def validate(args: argparse.Namespace) -> None:
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     _choice("--optimizer", args.optimizer, OPTIMIZERS)
     _choice("--schedule", args.schedule, SCHEDULES)
+    _choice("--lr-scaling", args.lr_scaling, LR_SCALING)
+    if not (math.isfinite(args.poly_power) and args.poly_power > 0):
+        raise ValueError(f"--poly-power must be a positive number, got {args.poly_power!r}")
+    _at_least("--reference-batch", args.reference_batch, 1)
+    _at_least("--global-batch", args.global_batch, 1, allow_none=True)
+    if not 0.0 <= args.label_smoothing < 1.0:
+        raise ValueError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing!r}")
     _choice("--plan", args.plan, PLANS)
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr must be a positive number, got {args.lr!r}")
@@ -305,6 +334,37 @@ def validate(args: argparse.Namespace) -> None:
             f"(momentum correction: {corrected[0]}); it needs --optimizer sgd with --momentum 0, "
             "or drop ef:momentum and keep the optimizer's"
         )
+
+
+def batch_plan(args: argparse.Namespace, workers: int) -> tuple[int, int]:
+    """``(per_worker, accumulation)``: the samples each worker takes per optimizer step, and in
+    how many micro-batches of ``--batch-size`` (``--global-batch``'s gradient accumulation)."""
+    if args.global_batch is None:
+        return args.batch_size, 1
+    if args.global_batch % workers:
+        raise ValueError(
+            f"--global-batch {args.global_batch} must be a multiple of the number of workers ({workers})"
+        )
+    per_worker = args.global_batch // workers
+    micro = min(args.batch_size, per_worker)
+    if per_worker % micro:
+        raise ValueError(
+            f"--global-batch {args.global_batch} gives {per_worker} samples per worker, which must be a "
+            f"multiple of --batch-size {args.batch_size} (the micro-batch)"
+        )
+    return per_worker, per_worker // micro
+
+
+def scaled_lr(lr: float, args: argparse.Namespace, workers: int) -> float:
+    """``--lr`` under ``--lr-scaling`` for this run's global batch (Goyal et al.'s linear rule, or
+    the square-root rule that LAMB's authors use)."""
+    per_worker, _ = batch_plan(args, workers)
+    ratio = per_worker * workers / args.reference_batch
+    if args.lr_scaling == "linear":
+        return lr * ratio
+    if args.lr_scaling == "sqrt":
+        return lr * math.sqrt(ratio)
+    return lr
 
 
 def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:

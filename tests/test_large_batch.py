@@ -1,0 +1,116 @@
+"""The large-batch recipe of ``gradsync train``: gradient accumulation against one big batch on a
+plain all-reduce, the batch plan, LR scaling rules, the poly schedule and their option errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync
+from gradsync.cli import main
+from gradsync.train.loop import accumulated_backward
+from gradsync.train.optim import lr_factor
+from gradsync.train.options import add_arguments, batch_plan, scaled_lr
+from worlds import named_check, run_checks, run_world
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_batch_plan_splits_the_global_batch_into_micro_batches() -> None:
+    assert batch_plan(_args("--batch-size", "32"), 4) == (32, 1)
+    assert batch_plan(_args("--batch-size", "32", "--global-batch", "1024"), 4) == (256, 8)
+    assert batch_plan(_args("--batch-size", "64", "--global-batch", "128"), 4) == (32, 1)  # fits at once
+    with pytest.raises(ValueError, match="--global-batch 1000 must be a multiple of the number of workers"):
+        batch_plan(_args("--global-batch", "1000"), 3)
+    with pytest.raises(ValueError, match="must be a multiple of --batch-size 48"):
+        batch_plan(_args("--batch-size", "48", "--global-batch", "256"), 4)
+
+
+def test_lr_scaling_rules() -> None:
+    assert scaled_lr(0.1, _args("--global-batch", "1024"), 4) == 0.1  # none by default
+    assert scaled_lr(0.1, _args("--global-batch", "1024", "--lr-scaling", "linear"), 4) == pytest.approx(0.4)
+    sqrt = _args("--global-batch", "1024", "--lr-scaling", "sqrt", "--reference-batch", "64")
+    assert scaled_lr(0.1, sqrt, 4) == pytest.approx(0.1 * math.sqrt(16))
+    assert scaled_lr(0.2, _args("--batch-size", "32", "--lr-scaling", "linear"), 2) == pytest.approx(0.2 * 64 / 256)
+
+
+def test_poly_schedule_is_mlperfs_after_the_warm_up() -> None:
+    f = lr_factor("poly", warmup_steps=10, total_steps=110, power=2.0)
+    assert f(0) == pytest.approx(0.1) and f(5) == pytest.approx(0.55)  # the linear warm-up from lr/10
+    for s in (10, 35, 60, 109):
+        assert f(s) == pytest.approx((1 - (s - 10) / 100) ** 2)
+    assert f(200) == 0.0
+
+
+def check_accumulation_equals_one_big_batch() -> None:
+    """4 micro-batches under no_sync, then a synchronizing one, on gradsync's dense scheme: the
+    gradient is the world mean of each rank's whole-batch gradient (plain all-reduce here)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    reference = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    reference.load_state_dict(net.state_dict())
+    model = gradsync.wrap(net, "none", plan="dense")
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    x, y = torch.randn(32, 6, generator=g, dtype=torch.float64), torch.randint(3, (32,), generator=g)
+    loss = accumulated_backward(model, nn.functional.cross_entropy, x, y, parts=4)
+    full = nn.functional.cross_entropy(reference(x), y)
+    full.backward()
+    assert loss == pytest.approx(float(full), rel=1e-12)
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert q.grad is not None and p.grad is not None
+        dist.all_reduce(q.grad)
+        q.grad /= dist.get_world_size()
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    model.close()
+
+
+def _world() -> None:
+    run_checks(named_check(check_accumulation_equals_one_big_batch))
+
+
+def test_gradient_accumulation_in_a_world() -> None:
+    run_world(2, _world)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--global-batch", "0"], "--global-batch must be a number >= 1"),
+        (["--global-batch", "3"], "--global-batch 3 must be a multiple of the number of workers (2)"),
+        (["--global-batch", "100", "--batch-size", "32"], "must be a multiple of --batch-size 32"),
+        (["--global-batch", "4096"], "--global-batch 4096 (2048 per worker) is larger than a worker's share"),
+        (["--lr-scaling", "cubic"], "--lr-scaling must be one of none, linear, sqrt"),
+        (["--reference-batch", "0"], "--reference-batch must be a number >= 1"),
+        (["--schedule", "poly", "--poly-power", "0"], "--poly-power must be a positive number"),
+        (["--label-smoothing", "1.0"], "--label-smoothing must be in [0, 1)"),
+        (["--data", "text", "--label-smoothing", "0.1"], "--label-smoothing is for classifiers"),
+    ],
+)
+def test_recipe_option_errors_come_before_any_process(extra, message, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--quiet", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_large_batch_lars_run_reports_its_batch_plan(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run.json"
+    argv = ["train", "--nproc", "2", "--epochs", "1", "--global-batch", "256", "--batch-size", "32",
+            "--optimizer", "lars", "--lr-scaling", "sqrt", "--schedule", "poly", "--label-smoothing", "0.1",
+            "--scheme", "hitopk:density=0.05", "--quiet", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(out.read_text())
+    assert (s["global_batch"], s["accumulation"], s["steps"]) == (256, 4, 1438 // 256)
+    assert 0.0 < s["history"][-1]["val_accuracy"] <= 1.0
