@@ -41,7 +41,8 @@ def test_lr_scaling_rules() -> None:
     assert scaled_lr(0.1, _args("--global-batch", "1024", "--lr-scaling", "linear"), 4) == pytest.approx(0.4)
     sqrt = _args("--global-batch", "1024", "--lr-scaling", "sqrt", "--reference-batch", "64")
     assert scaled_lr(0.1, sqrt, 4) == pytest.approx(0.1 * math.sqrt(16))
-    assert scaled_lr(0.2, _args("--batch-size", "32", "--lr-scaling", "linear"), 2) == pytest.approx(0.2 * 64 / 256)
+    linear = _args("--batch-size", "32", "--lr-scaling", "linear")
+    assert scaled_lr(0.2, linear, 2) == pytest.approx(0.2 * 64 / 256)
 
 
 def test_poly_schedule_is_mlperfs_after_the_warm_up() -> None:
