@@ -426,3 +426,40 @@ def test_bench_optim_runs_every_contender_on_resnet50_shapes(tmp_path, capsys) -
     assert all(r["tensors"] == 161 and r["dtype"] == "bfloat16" and r["ms"] > 0 for r in rows)
     assert next(r for r in rows if r["contender"] == "sgd")["x_sgd"] == 1.0
     assert "| resnet50 | 161 | bfloat16 | lars |" in capsys.readouterr().out
+
+
+def _bench_pto_world(path: str) -> None:
+    from gradsync.cli import main
+
+    argv = ["bench", "pto", "--models", "resnet50", "--scales", "0.001,0.01", "--rounds", "1", "--reps", "1"]
+    assert main([*argv, "--json", path]) == 0
+
+
+def test_bench_pto_times_both_paths_and_predicts(tmp_path) -> None:
+    import json
+
+    path = str(tmp_path / "pto.json")
+    run_world(2, _bench_pto_world, path)
+    result = json.loads(open(path).read())
+    assert result["world"] == 2 and [r["scale"] for r in result["rows"]] == [0.001, 0.01]
+    for r in result["rows"]:
+        assert r["layers"] == 54 and r["local_ms"] > 0 and r["pto_ms"] > 0 and r["predicted_pto_ms"] > 0
+        assert 0.5 <= r["largest_share"] < 1.0  # two ranks: the larger share of the elements
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--models", "alexnet"], "--models takes names from resnet50, bert-base"),
+        (["--scales", "0,1"], "--scales takes positive numbers"),
+        (["--scales", "x"], "--scales takes positive numbers"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+        (["--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
+    ],
+)
+def test_bench_pto_option_errors(extra: list[str], message: str, capsys, monkeypatch) -> None:
+    from gradsync.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "pto", *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import convergence as bench_convergence
     from gradsync.bench import optim as bench_optim
     from gradsync.bench import overhead as bench_overhead
+    from gradsync.bench import pto as bench_pto
     from gradsync.bench import step as bench_step
     from gradsync.bench import train as bench_train
     from gradsync.bench import whatif as bench_whatif
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+        ("pto", bench_pto, "paper 01's parallel tensor operator against local trust ratios: the crossover"),
         (
             "optim",
             bench_optim,

@@ -20,7 +20,9 @@ Formulas (p ranks, m nodes of n ranks), one method of :class:`CostModel` each:
   T_dec(r m/K)`` with (a, b, c) = (2(N-1), N, N) for CaSync-Ring on sparsifiers and quantizers,
   (2(N-1), 1, 1) for low rank, and (2(N-1), K, N) for CaSync-PS with co-located aggregators;
 - ``lowrank``: PowerSGD's two factor all-reduces; ``locally_aggregated``: paper 05's local
-  aggregation around any of them.
+  aggregation around any of them;
+- ``parallel_tensor_op``: paper 01 Eq. 13-14, a per-layer computation split over the ranks
+  (the largest share's work) plus the all-gather of its results.
 
 :func:`calibrate` measures alpha and beta of each level on the running cluster with all-reduce
 sweeps and least squares; :func:`measure_codec` times a codec's encode and decode.
@@ -197,6 +199,13 @@ class CostModel:
         p = p or self.p
         link = link or self._world_link
         return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
+
+    # ------------------------------------------------------------------ PTO (paper 01)
+    def parallel_tensor_op(self, local_s: float, share: float, values: int, value_bytes: int = 4) -> float:
+        """Paper 01 Eq. 13-14: each rank does the largest share's fraction ``share`` of work that
+        takes ``local_s`` on one rank, then one all-gather of ``values`` results per rank (padded
+        to the largest share) over the world."""
+        return local_s * share + self.allgather(values * value_bytes, self.p, self._world_link)
 
     def locally_aggregated(self, strategy: str, nbytes: float, c: CodecCost) -> float:
         """Intra reduce-scatter, the strategy over the m nodes on S/n (the n local indices' streams

@@ -20,7 +20,7 @@ A param group with ``adapt=False`` (biases and normalization parameters, from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +170,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 batches.append(Batch(group, params, grads, offset))
         return batches
 
+    @torch.no_grad()
     def trust_ratios(
-        self, ws: list[torch.Tensor], xs: list[torch.Tensor], groups: list[dict[str, Any]]
+        self, ws: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]]
     ) -> torch.Tensor:
         """Every adapted layer's trust ratio: here, or each rank its share (PTO)."""
         if not ws:
@@ -180,7 +181,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         def compute(share: range) -> torch.Tensor:
             w_norm = tensor_norms(ws[share.start : share.stop], device=ws[0].device)
             x_norm = tensor_norms(xs[share.start : share.stop], device=ws[0].device)
-            return self._trust(w_norm, x_norm, groups[share.start : share.stop])
+            return self._trust(w_norm, x_norm, list(groups[share.start : share.stop]))
 
         if self.pto is None:
             return compute(range(len(ws)))
