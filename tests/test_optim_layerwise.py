@@ -438,9 +438,9 @@ def _bench_pto_world(path: str) -> None:
 def test_bench_pto_times_both_paths_and_predicts(tmp_path) -> None:
     import json
 
-    path = str(tmp_path / "pto.json")
-    run_world(2, _bench_pto_world, path)
-    result = json.loads(open(path).read())
+    path = tmp_path / "pto.json"
+    run_world(2, _bench_pto_world, str(path))
+    result = json.loads(path.read_text())
     assert result["world"] == 2 and [r["scale"] for r in result["rows"]] == [0.001, 0.01]
     for r in result["rows"]:
         assert r["layers"] == 54 and r["local_ms"] > 0 and r["pto_ms"] > 0 and r["predicted_pto_ms"] > 0
