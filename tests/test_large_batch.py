@@ -115,3 +115,70 @@ def test_large_batch_lars_run_reports_its_batch_plan(tmp_path, monkeypatch) -> N
     s = json.loads(out.read_text())
     assert (s["global_batch"], s["accumulation"], s["steps"]) == (256, 4, 1438 // 256)
     assert 0.0 < s["history"][-1]["val_accuracy"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------- resizing
+RESIZE = ["train", "--nproc", "2", "--data", "synthetic-images:n=384,size=16,channels=3", "--model", "resnet",
+          "--batch-size", "32", "--epochs", "3", "--resize-schedule", "0:8,1:12,2:16", "--scheme",
+          "hitopk:density=0.05", "--quiet", "--sync-option", "calibrate=false", "--sync-option",
+          "bucket_timeout_ms=1e9"]  # fmt: skip
+
+
+def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(tmp_path, monkeypatch) -> None:
+    from gradsync.train import checkpoint
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "a.json"
+    assert main([*RESIZE, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(out)]) == 0
+    history = json.loads(out.read_text())["history"]
+    assert [h["input_size"] for h in history] == [8, 12, 16]
+    # killed in the second epoch (6 steps per epoch: 192 samples per worker / 32), resumed: the
+    # same parameters bit for bit, so every epoch ran at the same size as uninterrupted
+    crashed = [
+        *RESIZE,
+        "--checkpoint-dir",
+        str(tmp_path / "b"),
+        "--checkpoint-every",
+        "4",
+        "--crash-at-step",
+        "9",
+    ]
+    assert main(crashed) == 1
+    assert main([*RESIZE, "--checkpoint-dir", str(tmp_path / "b"), "--resume"]) == 0
+    final = {}
+    for name in ("a", "b"):
+        folder = checkpoint.latest(tmp_path / name)
+        assert folder is not None
+        final[name] = checkpoint.load(folder, 0)[0]["model"]
+    for k, v in final["a"].items():
+        assert torch.equal(v, final["b"][k]), k
+
+
+def test_resize_keeps_a_constant_image_and_the_native_size() -> None:
+    from gradsync.train.resize import resize, size_at
+
+    x = torch.full((2, 3, 16, 16), 0.25)
+    assert resize(x, 16) is x
+    torch.testing.assert_close(resize(x, 8), torch.full((2, 3, 8, 8), 0.25))
+    torch.testing.assert_close(resize(x, 24), torch.full((2, 3, 24, 24), 0.25))
+    stages = [(0, 8), (3, 12), (6, 16)]
+    assert [size_at(stages, e) for e in range(8)] == [8, 8, 8, 12, 12, 12, 16, 16]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--resize-schedule", "1:16"], "--resize-schedule takes EPOCH:SIZE pairs"),
+        (["--resize-schedule", "0:8,0:16"], "--resize-schedule takes EPOCH:SIZE pairs"),
+        (["--resize-schedule", "0:2"], "sizes >= 4"),
+        (["--resize-schedule", "0:16"], "asks for more than the data's own 8 x 8 pixels"),
+        (["--resize-schedule", "0:6,2:8"], "the model cannot take 6 x 6 inputs"),
+        (["--data", "text", "--resize-schedule", "0:8"], "--resize-schedule is for image data"),
+    ],
+)
+def test_resize_option_errors_come_before_any_process(extra, message, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--quiet", *extra]) == 2
+    assert message in capsys.readouterr().err

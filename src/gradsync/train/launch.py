@@ -14,6 +14,7 @@ import os
 import sys
 
 from gradsync.train.options import add_arguments, batch_plan, validate
+from gradsync.train.resize import check_model_takes, parse_resize_schedule
 
 __all__ = ["add_arguments", "check", "main"]
 
@@ -29,7 +30,14 @@ def _check_data_and_model(args: argparse.Namespace) -> None:
     from gradsync.train.loop import default_model
 
     data = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
-    build_model_for(args.model or default_model(data.task), data.task, data.input_shape, data.num_classes)
+    model = build_model_for(
+        args.model or default_model(data.task), data.task, data.input_shape, data.num_classes
+    )
+    if args.resize_schedule is not None:
+        if data.task != "classify":
+            raise ValueError(f"--resize-schedule is for image data; --data {args.data} is a language model")
+        stages = parse_resize_schedule(args.resize_schedule, native=data.input_shape[-1])
+        check_model_takes(model, data.input_shape, stages)
     share = -(-len(data.train) // _workers(args))
     per_worker, _ = batch_plan(args, _workers(args))
     if per_worker > share:

@@ -36,6 +36,7 @@ from gradsync.train import checkpoint
 from gradsync.train.metrics import EpochMeter, epoch_record
 from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
 from gradsync.train.options import batch_plan, clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.train.resize import parse_resize_schedule, resize, size_at
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
 
@@ -121,6 +122,11 @@ class Trainer:
             len(self.data.train), self.rank, self.world, shuffle=True, seed=args.seed
         )
         self.per_worker, self.accumulation = batch_plan(args, self.world)
+        self.resize_stages = (
+            parse_resize_schedule(args.resize_schedule, native=self.data.input_shape[-1])
+            if args.resize_schedule
+            else None
+        )
         self.loader = PrefetchLoader(self.data.train, self.sampler, self.per_worker, drop_last=True)
         self.steps_per_epoch = len(self.loader)
         if self.steps_per_epoch == 0:
@@ -205,8 +211,11 @@ class Trainer:
             "optimizer": a.optimizer,
             "epochs": a.epochs,
         }
-        if a.global_batch is not None:  # absent otherwise, so older checkpoints still match
+        # absent unless given, so that older checkpoints still match
+        if a.global_batch is not None:
             ident["global_batch"] = a.global_batch
+        if a.resize_schedule is not None:
+            ident["resize_schedule"] = a.resize_schedule
         return ident
 
     # ------------------------------------------------------------------ checkpoints
@@ -292,8 +301,17 @@ class Trainer:
             self.model, self._loss, x, y, self.accumulation, self._autocast, self.scaler
         )
 
+    def _size(self) -> int | None:
+        """This epoch's input resolution under ``--resize-schedule`` (None: the data's own)."""
+        return size_at(self.resize_stages, self.epoch) if self.resize_stages else None
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        size = self._size()
+        return resize(x, size) if size is not None else x
+
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = self._inputs(x), y.to(self.device, non_blocking=True)
         loss = self._backward(x, y)
         clip = self.args.clip_grad if self.clip_after_sync else None
         if self.scaler is not None:
@@ -382,7 +400,7 @@ class Trainer:
         bs = max(self.args.batch_size, 64)
         for i in range(0, len(idx), bs):
             items = [val[j] for j in idx[i : i + bs]]
-            x = torch.stack([it[0] for it in items]).to(self.device)
+            x = self._inputs(torch.stack([it[0] for it in items]))
             y = torch.stack([it[1] for it in items]).to(self.device)
             with self._autocast():
                 out = self.net(x)
@@ -446,6 +464,8 @@ class Trainer:
             )
             record.update(self.evaluate())
             record["lr"] = self.optimizer.param_groups[0]["lr"]
+            if self.resize_stages:
+                record["input_size"] = self._size()
             self.history.append(record)
             if self.rank == 0:
                 print(_epoch_line(record), file=sys.stderr, flush=True)

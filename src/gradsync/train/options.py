@@ -17,6 +17,7 @@ from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.sync.engine import build_candidates, build_codecs
+from gradsync.train.resize import parse_resize_schedule
 
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 SCHEDULES = ("cosine", "step", "constant", "poly")
@@ -92,6 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="none | linear | sqrt: scale --lr by (global batch / --reference-batch) or its square root",
     )
     g.add_argument("--reference-batch", type=int, default=256, help="the batch --lr is given for")
+    g.add_argument(
+        "--resize-schedule",
+        default=None,
+        metavar="EPOCH:SIZE,...",
+        help="images: progressive resizing, the input resolution from each epoch on (e.g. "
+        "0:16,4:24,8:32); the model must take any size (resnet)",
+    )
     g.add_argument(
         "--label-smoothing", type=float, default=0.0, help="classifiers: cross-entropy label smoothing"
     )
@@ -258,6 +266,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--poly-power must be a positive number, got {args.poly_power!r}")
     _at_least("--reference-batch", args.reference_batch, 1)
     _at_least("--global-batch", args.global_batch, 1, allow_none=True)
+    if args.resize_schedule is not None:
+        parse_resize_schedule(args.resize_schedule)
     if not 0.0 <= args.label_smoothing < 1.0:
         raise ValueError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing!r}")
     _choice("--plan", args.plan, PLANS)
