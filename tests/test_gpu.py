@@ -362,3 +362,33 @@ def test_gradsync_train_runs_an_epoch_on_the_gpu(amp, tmp_path, monkeypatch, cap
     last = s["history"][-1]
     assert last["train_loss"] == last["train_loss"] and last["train_loss"] < float("inf")  # finite
     assert last["val_accuracy"] > 0.2, last  # one epoch learns something (chance: 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lars_and_lamb_on_cuda_equal_the_cpu_step_without_host_synchronization(dtype):
+    """The optimizers' CUDA step matches their CPU step (norms and ratios in float32 on both),
+    and asks the device for nothing: CUDA's sync debug mode turns any host synchronization into
+    an error."""
+    from gradsync.optim import LAMB, LARS, layerwise_param_groups
+
+    for cls, kw in ((LARS, {"lr": 0.5, "trust_coefficient": 0.02}), (LAMB, {"lr": 0.01})):
+        torch.manual_seed(0)
+        cpu = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8)).to(dtype)
+        gpu = copy.deepcopy(cpu).cuda()
+        opts = [cls(layerwise_param_groups(m, 1e-3), **kw) for m in (cpu, gpu)]
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=g).to(dtype) for p in cpu.parameters()]
+            for m in (cpu, gpu):
+                for p, gr in zip(m.parameters(), grads, strict=True):
+                    p.grad = gr.to(p.device)
+            opts[0].step()
+            if step:  # the first step allocates state; after it nothing may synchronize
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opts[1].step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+        for a, b in zip(cpu.parameters(), gpu.parameters(), strict=True):
+            torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=tol, atol=tol)

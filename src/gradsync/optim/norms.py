@@ -40,7 +40,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = 
         if len(idx) == len(tensors):
             out.copy_(values)
         else:
-            out[torch.tensor(idx, device=device)] = values
+            out[torch.tensor(idx).to(device, non_blocking=True)] = values
     return out
 
 
