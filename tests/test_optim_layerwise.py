@@ -463,3 +463,17 @@ def test_bench_pto_option_errors(extra: list[str], message: str, capsys, monkeyp
     monkeypatch.delenv("RANK", raising=False)
     assert main(["bench", "pto", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tensor_norms_of_mixed_dtypes_in_float32_or_float64() -> None:
+    from gradsync.optim import tensor_norms
+
+    g = torch.Generator().manual_seed(2)
+    ts = [torch.randn(50, generator=g, dtype=torch.float64) * 300 for _ in range(4)]
+    mixed = [ts[0].float(), ts[1].to(torch.bfloat16), ts[2], ts[3].half()]
+    out = tensor_norms(mixed)
+    assert out.dtype == torch.float64  # one float64 tensor: the vector holds float64
+    expected = torch.stack([t.double().norm() for t in mixed])  # of the values as stored
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=0)
+    half = tensor_norms([torch.full((70000,), 1.0, dtype=torch.float16)])
+    assert half.dtype == torch.float32 and half.item() == pytest.approx(70000**0.5)  # 70000 > fp16 max
