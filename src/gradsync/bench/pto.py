@@ -2,9 +2,10 @@
 LARS trust ratios alone, on the world it is launched in (torchrun, or the emulated cluster with
 ``--emulate 2x2 --link 100mbit``, set up and taken down by the command).
 
-The layers are a model's parameter shapes (ResNet-50's 161 tensors, BERT-base's 206), each
-layer's element count multiplied by ``--scales`` to find where PTO starts to pay: the norm work
-shrinks with the scale, the all-gather's start-up cost does not. Per scale, in interleaved
+The layers are a model's weights, the tensors that have a trust ratio (54 of ResNet-50's 161
+tensors, 76 of BERT-base's 202), each layer's element count multiplied by ``--scales`` to find
+where PTO starts to pay: the norm work shrinks with the scale, the all-gather's start-up cost
+does not. Per scale, in interleaved
 rounds, each contender computes every trust ratio of :class:`gradsync.optim.LARS` from the same
 weights and gradients: ``local`` (all layers on each rank) and ``pto`` (each rank its share, then
 one all-gather of the ratios). A timing is the slowest rank's. Next to the measured PTO time,
