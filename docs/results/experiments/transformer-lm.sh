@@ -15,5 +15,6 @@ run topk-lr025-exp2 --scheme allgather/topk:density=0.01 --lr 0.25 --density-sch
 run topk5 --scheme allgather/topk:density=0.05 --lr 0.5 --density-schedule exp@1
 run hitopk-exp2 --scheme hitopk:density=0.01 --lr 0.5 --density-schedule exp@2
 run dgc-exp2 --scheme dgc:density=0.01+ef:momentum=0.9 --momentum 0 --lr 0.5 --density-schedule exp@2
-# dense at the best dense rate, 24 epochs
-gradsync train $BASE --epochs 24 --scheme none --lr 0.25 --json transformer-dense24-lr025.json
+# top-k at 5 % over 24 epochs (docs/results/experiments/transformer-24-topk5.json)
+gradsync train $BASE --epochs 24 --scheme allgather/topk:density=0.05 --lr 0.5 --density-schedule exp@1 \
+  --json transformer-24-topk5.json

@@ -11,7 +11,9 @@ Per layer ``w`` with gradient ``g`` at step ``t``::
 
 ``max_trust_ratio`` caps the ratio (the paper's clipping function phi, upper bound only); the
 fallback 1 of a zero norm is not capped.
-Moments, norms and ratios are float32 for bf16 and fp16 parameters.
+Moments, norms and ratios are float32 for bf16 and fp16 parameters. Besides the two moments, the
+optimizer keeps two work buffers per parameter (the denominator and ``u``) from step to step, so
+that a step allocates nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check, add_scaled_
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, Rate, _check, add_scaled_, per_layer
 from gradsync.optim.norms import safe_ratio
 
 
@@ -68,6 +70,7 @@ class LAMB(LayerwiseOptimizer):
             bias_correction=bool(bias_correction),
         )  # fmt: skip
         super().__init__(params, defaults, parallel)
+        self._buffers_of: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
         group = batch.group
@@ -86,23 +89,44 @@ class LAMB(LayerwiseOptimizer):
         torch._foreach_lerp_(m, grads, 1.0 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, grads, grads, value=1.0 - b2)
-        denom = torch._foreach_sqrt(v)
+        # u = wd w + (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), written as
+        # u = wd w + c m / (sqrt(v) + eps'), c = sqrt(1 - b2^t) / (1 - b1^t), eps' = eps sqrt(1 - b2^t),
+        # into two buffers kept from step to step (a fresh one per step costs page faults on the CPU)
         corrected = group["bias_correction"]
         t = [float(s.item()) for s in steps] if corrected else []  # host tensors: no device sync
-        if corrected:
-            torch._foreach_div_(denom, [math.sqrt(1.0 - b2**k) for k in t])
-        torch._foreach_add_(denom, group["eps"])
-        # u = wd w + m / (1 - b1^t) / denom, in two passes
+        root2 = [math.sqrt(1.0 - b2**k) for k in t] if corrected else [1.0] * len(m)
+        scale = [r / (1.0 - b1**k) for r, k in zip(root2, t, strict=True)] if corrected else root2
+        denom, direction = self._scratch(batch.params, m)
+        torch._foreach_copy_(denom, v)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, [group["eps"] * r for r in root2])
         wd = group["weight_decay"]
-        direction = list(torch._foreach_mul(work, wd)) if wd else [torch.zeros_like(x) for x in m]
-        scale = [1.0 / (1.0 - b1**k) for k in t] if corrected else [1.0] * len(m)
+        if wd:
+            torch._foreach_copy_(direction, work)
+            torch._foreach_mul_(direction, wd)
+        else:
+            torch._foreach_zero_(direction)
         torch._foreach_addcdiv_(direction, m, denom, scale)
         return direction
+
+    def _scratch(
+        self, params: list[torch.Tensor], like: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Two work buffers per parameter (the denominator, the update), kept across steps and out
+        of the state dict: they hold nothing between steps."""
+        pairs = []
+        for p, x in zip(params, like, strict=True):
+            pair = self._buffers_of.get(p)
+            if pair is None or pair[0].shape != x.shape or pair[0].dtype != x.dtype:
+                pair = (torch.empty_like(x), torch.empty_like(x))
+                self._buffers_of[p] = pair
+            pairs.append(pair)
+        return [a for a, _ in pairs], [b for _, b in pairs]
 
     def _norm_inputs(
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return batch.params, direction
+        return work, direction
 
     def _trust(
         self, w_norm: torch.Tensor, x_norm: torch.Tensor, groups: list[dict[str, Any]]
@@ -122,6 +146,6 @@ class LAMB(LayerwiseOptimizer):
 
     def _apply(
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
-        rate: list[torch.Tensor] | float,
+        rate: Rate,
     ) -> None:  # fmt: skip
-        add_scaled_(work, direction, rate, -1.0)  # w -= lr ratio u
+        add_scaled_(work, direction, per_layer(rate), -1.0)  # w -= lr ratio u

@@ -6,6 +6,8 @@ Per layer (one parameter tensor) ``w`` with gradient ``g``, weight decay ``wd``,
     v = m * v + lr * ratio * (g + wd * w)
     w = w - v                                   (Nesterov: w - (m * v + lr * ratio * (g + wd * w)))
 
+(computed without materializing ``g + wd * w``: a step allocates nothing for float32 parameters).
+
 The learning rate sits inside the momentum, as in the LARS paper and MLPerf's reference: a
 schedule's change of ``lr`` reaches the step gradually. With ``trust_clip`` (LARC's clipping)
 the ratio is capped so that a layer's rate ``lr * ratio`` never exceeds ``lr``.
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, _check, add_scaled_
+from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, Rate, _check, add_scaled_, per_layer
 from gradsync.optim.norms import safe_ratio
 
 
@@ -67,16 +69,14 @@ class LARS(LayerwiseOptimizer):
         super().__init__(params, defaults, parallel)
 
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = batch.work_grads()
-        wd = batch.group["weight_decay"]
-        if wd:
-            return list(torch._foreach_add(grads, work, alpha=wd))
-        return grads if batch.low_precision else list(torch._foreach_mul(grads, 1.0))
+        # the gradient itself (never written to): the weight decay is folded into the update
+        # below, so a step allocates nothing (on the CPU a fresh buffer per step costs page faults)
+        return batch.work_grads()
 
     def _norm_inputs(
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return batch.params, batch.grads  # |w| and the raw |g|, in their own dtype
+        return work, direction  # |w| and the raw |g| (float32 copies of 16-bit ones: exact)
 
     def _trust(
         self, w_norm: torch.Tensor, x_norm: torch.Tensor, groups: list[dict[str, Any]]
@@ -92,22 +92,30 @@ class LARS(LayerwiseOptimizer):
         return torch.where(clipped, torch.clamp(safe_ratio(ratio, clip_lr, clipped), max=1.0), ratio)
 
     def _apply(
-        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
-        rate: list[torch.Tensor] | float,
-    ) -> None:  # fmt: skip
-        m = batch.group["momentum"]
+        self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor], rate: Rate
+    ) -> None:
+        """``d = g + wd w`` is never materialized: with ``r = lr * ratio``,
+        ``v = m v + r g + r wd w`` and ``w - r d = w (1 - r wd) - r g``."""
+        wd, m = batch.group["weight_decay"], batch.group["momentum"]
+        grads, r = direction, per_layer(rate)
         if not m:
-            add_scaled_(work, direction, rate, -1.0)  # w -= lr ratio (g + wd w)
+            if wd:
+                torch._foreach_mul_(work, per_layer(rate, -wd, 1.0))
+            add_scaled_(work, grads, r, -1.0)
             return
         states = [self.state[p] for p in batch.params]
-        for s, d in zip(states, direction, strict=True):
-            if "momentum_buffer" not in s:  # v starts at 0: the first step's v is the direction
-                s["momentum_buffer"] = torch.zeros_like(d)
+        for s, g in zip(states, grads, strict=True):
+            if "momentum_buffer" not in s:  # v starts at 0: the first step's v is r d
+                s["momentum_buffer"] = torch.zeros_like(g)
         bufs = [s["momentum_buffer"] for s in states]
         torch._foreach_mul_(bufs, m)
-        add_scaled_(bufs, direction, rate)  # v = m v + lr ratio d
-        if batch.group["nesterov"]:
-            add_scaled_(work, direction, rate, -1.0)
-            torch._foreach_add_(work, bufs, alpha=-m)  # w -= lr ratio d + m v
+        add_scaled_(bufs, grads, r)
+        if wd:
+            add_scaled_(bufs, work, per_layer(rate, wd))
+        if batch.group["nesterov"]:  # w -= r d + m v
+            if wd:
+                torch._foreach_mul_(work, per_layer(rate, -wd, 1.0))
+            add_scaled_(work, grads, r, -1.0)
+            torch._foreach_add_(work, bufs, alpha=-m)
         else:
             torch._foreach_sub_(work, bufs)

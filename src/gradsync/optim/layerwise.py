@@ -48,22 +48,58 @@ class Batch:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     offset: int  # position of its first layer among the step's adapted layers (-1: not adapted)
+    # float32 buffers of 16-bit parameters and gradients, kept by the optimizer across steps
+    scratch: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def low_precision(self) -> bool:
         return self.params[0].dtype in LOW_PRECISION
 
+    def _buffers(self, which: int) -> list[torch.Tensor]:
+        scratch = self.scratch if self.scratch is not None else {}
+        out = []
+        for p in self.params:
+            pair = scratch.get(p)
+            if pair is None:
+                pair = scratch[p] = (
+                    torch.empty_like(p, dtype=torch.float32),
+                    torch.empty_like(p, dtype=torch.float32),
+                )
+            out.append(pair[which])
+        return out
+
     def work_params(self) -> list[torch.Tensor]:
-        """The parameters in the work dtype: the parameters themselves, or float32 copies."""
-        return [p.float() for p in self.params] if self.low_precision else list(self.params)
+        """The parameters in the work dtype: the parameters themselves, or float32 copies (into
+        buffers kept across steps: a fresh allocation per step costs page faults on the CPU)."""
+        if not self.low_precision:
+            return list(self.params)
+        work = self._buffers(0)
+        torch._foreach_copy_(work, self.params)
+        return work
 
     def work_grads(self) -> list[torch.Tensor]:
         """The gradients in the work dtype (float32 copies for 16-bit, else the gradients)."""
-        return [g.float() for g in self.grads] if self.low_precision else list(self.grads)
+        if not self.low_precision:
+            return list(self.grads)
+        work = self._buffers(1)
+        torch._foreach_copy_(work, self.grads)
+        return work
 
     def write_back(self, work: list[torch.Tensor]) -> None:
         if self.low_precision:
             torch._foreach_copy_(self.params, work)
+
+
+Rate = torch.Tensor | float
+"""A batch's rate: one number (no trust ratio), or a 1-D tensor of one rate per layer."""
+
+
+def per_layer(rate: Rate, scale: float = 1.0, offset: float = 0.0) -> list[torch.Tensor] | float:
+    """``offset + scale * rate`` as :func:`add_scaled_` and ``torch._foreach_*`` take it: a
+    number, or one 0-dim tensor per layer (computed in one vector operation on the device)."""
+    if isinstance(rate, torch.Tensor):
+        return list((rate * scale + offset).unbind())
+    return offset + scale * rate
 
 
 def add_scaled_(
@@ -125,6 +161,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if not p.is_floating_point():
                     raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
         self.pto = parallel_operator(parallel)
+        self._float32_scratch: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ subclass interface
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -145,7 +182,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _apply(
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor],
-        rate: list[torch.Tensor] | float,
+        rate: Rate,
     ) -> None:  # fmt: skip
         """Move ``work`` by ``direction`` scaled by ``rate`` (per layer: lr x trust ratio)."""
         raise NotImplementedError
@@ -167,7 +204,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if group["adapt"]:
                     adapted += len(params)
                 grads = [p.grad for p in params if p.grad is not None]
-                batches.append(Batch(group, params, grads, offset))
+                batches.append(Batch(group, params, grads, offset, self._float32_scratch))
         return batches
 
     @torch.no_grad()
@@ -209,10 +246,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         ratios = self.trust_ratios(ws, xs, groups)
         for b, w, d in zip(batches, works, directions, strict=True):
             lr = float(b.group["lr"])
-            rate: list[torch.Tensor] | float = lr
+            rate: Rate = lr
             if b.offset >= 0:
-                scaled = ratios[b.offset : b.offset + len(b.params)] * lr
-                rate = list(scaled.to(work_dtype(b.params[0].dtype)).unbind())
+                rate = (ratios[b.offset : b.offset + len(b.params)] * lr).to(work_dtype(b.params[0].dtype))
             self._apply(b, w, d, rate)
             b.write_back(w)
         return loss
