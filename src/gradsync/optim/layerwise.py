@@ -7,7 +7,9 @@ Each step:
    batches, not one per parameter);
 2. the subclass computes each batch's update direction in the *work dtype*: float32 for bf16 and
    fp16 parameters, the parameter's own dtype otherwise, so a 16-bit model's step is computed in
-   float32 and rounded once when written back (its optimizer state is float32 too);
+   float32 and rounded once when written back (its optimizer state is float32 too, and two
+   float32 work buffers per 16-bit parameter, for its values and its gradient, are kept from
+   step to step: a fresh allocation per step costs page faults on the CPU);
 3. the trust ratio of every adapted layer is computed from two norms per layer
    (:mod:`gradsync.optim.norms`), on this rank alone or split over the ranks by the parallel
    tensor operator (:mod:`gradsync.optim.parallel`);
