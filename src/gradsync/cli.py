@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
+    from gradsync.bench import large_batch as bench_large_batch
     from gradsync.bench import optim as bench_optim
     from gradsync.bench import overhead as bench_overhead
     from gradsync.bench import pto as bench_pto
@@ -137,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+        (
+            "large-batch",
+            bench_large_batch,
+            "LARS at a large global batch against SGD at the small and large one",
+        ),
         ("pto", bench_pto, "paper 01's parallel tensor operator against local trust ratios: the crossover"),
         (
             "optim",
