@@ -182,3 +182,56 @@ def test_resize_option_errors_come_before_any_process(extra, message, capsys, mo
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- bench
+def test_bench_large_batch_runs_compare_the_same_epochs_at_two_batches() -> None:
+    from gradsync.bench import large_batch
+
+    p = argparse.ArgumentParser()
+    large_batch.add_arguments(p)
+    args = p.parse_args(["--datasets", "digits"])
+    runs = {run: argv for _, run, _, argv in large_batch._runs(args, "/tmp")}
+    assert list(runs) == ["sgd small", "sgd large", "lars large", "lars large + hitopk"]
+
+    def opt(argv: list[str], name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    assert opt(runs["sgd small"], "--global-batch") is None  # 32 per worker x 4 workers = 128
+    for run in ("sgd large", "lars large", "lars large + hitopk"):
+        assert opt(runs[run], "--global-batch") == "1024"  # x8
+        assert opt(runs[run], "--epochs") == "100"
+    assert (opt(runs["sgd large"], "--lr-scaling"), opt(runs["sgd large"], "--reference-batch")) == (
+        "linear",
+        "128",
+    )
+    assert opt(runs["lars large"], "--optimizer") == "lars" and opt(runs["lars large"], "--scheme") == "none"
+    assert opt(runs["lars large + hitopk"], "--scheme") == "hitopk:density=0.01"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--datasets", "mnist"], "--datasets takes names from digits, images"),
+        (["--runs", "adam"], "--runs takes names from sgd small"),
+        (["--scale", "0"], "--scale must be at least 1"),
+        (["--lars-lr", "0"], "--lars-lr must be a positive number"),
+        (["--scale", "64"], "--global-batch 8192 (2048 per worker) is larger than a worker's share"),
+    ],
+)
+def test_bench_large_batch_option_errors(extra, message, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench", "large-batch", "--datasets", "digits", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_large_batch_one_short_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "lb.json"
+    argv = ["bench", "large-batch", "--datasets", "digits", "--runs", "lars large + hitopk", "--scale", "2",
+            "--epochs", "2", "--nodes", "1", "--per-node", "2", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["run"], row["global_batch"], row["epochs"]) == ("lars large + hitopk", 128, 2)
+    assert row["steps"] == 2 * (719 // 64) and 0.0 <= row["accuracy"] <= 1.0 and row["gap_pp"] is None
