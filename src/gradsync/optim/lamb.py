@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, Rate, _check, add_scaled_, per_layer
+from gradsync.optim.layerwise import (
+    Batch,
+    LayerwiseOptimizer,
+    Parallel,
+    Rate,
+    _check,
+    add_scaled_,
+    per_layer,
+    work_dtype,
+)
 from gradsync.optim.norms import safe_ratio
 
 
@@ -43,7 +52,7 @@ class LAMB(LayerwiseOptimizer):
         parallel: trust ratios through the parallel tensor operator (see :class:`LARS`).
     """
 
-    _buffers = ("exp_avg", "exp_avg_sq")
+    _float32_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -70,7 +79,6 @@ class LAMB(LayerwiseOptimizer):
             bias_correction=bool(bias_correction),
         )  # fmt: skip
         super().__init__(params, defaults, parallel)
-        self._buffers_of: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
         group = batch.group
@@ -96,7 +104,9 @@ class LAMB(LayerwiseOptimizer):
         t = [float(s.item()) for s in steps] if corrected else []  # host tensors: no device sync
         root2 = [math.sqrt(1.0 - b2**k) for k in t] if corrected else [1.0] * len(m)
         scale = [r / (1.0 - b1**k) for r, k in zip(root2, t, strict=True)] if corrected else root2
-        denom, direction = self._scratch(batch.params, m)
+        dtype = work_dtype(batch.params[0].dtype)
+        denom = self.workspace(batch.params, "denominator", dtype)
+        direction = self.workspace(batch.params, "update", dtype)
         torch._foreach_copy_(denom, v)
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, [group["eps"] * r for r in root2])
@@ -108,20 +118,6 @@ class LAMB(LayerwiseOptimizer):
             torch._foreach_zero_(direction)
         torch._foreach_addcdiv_(direction, m, denom, scale)
         return direction
-
-    def _scratch(
-        self, params: list[torch.Tensor], like: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Two work buffers per parameter (the denominator, the update), kept across steps and out
-        of the state dict: they hold nothing between steps."""
-        pairs = []
-        for p, x in zip(params, like, strict=True):
-            pair = self._buffers_of.get(p)
-            if pair is None or pair[0].shape != x.shape or pair[0].dtype != x.dtype:
-                pair = (torch.empty_like(x), torch.empty_like(x))
-                self._buffers_of[p] = pair
-            pairs.append(pair)
-        return [a for a, _ in pairs], [b for _, b in pairs]
 
     def _norm_inputs(
         self, batch: Batch, work: list[torch.Tensor], direction: list[torch.Tensor]

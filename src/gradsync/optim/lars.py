@@ -44,7 +44,7 @@ class LARS(LayerwiseOptimizer):
             group (True: the world); the result equals the local one.
     """
 
-    _buffers = ("momentum_buffer",)
+    _float32_state = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -98,10 +98,14 @@ class LARS(LayerwiseOptimizer):
         ``v = m v + r g + r wd w`` and ``w - r d = w (1 - r wd) - r g``."""
         wd, m = batch.group["weight_decay"], batch.group["momentum"]
         grads, r = direction, per_layer(rate)
-        if not m:
+
+        def descend() -> None:  # w -= r d, as w (1 - r wd) - r g
             if wd:
                 torch._foreach_mul_(work, per_layer(rate, -wd, 1.0))
             add_scaled_(work, grads, r, -1.0)
+
+        if not m:
+            descend()
             return
         states = [self.state[p] for p in batch.params]
         for s, g in zip(states, grads, strict=True):
@@ -113,9 +117,7 @@ class LARS(LayerwiseOptimizer):
         if wd:
             add_scaled_(bufs, work, per_layer(rate, wd))
         if batch.group["nesterov"]:  # w -= r d + m v
-            if wd:
-                torch._foreach_mul_(work, per_layer(rate, -wd, 1.0))
-            add_scaled_(work, grads, r, -1.0)
+            descend()
             torch._foreach_add_(work, bufs, alpha=-m)
         else:
             torch._foreach_sub_(work, bufs)

@@ -50,32 +50,18 @@ class Batch:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     offset: int  # position of its first layer among the step's adapted layers (-1: not adapted)
-    # float32 buffers of 16-bit parameters and gradients, kept by the optimizer across steps
-    scratch: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+    workspace: Callable[[list[torch.Tensor], str, torch.dtype], list[torch.Tensor]]
 
     @property
     def low_precision(self) -> bool:
         return self.params[0].dtype in LOW_PRECISION
-
-    def _buffers(self, which: int) -> list[torch.Tensor]:
-        scratch = self.scratch if self.scratch is not None else {}
-        out = []
-        for p in self.params:
-            pair = scratch.get(p)
-            if pair is None:
-                pair = scratch[p] = (
-                    torch.empty_like(p, dtype=torch.float32),
-                    torch.empty_like(p, dtype=torch.float32),
-                )
-            out.append(pair[which])
-        return out
 
     def work_params(self) -> list[torch.Tensor]:
         """The parameters in the work dtype: the parameters themselves, or float32 copies (into
         buffers kept across steps: a fresh allocation per step costs page faults on the CPU)."""
         if not self.low_precision:
             return list(self.params)
-        work = self._buffers(0)
+        work = self.workspace(self.params, "param", torch.float32)
         torch._foreach_copy_(work, self.params)
         return work
 
@@ -83,7 +69,7 @@ class Batch:
         """The gradients in the work dtype (float32 copies for 16-bit, else the gradients)."""
         if not self.low_precision:
             return list(self.grads)
-        work = self._buffers(1)
+        work = self.workspace(self.params, "grad", torch.float32)
         torch._foreach_copy_(work, self.grads)
         return work
 
@@ -150,7 +136,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     """Base of :class:`~gradsync.optim.LARS` and :class:`~gradsync.optim.LAMB` (see the module)."""
 
     # state entries kept in float32 for 16-bit parameters (restored so by load_state_dict)
-    _buffers: tuple[str, ...] = ()
+    _float32_state: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], parallel: Parallel) -> None:
         _check("lr", defaults["lr"], 0.0)
@@ -163,11 +149,25 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if not p.is_floating_point():
                     raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
         self.pto = parallel_operator(parallel)
-        self._float32_scratch: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspace: dict[tuple[int, str], torch.Tensor] = {}
+
+    def workspace(self, params: list[torch.Tensor], name: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        """One ``dtype`` buffer per parameter under ``name``, kept from step to step and out of
+        the state dict (nothing in it outlives a step): on the CPU a fresh allocation per step
+        costs page faults."""
+        out = []
+        for p in params:
+            key = (id(p), name)
+            buf = self._workspace.get(key)
+            if buf is None or buf.shape != p.shape or buf.dtype != dtype or buf.device != p.device:
+                buf = self._workspace[key] = torch.empty_like(p, dtype=dtype)
+            out.append(buf)
+        return out
 
     # ------------------------------------------------------------------ subclass interface
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The batch's update direction (fresh tensors in the work dtype), state updated."""
+        """The batch's update direction in the work dtype (the gradients themselves, or the
+        optimizer's workspace: never written into by :meth:`_apply`), state updated."""
         raise NotImplementedError
 
     def _norm_inputs(
@@ -206,7 +206,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if group["adapt"]:
                     adapted += len(params)
                 grads = [p.grad for p in params if p.grad is not None]
-                batches.append(Batch(group, params, grads, offset, self._float32_scratch))
+                batches.append(Batch(group, params, grads, offset, self.workspace))
         return batches
 
     @torch.no_grad()
@@ -265,6 +265,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params, strict=True):
             if p.dtype in LOW_PRECISION and i in saved:
-                for key in self._buffers:
+                for key in self._float32_state:
                     if key in saved[i]:
                         self.state[p][key] = saved[i][key].to(device=p.device, dtype=torch.float32, copy=True)

@@ -30,17 +30,21 @@ def tensor_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = 
     if not tensors:
         return torch.zeros(0, device=device)
     device = device if device is not None else tensors[0].device
-    out = torch.empty(len(tensors), dtype=result_dtype(tensors), device=device)
+    dtype = result_dtype(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), idx in groups.items():
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=accumulate_dtype(dtype))
-        values = torch.stack(norms).to(device=device, dtype=out.dtype)
-        if len(idx) == len(tensors):
-            out.copy_(values)
-        else:
-            out[torch.tensor(idx).to(device, non_blocking=True)] = values
+
+    def norms(idx: list[int], of: torch.dtype) -> torch.Tensor:
+        values = torch._foreach_norm([tensors[i] for i in idx], 2, dtype=accumulate_dtype(of))
+        return torch.stack(values).to(device=device, dtype=dtype)
+
+    if len(groups) == 1:
+        ((_, of),) = groups
+        return norms(list(range(len(tensors))), of)
+    out = torch.empty(len(tensors), dtype=dtype, device=device)
+    for (_, of), idx in groups.items():
+        out[torch.tensor(idx).to(device, non_blocking=True)] = norms(idx, of)
     return out
 
 
