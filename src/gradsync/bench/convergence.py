@@ -23,7 +23,7 @@ import tempfile
 from typing import Any, NoReturn
 
 from gradsync import train
-from gradsync.bench.output import save_result
+from gradsync.bench.output import pick_names, save_result
 from gradsync.sync import Scheme
 from gradsync.sync.density_schedule import DensitySchedule
 
@@ -105,14 +105,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
-
-
-def _pick(text: str, allowed: dict[str, Any], option: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise ValueError(f"{option} takes names from {', '.join(allowed)}, got {text!r}")
-    return names
 
 
 def _sparsifies(spec: str) -> bool:
@@ -207,9 +199,9 @@ def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, st
     """(dataset, scheme, variant, JSON summary path in ``folder``, ``gradsync train`` command
     line) of every run: each scheme's recipe, then the ablation's variants."""
     runs = []
-    ablated = _pick(args.ablation, RECIPES, "--ablation") if args.ablation.strip() else []
-    for dataset in _pick(args.datasets, DATASETS, "--datasets"):
-        schemes = _pick(args.schemes, RECIPES, "--schemes")
+    ablated = pick_names(args.ablation, RECIPES, "--ablation") if args.ablation.strip() else []
+    for dataset in pick_names(args.datasets, DATASETS, "--datasets"):
+        schemes = pick_names(args.schemes, RECIPES, "--schemes")
         for scheme in schemes + [s for s in ablated if s not in schemes]:
             for variant in VARIANTS if scheme in ablated else ["recipe"]:
                 options = _variant_options(dataset, scheme, variant)
@@ -224,10 +216,10 @@ def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, st
 def check(args: argparse.Namespace) -> None:
     """The option values and every run's ``gradsync train`` options (``--train-option`` included),
     before the first run starts (``ValueError`` naming the option)."""
-    _pick(args.schemes, RECIPES, "--schemes")
-    _pick(args.datasets, DATASETS, "--datasets")
+    pick_names(args.schemes, RECIPES, "--schemes")
+    pick_names(args.datasets, DATASETS, "--datasets")
     if args.ablation.strip():
-        _pick(args.ablation, RECIPES, "--ablation")
+        pick_names(args.ablation, RECIPES, "--ablation")
     for name in ("nodes", "per_node"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

@@ -23,8 +23,8 @@ import tempfile
 from typing import Any
 
 from gradsync import train
-from gradsync.bench.convergence import RunFailed, _pick, _train_args
-from gradsync.bench.output import markdown_table, save_result
+from gradsync.bench.convergence import RunFailed, _train_args
+from gradsync.bench.output import markdown_table, pick_names, save_result
 
 SMALL = 32  # samples per worker per step in the small-batch run
 
@@ -86,8 +86,8 @@ def _argv(dataset: str, run: str, args: argparse.Namespace, out: str) -> list[st
 
 def _runs(args: argparse.Namespace, folder: str) -> list[tuple[str, str, str, list[str]]]:
     runs = []
-    for dataset in _pick(args.datasets, DATASETS, "--datasets"):
-        for run in _pick(args.runs, RUNS, "--runs"):
+    for dataset in pick_names(args.datasets, DATASETS, "--datasets"):
+        for run in pick_names(args.runs, RUNS, "--runs"):
             out = os.path.join(folder, f"{dataset}-{run.replace(' ', '-').replace('+', 'plus')}.json")
             runs.append((dataset, run, out, _argv(dataset, run, args, out)))
     return runs

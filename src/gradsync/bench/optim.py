@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.bench.output import markdown_table, save_result
+from gradsync.bench.output import markdown_table, pick_names, save_result
 from gradsync.models.paper import bert_base, resnet50
 from gradsync.optim import LAMB, LARS, layerwise_param_groups
 
@@ -53,16 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH")
 
 
-def _names(text: str, allowed: Any, option: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names or any(n not in allowed for n in names):
-        raise ValueError(f"{option} takes names from {', '.join(allowed)}, got {text!r}")
-    return names
-
-
 def check(args: argparse.Namespace) -> None:
-    _names(args.models, MODELS, "--models")
-    contenders = _names(args.contenders, CONTENDERS, "--contenders")
+    pick_names(args.models, MODELS, "--models")
+    contenders = pick_names(args.contenders, CONTENDERS, "--contenders")
     if "sgd" not in contenders:
         raise ValueError("--contenders must include sgd (every ratio is to it)")
     if args.dtype not in DTYPES:
@@ -179,9 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    contenders = _names(args.contenders, CONTENDERS, "--contenders")
+    contenders = pick_names(args.contenders, CONTENDERS, "--contenders")
     rows: list[dict[str, Any]] = []
-    for name in _names(args.models, MODELS, "--models"):
+    for name in pick_names(args.models, MODELS, "--models"):
         rows += bench_model(name, contenders, DTYPES[args.dtype], args.rounds, args.steps)
     command = "gradsync bench optim " + " ".join(
         f"--{k} {v}" for k, v in (("models", args.models), ("contenders", args.contenders),

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+
+def pick_names(text: str, allowed: Iterable[str], option: str) -> list[str]:
+    """A comma-separated option value as names, each one of ``allowed`` (a ValueError naming
+    ``option`` and the allowed names otherwise)."""
+    allowed = list(allowed)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names or any(n not in allowed for n in names):
+        raise ValueError(f"{option} takes names from {', '.join(allowed)}, got {text!r}")
+    return names
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

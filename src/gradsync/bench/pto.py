@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.bench.output import markdown_table, save_result
+from gradsync.bench.output import markdown_table, pick_names, save_result
 from gradsync.bench.train import _emulated, run_emulated
 from gradsync.bench.world import add_world_arguments, join_world, link_bytes_per_s
 from gradsync.collectives.cost import CostModel, calibrate, synchronize
@@ -57,13 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="PATH")
 
 
-def _models(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names or any(n not in MODELS for n in names):
-        raise ValueError(f"--models takes names from {', '.join(MODELS)}, got {text!r}")
-    return names
-
-
 def _scales(text: str) -> list[float]:
     try:
         values = [float(s) for s in text.split(",") if s.strip()]
@@ -75,7 +68,7 @@ def _scales(text: str) -> list[float]:
 
 
 def check(args: argparse.Namespace) -> None:
-    _models(args.models)
+    pick_names(args.models, MODELS, "--models")
     _scales(args.scales)
     for name in ("rounds", "reps", "threads"):
         if getattr(args, name) < 1:
@@ -187,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     model = CostModel(params, topo.nodes, topo.per_node)
     rows = [
         bench_scale(name, scale, args, model, topo.world)
-        for name in _models(args.models)
+        for name in pick_names(args.models, MODELS, "--models")
         for scale in _scales(args.scales)
     ]
     link = os.environ.get("TB_RATE")  # set by the emulated cluster
