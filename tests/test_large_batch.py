@@ -216,6 +216,8 @@ def test_bench_large_batch_runs_compare_the_same_epochs_at_two_batches() -> None
         (["--runs", "adam"], "--runs takes names from sgd small"),
         (["--scale", "0"], "--scale must be at least 1"),
         (["--lars-lr", "0"], "--lars-lr must be a positive number"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
         (["--scale", "64"], "--global-batch 8192 (2048 per worker) is larger than a worker's share"),
     ],
 )

@@ -279,6 +279,20 @@ def test_bad_arguments_name_the_parameter(make, name: str) -> None:
         make([nn.Parameter(torch.ones(3))])
 
 
+def test_integer_parameters_and_sparse_gradients_are_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"params must be floating point tensors, got one of dtype torch\.int64"
+    ):
+        LARS([torch.ones(3, dtype=torch.int64)])
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = LAMB(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="LAMB does not support sparse gradients"):
+        opt.step()
+    with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
+        balanced_shares([1, 2], 0)
+
+
 def test_parallel_without_a_process_group_says_so() -> None:
     with pytest.raises(RuntimeError, match="process group"):
         LARS([nn.Parameter(torch.ones(3))], parallel=True)
