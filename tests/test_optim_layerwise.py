@@ -387,11 +387,41 @@ def check_pto_layout_mismatch_fails_on_every_rank() -> None:
         op.map(sizes, lambda s: torch.zeros(len(s)), torch.float32, torch.device("cpu"))
 
 
+def check_ddp_script_with_lars_pto(dtype: torch.dtype) -> None:
+    """A plain DDP script, as PyTorch's docs write one, with gradsync's LARS (PTO over the world)
+    as its optimizer: each rank trains on its quarter of every batch; the result matches one
+    process training on the whole batch with the local LARS."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(_pto_model(dtype))
+    reference = _pto_model(dtype)
+    opt = LARS(layerwise_param_groups(ddp.module, 1e-3), lr=0.2, trust_coefficient=0.02, parallel=True)
+    ref_opt = LARS(layerwise_param_groups(reference, 1e-3), lr=0.2, trust_coefficient=0.02)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        x = torch.randn(32, 12, generator=g).to(dtype)
+        shard = x.chunk(world)[rank]
+        opt.zero_grad()
+        ddp(shard).float().pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(x).float().pow(2).mean().backward()
+        ref_opt.step()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(ddp.module.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def _pto_world() -> None:
     sub = dist.new_group([0, 1])  # every rank creates it; ranks 2, 3 are not in it
     checks = [
         named_check(check_pto_equals_local, cls, dtype, None, label=f"{cls.__name__}-{dtype}")
         for cls in (LARS, LAMB)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    checks += [
+        named_check(check_ddp_script_with_lars_pto, dtype, label=str(dtype))
         for dtype in (torch.float32, torch.bfloat16)
     ]
     checks.append(named_check(check_pto_shares_the_work))
