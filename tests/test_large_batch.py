@@ -124,28 +124,41 @@ RESIZE = ["train", "--nproc", "2", "--data", "synthetic-images:n=384,size=16,cha
           "bucket_timeout_ms=1e9"]  # fmt: skip
 
 
-def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("resize_batch", "batches", "checkpoint_every", "crash_at"),
+    [
+        # 173 training images per worker; 5 steps of 32 in every epoch; killed in the second epoch
+        ("constant", [64, 64, 64], "4", "9"),
+        # --batch-size 32 holds at 16 pixels: 128 per worker at 8, floor(32 * (16/12)^2) = 56 at
+        # 12, so 1, 3 and 5 steps; killed at step 3, in the second epoch, saved at step 2
+        ("memory", [256, 112, 64], "2", "3"),
+    ],
+)
+def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(
+    resize_batch, batches, checkpoint_every, crash_at, tmp_path, monkeypatch
+) -> None:
     from gradsync.train import checkpoint
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = [*RESIZE, "--resize-batch", resize_batch, "--lr-scaling", "linear", "--reference-batch", "64",
+           "--lr", "0.1", "--schedule", "constant", "--warmup-epochs", "0"]  # fmt: skip
     out = tmp_path / "a.json"
-    assert main([*RESIZE, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(out)]) == 0
-    history = json.loads(out.read_text())["history"]
+    assert main([*run, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    history = summary["history"]
     assert [h["input_size"] for h in history] == [8, 12, 16]
-    # killed in the second epoch (6 steps per epoch: 192 samples per worker / 32), resumed: the
-    # same parameters bit for bit, so every epoch ran at the same size as uninterrupted
-    crashed = [
-        *RESIZE,
-        "--checkpoint-dir",
-        str(tmp_path / "b"),
-        "--checkpoint-every",
-        "4",
-        "--crash-at-step",
-        "9",
-    ]
+    assert [h["global_batch"] for h in history] == batches
+    assert summary["steps"] == sum(173 // (b // 2) for b in batches)
+    # an epoch's record has the rate of the step after it: the next epoch's batch / 64 times 0.1
+    expected = [0.1 * b / 64 for b in [*batches[1:], batches[-1]]]
+    assert [h["lr"] for h in history] == pytest.approx(expected)
+    # killed in the second epoch and resumed: the same parameters bit for bit, so every epoch
+    # ran at the same size and batch as uninterrupted
+    crashed = [*run, "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every", checkpoint_every,
+               "--crash-at-step", crash_at]  # fmt: skip
     assert main(crashed) == 1
-    assert main([*RESIZE, "--checkpoint-dir", str(tmp_path / "b"), "--resume"]) == 0
+    assert main([*run, "--checkpoint-dir", str(tmp_path / "b"), "--resume"]) == 0
     final = {}
     for name in ("a", "b"):
         folder = checkpoint.latest(tmp_path / name)
@@ -153,6 +166,37 @@ def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(tmp_path
         final[name] = checkpoint.load(folder, 0)[0]["model"]
     for k, v in final["a"].items():
         assert torch.equal(v, final["b"][k]), k
+
+
+def test_epoch_plan_counts_each_epochs_own_steps() -> None:
+    from gradsync.train.epoch_plan import epoch_plan, memory_batch
+    from gradsync.train.options import per_epoch, sync_config
+
+    assert [memory_batch(32, s, 16) for s in (16, 12, 8, 4)] == [32, 56, 128, 512]
+    args = _args("--batch-size", "16", "--global-batch", "64", "--epochs", "4",
+                 "--resize-schedule", "0:8,2:16", "--resize-batch", "memory")  # fmt: skip
+    # 2 workers, 32 per worker in 2 micro-batches of 16 at 16 pixels; 64 per micro-batch at 8
+    plan = epoch_plan(args, 2, share=300, native=16)
+    assert plan.per_worker == (128, 128, 32, 32) and plan.accumulation == 2
+    assert plan.steps == (2, 2, 9, 9) and plan.total_steps == 22
+    assert plan.global_batches == [256, 256, 64, 64]
+    assert [plan.to_steps(e) for e in (0, 0.5, 1, 2, 2.5, 4, 5)] == [0, 1, 2, 4, 4 + 4, 22, 31]
+    steps = (0, 1, 2, 3, 4, 12, 13, 21, 22, 99)
+    assert [plan.epoch_of_step(s) for s in steps] == [0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
+    # a micro-batch never outgrows the worker's share
+    small = epoch_plan(args, 2, share=100, native=16)
+    assert small.per_worker[:2] == (100, 100) and small.steps == (1, 1, 3, 3)
+    # constant: every epoch alike, and the engine's epoch options counted the same either way
+    constant = _args("--batch-size", "16", "--epochs", "3", "--resize-schedule", "0:8,2:16")
+    same = epoch_plan(constant, 2, 300, 16)
+    assert same.uniform and same.steps == (18, 18, 18)
+    opts = _args("--dense-warmup", "1.5", "--switch-to-dense-at", "2.5", "--density-schedule", "exp@0.5",
+                 "--scheme", "topk")  # fmt: skip
+    config = sync_config(opts, plan.to_steps)
+    assert (config.dense_warmup_steps, config.dense_from_step) == (2 + 1, 4 + 4)
+    assert config.density_schedule.endswith("@1")
+    uniform = sync_config(opts, per_epoch(18))
+    assert sync_config(opts, same.to_steps).dense_warmup_steps == uniform.dense_warmup_steps == 27
 
 
 def test_resize_keeps_a_constant_image_and_the_native_size() -> None:
@@ -175,6 +219,8 @@ def test_resize_keeps_a_constant_image_and_the_native_size() -> None:
         (["--resize-schedule", "0:16"], "asks for more than the data's own 8 x 8 pixels"),
         (["--resize-schedule", "0:6,2:8"], "the model cannot take 6 x 6 inputs"),
         (["--data", "text", "--resize-schedule", "0:8"], "--resize-schedule is for image data"),
+        (["--resize-batch", "memory"], "--resize-batch memory needs --resize-schedule"),
+        (["--resize-schedule", "0:8", "--resize-batch", "pixels"], "--resize-batch must be one of constant"),
     ],
 )
 def test_resize_option_errors_come_before_any_process(extra, message, capsys, monkeypatch) -> None:

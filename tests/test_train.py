@@ -384,12 +384,12 @@ def test_convergence_benchmark_option_errors_come_before_any_run(extra, message,
 def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, where, clip_local, mode):
     import argparse
 
-    from gradsync.train.options import add_arguments, clip_where, sync_config
+    from gradsync.train.options import add_arguments, clip_where, per_epoch, sync_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--clip-grad", "1.5", *argv])
-    config = sync_config(args, steps_per_epoch=10)
+    config = sync_config(args, per_epoch(10))
     assert clip_where(args, config) == where
     assert config.clip_local == clip_local and config.clip_local_mode == mode
 

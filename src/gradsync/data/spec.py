@@ -4,7 +4,7 @@ Forms::
 
     digits
     text
-    synthetic-images[:n=2048,size=32,channels=3,classes=10]
+    synthetic-images[:n=2048,size=32,channels=3,classes=10,noise=1.0]
     synthetic-text[:n=524288,vocab=256]
     imagefolder:PATH[,size=32,channels=auto]
     tokens:PATH[,vocab=N]
@@ -13,8 +13,9 @@ Options are ``key=value`` pairs separated by commas. For the two PATH forms the 
 right after the colon, and the options follow it after commas: ``imagefolder:/data/pets,size=64``.
 Only trailing comma-separated pieces that look like ``key=value`` are options, so a path may itself
 contain commas (``tokens:/data/a,b.bin``) as long as no piece after a comma looks like an option.
-Every value is an integer except ``channels=auto`` for image folders. Unknown options, bad values
-and unknown names raise ``ValueError`` that names ``--data`` and the offending option.
+Every value is an integer except ``channels=auto`` for image folders and the synthetic images'
+``noise`` (a number). Unknown options, bad values and unknown names raise ``ValueError`` that
+names ``--data`` and the offending option.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str, st
         if value is None or value < minimum or (maximum is not None and value > maximum):
             allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
             raise ValueError(f"option {key} must be an integer {allowed}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _float_at_least(minimum: float) -> Callable[[str, str], float]:
+    def parse(key: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+        if value is None or not value >= minimum or value == float("inf"):
+            raise ValueError(f"option {key} must be a finite number >= {minimum}, got {raw!r}")
         return value
 
     return parse
@@ -101,13 +115,14 @@ _FORMS: dict[str, _Form] = {
     "digits": _Form("digits", _digits),
     "text": _Form("text", _text),
     "synthetic-images": _Form(
-        "synthetic-images[:n=2048,size=32,channels=3,classes=10]",
+        "synthetic-images[:n=2048,size=32,channels=3,classes=10,noise=1.0]",
         _synthetic_images,
         options={
             "n": (_int_at_least(2), 2048),
             "size": (_int_at_least(1), 32),
             "channels": (_int_at_least(1), 3),
             "classes": (_int_at_least(2), 10),
+            "noise": (_float_at_least(0.0), 1.0),
         },
     ),
     "synthetic-text": _Form(

@@ -1,7 +1,9 @@
 """Generated datasets for speed runs: no files, fixed by the seed, and learnable.
 
 ``synthetic-images``: every class owns a random low-resolution pattern (8x8 at most, upsampled
-bilinearly to the image size); an image is its class pattern plus standard normal noise. Images are
+bilinearly to the image size); an image is its class pattern plus normal noise of standard
+deviation ``noise`` (1 by default; larger values make the classes overlap, so that accuracy takes
+longer to reach and stays below 100 %). Images are
 made on demand from ``(seed, index)`` with their own ``torch.Generator``, so memory stays small
 whatever ``n`` and ``size`` are, and every rank sees the same image for the same index.
 
@@ -44,13 +46,20 @@ class SyntheticImages(Dataset):
     """Images ``index`` in ``[offset, offset + length)`` of the seeded stream: class pattern + noise."""
 
     def __init__(
-        self, patterns: torch.Tensor, labels: torch.Tensor, size: int, seed: int, offset: int
+        self,
+        patterns: torch.Tensor,
+        labels: torch.Tensor,
+        size: int,
+        seed: int,
+        offset: int,
+        noise: float = NOISE_STD,
     ) -> None:
         self.patterns = patterns  # (classes, C, r, r)
         self.labels = labels  # (length,) int64
         self.size = size
         self.seed = seed
         self.offset = offset
+        self.noise = noise
         classes, channels = patterns.shape[:2]
         self._means: torch.Tensor | None = None
         if classes * channels * size * size * 4 <= _CACHE_BYTES:
@@ -76,11 +85,13 @@ class SyntheticImages(Dataset):
         label = self.labels[index]
         g = torch.Generator().manual_seed(mix_seed(self.seed, self.offset + index))
         channels = self.patterns.shape[1]
-        noise = torch.randn((channels, self.size, self.size), generator=g) * NOISE_STD
+        noise = torch.randn((channels, self.size, self.size), generator=g) * self.noise
         return self.class_mean(int(label)) + noise, label
 
 
-def synthetic_images_bundle(*, n: int, size: int, channels: int, classes: int, seed: int) -> DataBundle:
+def synthetic_images_bundle(
+    *, n: int, size: int, channels: int, classes: int, seed: int, noise: float = NOISE_STD
+) -> DataBundle:
     """``n`` images in all; the last 10% of the indices (at least one) are validation."""
     g = torch.Generator().manual_seed(mix_seed(seed, 1))
     res = min(size, PATTERN_RES)
@@ -88,16 +99,21 @@ def synthetic_images_bundle(*, n: int, size: int, channels: int, classes: int, s
     labels = torch.randperm(n, generator=g) % classes  # balanced classes in random order
     n_val = max(1, n // 10)
     n_train = n - n_val
-    options = {"n": n, "size": size, "channels": channels, "classes": classes}
+    options: dict[str, float] = {"n": n, "size": size, "channels": channels, "classes": classes}
+    if noise != NOISE_STD:  # absent at the default, so that earlier fingerprints still match
+        options["noise"] = noise
     return DataBundle(
         name="synthetic-images",
         task="classify",
-        train=SyntheticImages(patterns, labels[:n_train], size, seed, 0),
-        val=SyntheticImages(patterns, labels[n_train:], size, seed, n_train),
+        train=SyntheticImages(patterns, labels[:n_train], size, seed, 0, noise),
+        val=SyntheticImages(patterns, labels[n_train:], size, seed, n_train, noise),
         input_shape=(channels, size, size),
         num_classes=classes,
         fingerprint=fingerprint("synthetic-images", GENERATOR_VERSION, sorted(options.items()), seed),
-        source=f"synthetic images generated from seed {seed} (class patterns plus noise); no external data",
+        source=(
+            f"synthetic images generated from seed {seed} (class patterns plus noise of std {noise}); "
+            "no external data"
+        ),
     )
 
 

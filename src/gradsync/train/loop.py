@@ -33,10 +33,11 @@ from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
 from gradsync.models import build_model_for, parameter_count
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.train import checkpoint
+from gradsync.train.epoch_plan import epoch_plan
 from gradsync.train.metrics import EpochMeter, epoch_record
 from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
-from gradsync.train.options import batch_plan, clip_where, scaled_lr, sync_config, trace_steps
-from gradsync.train.resize import parse_resize_schedule, resize, size_at
+from gradsync.train.options import clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.train.resize import resize
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
 
@@ -121,22 +122,19 @@ class Trainer:
         self.sampler = ShardedSampler(
             len(self.data.train), self.rank, self.world, shuffle=True, seed=args.seed
         )
-        self.per_worker, self.accumulation = batch_plan(args, self.world)
-        self.resize_stages = (
-            parse_resize_schedule(args.resize_schedule, native=self.data.input_shape[-1])
-            if args.resize_schedule
-            else None
-        )
-        self.loader = PrefetchLoader(self.data.train, self.sampler, self.per_worker, drop_last=True)
-        self.steps_per_epoch = len(self.loader)
-        if self.steps_per_epoch == 0:
+        native = self.data.input_shape[-1] if self.data.task == "classify" else None
+        self.plan = epoch_plan(args, self.world, len(self.sampler), native)
+        self.accumulation = self.plan.accumulation
+        self.loader = PrefetchLoader(self.data.train, self.sampler, self.plan.per_worker[0], drop_last=True)
+        if min(self.plan.steps) == 0:
+            epoch = self.plan.steps.index(0)
             raise ValueError(
-                f"a worker's batch of {self.per_worker} is larger than its share of the training data "
-                f"({len(self.sampler)} samples on each of {self.world} workers)"
+                f"a worker's batch of {self.plan.per_worker[epoch]} is larger than its share of the "
+                f"training data ({len(self.sampler)} samples on each of {self.world} workers)"
             )
         cuda = self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if args.amp and cuda else None
-        self.config = sync_config(args, self.steps_per_epoch)
+        self.config = sync_config(args, self.plan.to_steps)
         self.clip_after_sync = clip_where(args, self.config) == "sync"
         """``--clip-grad`` on the synchronized gradient (else the engine clips locally, or nothing)."""
         self.model = gradsync.wrap(
@@ -148,23 +146,27 @@ class Trainer:
             trace_steps=trace_steps(args.trace_steps) if args.trace else None,
         )
         self.net = net
+        lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+        base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
         self.optimizer = build_optimizer(
             net,
             args.optimizer,
-            scaled_lr(args.lr if args.lr is not None else DEFAULT_LR[args.optimizer], args, self.world),
+            base_lr,
             args.momentum,
             args.nesterov,
             args.weight_decay,
             trust_coefficient=args.trust_coefficient,
             parallel=self._pto_group(),
         )
-        total = args.epochs * self.steps_per_epoch
+        ratios = [scaled_lr(lr, args, self.world, self.plan.global_batch(e)) / base_lr
+                  for e in range(self.plan.epochs)]  # fmt: skip
         self.scheduler = build_scheduler(
             self.optimizer,
             args.schedule,
-            round(args.warmup_epochs * self.steps_per_epoch),
-            total,
+            self.plan.to_steps(args.warmup_epochs),
+            self.plan.total_steps,
             args.poly_power,
+            None if self.plan.uniform else (lambda s: ratios[self.plan.epoch_of_step(s)]),
         )
         torch.manual_seed(args.seed + 1 + self.rank)  # per-rank stream (dropout)
         self.epoch, self.batch, self.global_step = 0, 0, 0
@@ -216,6 +218,8 @@ class Trainer:
             ident["global_batch"] = a.global_batch
         if a.resize_schedule is not None:
             ident["resize_schedule"] = a.resize_schedule
+        if a.resize_batch != "constant":
+            ident["resize_batch"] = a.resize_batch
         return ident
 
     # ------------------------------------------------------------------ checkpoints
@@ -303,7 +307,12 @@ class Trainer:
 
     def _size(self) -> int | None:
         """This epoch's input resolution under ``--resize-schedule`` (None: the data's own)."""
-        return size_at(self.resize_stages, self.epoch) if self.resize_stages else None
+        return self.plan.sizes[min(self.epoch, self.plan.epochs - 1)]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """The optimizer steps of the current epoch (they differ under ``--resize-batch memory``)."""
+        return self.plan.steps[min(self.epoch, self.plan.epochs - 1)]
 
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
@@ -431,6 +440,7 @@ class Trainer:
 
         while self.epoch < a.epochs:
             self.sampler.set_epoch(self.epoch)
+            self.loader.batch_size = self.plan.per_worker[self.epoch]
             started = time.perf_counter()
             with EpochProgress(show, self.epoch, a.epochs, self.steps_per_epoch, self.batch) as bar:
                 for x, y in self.loader.iter_from(self.batch):
@@ -464,8 +474,9 @@ class Trainer:
             )
             record.update(self.evaluate())
             record["lr"] = self.optimizer.param_groups[0]["lr"]
-            if self.resize_stages:
+            if a.resize_schedule:
                 record["input_size"] = self._size()
+                record["global_batch"] = self.plan.global_batch(self.epoch)
             self.history.append(record)
             if self.rank == 0:
                 print(_epoch_line(record), file=sys.stderr, flush=True)
@@ -514,7 +525,8 @@ class Trainer:
             "nodes": self.topo.nodes,
             "per_node": self.topo.per_node,
             "batch_size": a.batch_size,
-            "global_batch": self.per_worker * self.world,
+            "global_batch": self.plan.global_batch(self.plan.epochs - 1),
+            **({} if self.plan.uniform else {"global_batches": self.plan.global_batches}),
             "accumulation": self.accumulation,
             "epochs": a.epochs,
             "steps": self.global_step,

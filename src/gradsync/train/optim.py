@@ -72,6 +72,17 @@ def lr_factor(
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int, power: float = 2.0
+    optimizer: torch.optim.Optimizer,
+    schedule: str,
+    warmup_steps: int,
+    total_steps: int,
+    power: float = 2.0,
+    batch_factor: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(schedule, warmup_steps, total_steps, power))
+    """The learning-rate schedule, times ``batch_factor(step)`` where given (the learning rate of
+    a step's batch over the optimizer's own, when the batch changes with ``--resize-batch``)."""
+    factor = lr_factor(schedule, warmup_steps, total_steps, power)
+    if batch_factor is None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scaled = batch_factor
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: factor(s) * scaled(s))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from gradsync.train.resize import parse_resize_schedule
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 SCHEDULES = ("cosine", "step", "constant", "poly")
 LR_SCALING = ("none", "linear", "sqrt")
+RESIZE_BATCH = ("constant", "memory")
 CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
 
@@ -99,6 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="EPOCH:SIZE,...",
         help="images: progressive resizing, the input resolution from each epoch on (e.g. "
         "0:16,4:24,8:32); the model must take any size (resnet)",
+    )
+    g.add_argument(
+        "--resize-batch",
+        default="constant",
+        help="constant | memory: under --resize-schedule, keep the batch, or keep a micro-batch's "
+        "memory (--batch-size holds at the largest size, smaller sizes take (largest/size)^2 times "
+        "as many samples; with --lr-scaling the learning rate follows each stage's batch)",
     )
     g.add_argument(
         "--label-smoothing", type=float, default=0.0, help="classifiers: cross-entropy label smoothing"
@@ -268,6 +277,9 @@ def validate(args: argparse.Namespace) -> None:
     _at_least("--global-batch", args.global_batch, 1, allow_none=True)
     if args.resize_schedule is not None:
         parse_resize_schedule(args.resize_schedule)
+    _choice("--resize-batch", args.resize_batch, RESIZE_BATCH)
+    if args.resize_batch != "constant" and args.resize_schedule is None:
+        raise ValueError(f"--resize-batch {args.resize_batch} needs --resize-schedule (the sizes it follows)")
     if not 0.0 <= args.label_smoothing < 1.0:
         raise ValueError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing!r}")
     _choice("--plan", args.plan, PLANS)
@@ -334,7 +346,7 @@ def validate(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise ValueError(f"--trace: {e}") from e
     Scheme.parse(args.scheme)
-    config = sync_config(args, steps_per_epoch=1)  # every SyncConfig field and value
+    config = sync_config(args, per_epoch(1))  # every SyncConfig field and value
     codecs = _codecs(config)
     schedule_for(config.density_schedule, codecs, config.scheme)  # a codec that follows it
     corrected = [c.spec() for c in codecs if isinstance(c, ErrorFeedback) and c.config.momentum > 0]
@@ -365,11 +377,14 @@ def batch_plan(args: argparse.Namespace, workers: int) -> tuple[int, int]:
     return per_worker, per_worker // micro
 
 
-def scaled_lr(lr: float, args: argparse.Namespace, workers: int) -> float:
-    """``--lr`` under ``--lr-scaling`` for this run's global batch (Goyal et al.'s linear rule, or
-    the square-root rule that LAMB's authors use)."""
-    per_worker, _ = batch_plan(args, workers)
-    ratio = per_worker * workers / args.reference_batch
+def scaled_lr(lr: float, args: argparse.Namespace, workers: int, global_batch: int | None = None) -> float:
+    """``--lr`` under ``--lr-scaling`` for ``global_batch`` (default: this run's, from
+    :func:`batch_plan`), by Goyal et al.'s linear rule or the square-root rule that LAMB's
+    authors use."""
+    if global_batch is None:
+        per_worker, _ = batch_plan(args, workers)
+        global_batch = per_worker * workers
+    ratio = global_batch / args.reference_batch
     if args.lr_scaling == "linear":
         return lr * ratio
     if args.lr_scaling == "sqrt":
@@ -377,17 +392,24 @@ def scaled_lr(lr: float, args: argparse.Namespace, workers: int) -> float:
     return lr
 
 
-def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
-    """The engine's configuration; epoch-valued options become step counts."""
+def per_epoch(steps_per_epoch: int) -> Callable[[float], int]:
+    """Epochs to optimizer steps when every epoch has ``steps_per_epoch`` of them."""
+    return lambda epochs: round(epochs * steps_per_epoch)
+
+
+def sync_config(args: argparse.Namespace, to_steps: Callable[[float], int]) -> SyncConfig:
+    """The engine's configuration; epoch-valued options become step counts through ``to_steps``
+    (:func:`per_epoch`, or :meth:`~gradsync.train.epoch_plan.EpochPlan.to_steps` where epochs
+    differ in length)."""
     options: dict[str, Any] = {
         "scheme": args.scheme,
         "plan": args.plan,
-        "dense_warmup_steps": max(1, round(args.dense_warmup * steps_per_epoch)),
+        "dense_warmup_steps": max(1, to_steps(args.dense_warmup)),
     }
     if args.switch_to_dense_at is not None:
-        options["dense_from_step"] = round(args.switch_to_dense_at * steps_per_epoch)
+        options["dense_from_step"] = to_steps(args.switch_to_dense_at)
     if args.density_schedule is not None:
-        options["density_schedule"] = density_schedule_steps(args.density_schedule, steps_per_epoch)
+        options["density_schedule"] = density_schedule_steps(args.density_schedule, to_steps)
     extra = sync_options(args)
     own = {
         "scheme", "plan", "dense_warmup_steps", "dense_from_step", "clip_local", "clip_local_mode",
@@ -407,7 +429,7 @@ def sync_config(args: argparse.Namespace, steps_per_epoch: int) -> SyncConfig:
     return config
 
 
-def density_schedule_steps(text: str, steps_per_epoch: int) -> str:
+def density_schedule_steps(text: str, to_steps: Callable[[float], int]) -> str:
     """``--density-schedule STAGES@EPOCHS`` as the engine's ``STAGES@STEPS`` (at least 1 step)."""
     stages, at, length = text.partition("@")
     try:
@@ -420,7 +442,7 @@ def density_schedule_steps(text: str, steps_per_epoch: int) -> str:
             f"per stage (e.g. exp@1 or 25%,6.25%@0.5), got {text!r}"
         )
     check_stages(text, "--density-schedule")
-    return f"{stages}@{max(1, round(epochs * steps_per_epoch))}"
+    return f"{stages}@{max(1, to_steps(epochs))}"
 
 
 def clip_where(args: argparse.Namespace, config: SyncConfig) -> str | None:
