@@ -179,6 +179,21 @@ def test_synthetic_images_are_learnable():
     assert (predicted == yv).float().mean() > 0.9
 
 
+def test_synthetic_images_noise_sets_the_spread_around_the_class_pattern():
+    quiet, default, loud = (build_data(f"{SMALL_IMAGES},noise={n}", seed=0) for n in ("0", "1.0", "4"))
+    assert default.fingerprint == build_data(SMALL_IMAGES, seed=0).fingerprint  # the default is unchanged
+    assert len({quiet.fingerprint, default.fingerprint, loud.fingerprint}) == 3
+    xq, yq = stack(quiet.train)
+    xl, yl = stack(loud.train)
+    assert torch.equal(yq, yl)
+    # noise 0: every image is its class pattern; noise 4: the pattern plus noise of std 4
+    for c in range(4):
+        assert torch.equal(xq[yq == c], xq[yq == c][:1].expand_as(xq[yq == c]))
+    spread = (xl - xq).std().item()
+    assert 3.8 < spread < 4.2
+    assert "noise of std 4.0" in loud.source
+
+
 def test_synthetic_images_large_shape_is_lazy():
     b = build_data("synthetic-images:n=20,size=224,classes=1000")
     x, y = b.train[3]
@@ -390,6 +405,9 @@ def test_tokens_errors(tmp_path):
         ("synthetic-images:n=abc", {}, "option n "),
         ("synthetic-images:size=0", {}, "option size"),
         ("synthetic-images:classes=1", {}, "option classes"),
+        ("synthetic-images:noise=-0.5", {}, "option noise must be a finite number >= 0"),
+        ("synthetic-images:noise=inf", {}, "option noise"),
+        ("synthetic-images:noise=loud", {}, "option noise"),
         ("synthetic-images:channels", {}, "key=value"),
         ("synthetic-images:n=10,n=20", {}, "option n"),
         ("synthetic-text:vocab=70000", {}, "option vocab"),
