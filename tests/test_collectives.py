@@ -391,8 +391,10 @@ def check_calibration(topo):
     if (topo.nodes, topo.per_node) != (2, 2):
         return
     params = calibrate(topo, sizes=[1024, 262144, 1048576], reps=2)
+    assert params.gather_start is not None and 0 < params.gather_start < 1
     mine = torch.tensor(
-        [params.intra.alpha, params.intra.beta, params.inter.beta, params.gamma], dtype=torch.float64
+        [params.intra.alpha, params.intra.beta, params.inter.beta, params.gamma, params.gather_start],
+        dtype=torch.float64,
     )
     same = mine.clone()
     dist.broadcast(same, 0)

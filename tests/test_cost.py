@@ -20,6 +20,18 @@ def test_linear_fit_recovers_a_line():
     assert Linear.fit([5.0], [2.0]) == Linear(2.0, 0.0)
 
 
+def test_parallel_tensor_op_takes_the_measured_gather_start():
+    # largest share 30 % of 10 ms of norms, 54 values per rank gathered over 4 ranks
+    bare = CostModel(PARAMS, nodes=2, per_node=2)
+    assert bare.parallel_tensor_op(0.010, 0.3, 54) == pytest.approx(
+        0.003 + 2 * INTER.alpha + 3 * 54 * 4 * INTER.beta
+    )
+    measured = CostModel(CostParams(INTRA, INTER, gather_start=0.004), nodes=2, per_node=2)
+    assert measured.parallel_tensor_op(0.010, 0.3, 54) == pytest.approx(
+        0.003 + 0.004 + 3 * 54 * 4 * INTER.beta
+    )
+
+
 def test_dense_formulas_on_two_by_two():
     m = CostModel(PARAMS, nodes=2, per_node=2)
     # flat: ring over 4 ranks on the inter link: 2*3 alpha + 2*3/4 S beta

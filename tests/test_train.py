@@ -144,6 +144,27 @@ def test_main_command_resume_and_restart(tmp_path, monkeypatch, capfd):
     assert "resumed from" not in err
 
 
+def test_pto_auto_decides_from_its_measurements_and_changes_nothing_else(tmp_path, monkeypatch):
+    """--pto auto times the trust ratios and a small all-gather, and reports what it chose; the
+    run trains exactly as --pto off does (the operator's ratios are bitwise the local ones)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    lars = [*BASE, "--epochs", "1", "--optimizer", "lars"]
+    summaries = {}
+    for mode in ("auto", "off"):
+        out = tmp_path / f"{mode}.json"
+        assert main([*lars, "--pto", mode, "--json", str(out)]) == 0
+        summaries[mode] = json.loads(out.read_text())
+    choice = summaries["auto"]["pto_choice"]
+    assert "pto_choice" not in summaries["off"]
+    assert choice["layers"] > 0 and choice["local_ms"] > 0 and choice["gather_ms"] > 0
+    # the prediction is the largest share's norms plus the all-gather: more than the gather alone
+    assert choice["predicted_ms"] > choice["gather_ms"]
+    assert choice["pto"] == ("on" if choice["predicted_ms"] < choice["local_ms"] else "off")
+    assert summaries["auto"]["history"][-1]["train_loss"] == summaries["off"]["history"][-1]["train_loss"]
+    assert summaries["auto"]["history"][-1]["val_accuracy"] == summaries["off"]["history"][-1]["val_accuracy"]
+
+
 def test_lars_with_pto_and_bf16_autocast_resumes_bit_identically(tmp_path, monkeypatch):
     """LARS's momentum and the PTO's group survive a kill and --resume: the resumed run ends on
     the uninterrupted run's parameters, bit for bit."""
@@ -267,6 +288,7 @@ def test_ranks_agree_on_a_diverged_loss():
         (["--trust-coefficient", "0.01"], "--trust-coefficient needs --optimizer lars or lamb"),
         (["--optimizer", "lars", "--trust-coefficient", "0"], "--trust-coefficient must be a positive"),
         (["--optimizer", "adamw", "--pto"], "--pto needs --optimizer lars or lamb"),
+        (["--optimizer", "lamb", "--pto", "sometimes"], "--pto must be one of off, on, auto"),
         (["--scheme", "warp9"], "unknown codec 'warp9'"),
         (["--sync-option", "bucket_bytes=-4"], "bucket_bytes"),
         (["--sync-option", "plan=dense"], "--sync-option plan=... has its own option"),

@@ -60,6 +60,10 @@ class CostParams:
     intra: Link
     inter: Link
     gamma: float = 0.0  # s per byte summed
+    # seconds of an all-gather of one value per rank over the world, measured (None: not
+    # measured, and alpha log2 p of the world link stands in). A small all-gather on gloo is a
+    # ring of p - 1 steps, each with its software start-up, which the all-reduce fits understate.
+    gather_start: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,12 @@ class CostModel:
     def parallel_tensor_op(self, local_s: float, share: float, values: int, value_bytes: int = 4) -> float:
         """Paper 01 Eq. 13-14: each rank does the largest share's fraction ``share`` of work that
         takes ``local_s`` on one rank, then one all-gather of ``values`` results per rank (padded
-        to the largest share) over the world."""
-        return local_s * share + self.allgather(values * value_bytes, self.p, self._world_link)
+        to the largest share) over the world: the measured start-up of a small world all-gather
+        where :func:`calibrate` took it, plus the bytes."""
+        nbytes = values * value_bytes
+        if self.params.gather_start is None:
+            return local_s * share + self.allgather(nbytes, self.p, self._world_link)
+        return local_s * share + self.params.gather_start + (self.p - 1) * nbytes * self._world_link.beta
 
     def locally_aggregated(self, strategy: str, nbytes: float, c: CodecCost) -> float:
         """Intra reduce-scatter, the strategy over the m nodes on S/n (the n local indices' streams
@@ -225,7 +233,7 @@ class CostModel:
 
 
 # -------------------------------------------------------------------------------- calibration
-def _time_collective(topo: Topology, fn: Callable[[], None], reps: int) -> float:
+def time_slowest(topo: Topology, fn: Callable[[], object], reps: int) -> float:
     """Median over reps of the slowest rank's time (all ranks take part in the max, on the
     topology's control group: gradsync never touches the default group)."""
     times = []
@@ -255,7 +263,7 @@ def _fit_ring(
             if active:
                 P.all_reduce(b, group, "calibrate")
 
-        times.append(_time_collective(topo, step, reps))
+        times.append(time_slowest(topo, step, reps))
     alpha = times[0] / (2 * (p - 1))
     span = sizes[-1] - sizes[0]
     slope = (times[-1] - times[0]) / span if span > 0 else 0.0
@@ -264,12 +272,24 @@ def _fit_ring(
     return Link(alpha, slope * p / (2 * (p - 1)))
 
 
+def measure_gather_start(topo: Topology, group: dist.ProcessGroup | None = None, reps: int = 5) -> float:
+    """Seconds of an all-gather of one float32 per rank on ``group`` (default: gradsync's world
+    group): its start-up, every rank's software and network latency on the way. The median over
+    ``reps`` of the slowest rank's time, the same on every rank."""
+    group = group if group is not None else topo.world_group
+    one = torch.zeros(1, device=topo.comm_device)
+    out = torch.zeros(topo.world, device=topo.comm_device)
+    P.all_gather(out, one, group, "world")  # the first call sets up the group's connections
+    return time_slowest(topo, lambda: P.all_gather(out, one, group, "world"), reps)
+
+
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
     """Measure alpha and beta of the intra and inter levels on the running cluster.
 
     Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
     inter-node group (local index 0, so its stream has the node cable to itself), read as
-    ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds. Every
+    ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds; the start-up of a small
+    world all-gather (:func:`measure_gather_start`). Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """
@@ -293,7 +313,8 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     if topo.world > 1:
         dist.all_reduce(g, op=dist.ReduceOp.MAX, group=topo.control_group)
     fallback = Link(0.0, 0.0)
-    return CostParams(intra or inter or fallback, inter or intra or fallback, float(g))
+    gather = measure_gather_start(topo, reps=reps) if topo.world > 1 else None
+    return CostParams(intra or inter or fallback, inter or intra or fallback, float(g), gather)
 
 
 def synchronize(device: torch.device) -> None:

@@ -149,6 +149,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 if not p.is_floating_point():
                     raise ValueError(f"params must be floating point tensors, got one of dtype {p.dtype}")
         self.pto = parallel_operator(parallel)
+        """The parallel tensor operator that computes the trust ratios, or None (locally)."""
         self._workspace: dict[tuple[int, str], torch.Tensor] = {}
 
     def workspace(self, params: list[torch.Tensor], name: str, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -163,6 +164,22 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 buf = self._workspace[key] = torch.empty_like(p, dtype=dtype)
             out.append(buf)
         return out
+
+    def set_parallel(self, parallel: Parallel) -> None:
+        """Compute the trust ratios with ``parallel`` from the next step on (as the constructor's
+        argument); the result does not change, only who computes which layer."""
+        self.pto = parallel_operator(parallel)
+
+    def adapted_layers(self) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        """The layers that have a trust ratio, group by group, in the dtype their norms are taken
+        in (float32 copies of 16-bit ones), with their groups: what :meth:`trust_ratios` takes."""
+        ws: list[torch.Tensor] = []
+        groups: list[dict[str, Any]] = []
+        for group in self.param_groups:
+            if group["adapt"]:
+                ws += [p.detach().to(work_dtype(p.dtype)) for p in group["params"]]
+                groups += [group] * len(group["params"])
+        return ws, groups
 
     # ------------------------------------------------------------------ subclass interface
     def _direction(self, batch: Batch, work: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -32,11 +32,13 @@ from gradsync.collectives.primitives import comm_device
 from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
 from gradsync.models import build_model_for, parameter_count
 from gradsync.observe.telemetry import format_line, step_record
+from gradsync.optim.layerwise import LayerwiseOptimizer
 from gradsync.train import checkpoint
 from gradsync.train.epoch_plan import epoch_plan
 from gradsync.train.metrics import EpochMeter, epoch_record
 from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
 from gradsync.train.options import clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.train.pto_choice import PtoChoice, choose_pto
 from gradsync.train.resize import resize
 
 DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
@@ -156,8 +158,15 @@ class Trainer:
             args.nesterov,
             args.weight_decay,
             trust_coefficient=args.trust_coefficient,
-            parallel=self._pto_group(),
+            parallel=self._pto_group() if args.pto == "on" else None,
         )
+        self.pto_choice: PtoChoice | None = None
+        if args.pto == "auto" and self.world > 1 and isinstance(self.optimizer, LayerwiseOptimizer):
+            group = self._pto_group()
+            assert group is not None  # a world of more than one
+            self.pto_choice = choose_pto(self.optimizer, group, self.topo)
+            if self.rank == 0:
+                print(f"gradsync train: {self.pto_choice.line()}", file=sys.stderr, flush=True)
         ratios = [scaled_lr(lr, args, self.world, self.plan.global_batch(e)) / base_lr
                   for e in range(self.plan.epochs)]  # fmt: skip
         self.scheduler = build_scheduler(
@@ -282,7 +291,7 @@ class Trainer:
     def _pto_group(self) -> dist.ProcessGroup | None:
         """``--pto``: a group of its own for the trust ratios' all-gather (every rank creates it,
         at the same point), so that it never interleaves with the engine's collectives."""
-        if not self.args.pto or self.world == 1:
+        if self.args.pto == "off" or self.world == 1:
             return None
         return dist.new_group(list(range(self.world)))
 
@@ -528,6 +537,7 @@ class Trainer:
             "global_batch": self.plan.global_batch(self.plan.epochs - 1),
             **({} if self.plan.uniform else {"global_batches": self.plan.global_batches}),
             "accumulation": self.accumulation,
+            **({} if self.pto_choice is None else {"pto_choice": self.pto_choice.summary()}),
             "epochs": a.epochs,
             "steps": self.global_step,
             "final": last,

@@ -24,6 +24,7 @@ OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 SCHEDULES = ("cosine", "step", "constant", "poly")
 LR_SCALING = ("none", "linear", "sqrt")
 RESIZE_BATCH = ("constant", "memory")
+PTO = ("off", "on", "auto")
 CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
 
@@ -65,9 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--pto",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default="off",
+        metavar="on|off|auto",
         help="lars and lamb: each rank computes the trust ratios of its share of the layers, "
-        "then one all-gather (paper 01's parallel tensor operator); the result is the same",
+        "then one all-gather (paper 01's parallel tensor operator); the result is the same. "
+        "auto: measure both before training and let the cost model choose (--pto alone: on)",
     )
     g.add_argument(
         "--weight-decay",
@@ -295,7 +300,8 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError("--trust-coefficient needs --optimizer lars or lamb")
         if not (math.isfinite(args.trust_coefficient) and args.trust_coefficient > 0):
             raise ValueError(f"--trust-coefficient must be a positive number, got {args.trust_coefficient!r}")
-    if args.pto and not layerwise:
+    _choice("--pto", args.pto, PTO)
+    if args.pto != "off" and not layerwise:
         raise ValueError("--pto needs --optimizer lars or lamb (the trust ratios are what it shares out)")
     _at_least("--weight-decay", args.weight_decay, 0.0)
     _at_least("--warmup-epochs", args.warmup_epochs, 0.0)
