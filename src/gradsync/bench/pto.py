@@ -10,7 +10,8 @@ rounds, each contender computes every trust ratio of :class:`gradsync.optim.LARS
 weights and gradients: ``local`` (all layers on each rank) and ``pto`` (each rank its share, then
 one all-gather of the ratios). A timing is the slowest rank's. Next to the measured PTO time,
 the cost model's prediction (:meth:`~gradsync.collectives.cost.CostModel.parallel_tensor_op`,
-with the links calibrated in the same run) and whether it predicts a gain.
+with the links and the start-up of a small world all-gather calibrated in the same run) and
+whether it predicts a gain: the decision ``gradsync train --pto auto`` makes.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ def markdown(result: dict[str, Any]) -> str:
         for r in result["rows"]
     ]  # fmt: skip
     head = f"`{result['command']}`: {result['world']} ranks as {result['nodes']} x {result['per_node']}"
-    return head + f", link {result['link'] or 'unshaped'}\n\n" + markdown_table(cols, rows)
+    gather = result.get("gather_start_s")
+    measured = f", a world all-gather of one value per rank {gather * 1e3:.3f} ms" if gather else ""
+    return head + f", link {result['link'] or 'unshaped'}{measured}\n\n" + markdown_table(cols, rows)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -192,6 +195,7 @@ def main(args: argparse.Namespace) -> int:
         "link": link,
         "link_bytes_per_s": link_bytes_per_s(link),
         "alpha_inter_s": params.inter.alpha,
+        "gather_start_s": params.gather_start,
         "rows": rows,
     }
     if topo.rank == 0:
