@@ -255,8 +255,10 @@ def test_bench_large_batch_runs_compare_the_same_epochs_at_two_batches() -> None
     assert opt(runs["lars large + hitopk"], "--scheme") == "hitopk:density=0.01"
     # LARS's recipe is the dataset's own; --lars-lr replaces its learning rate only
     assert opt(runs["lars large"], "--lr") == "2.0" and opt(runs["lars large"], "--label-smoothing") is None
-    images = {run: argv for _, run, _, argv in large_batch._runs(p.parse_args(["--datasets", "images"]), "/t")}
-    assert opt(images["lars large"], "--lr") == "16" and opt(images["lars large"], "--label-smoothing") == "0.1"
+    images_args = p.parse_args(["--datasets", "images"])
+    images = {run: argv for _, run, _, argv in large_batch._runs(images_args, "/t")}
+    assert opt(images["lars large"], "--lr") == "16"
+    assert opt(images["lars large"], "--label-smoothing") == "0.1"
     assert opt(images["sgd small"], "--label-smoothing") is None
     tuned = p.parse_args(["--datasets", "images", "--lars-lr", "8"])
     lars = next(argv for _, run, _, argv in large_batch._runs(tuned, "/t") if run == "lars large")
