@@ -262,7 +262,7 @@ def test_bench_large_batch_runs_compare_the_same_epochs_at_two_batches() -> None
     assert opt(images["sgd small"], "--label-smoothing") is None
     tuned = p.parse_args(["--datasets", "images", "--lars-lr", "8"])
     lars = next(argv for _, run, _, argv in large_batch._runs(tuned, "/t") if run == "lars large")
-    assert opt(lars, "--lr") == "8" and opt(lars, "--label-smoothing") == "0.1"
+    assert opt(lars, "--lr") == "8.0" and opt(lars, "--label-smoothing") == "0.1"
 
 
 @pytest.mark.parametrize(
