@@ -9,8 +9,9 @@ operation is deterministic, every rank computes exactly what it would have alone
 bitwise the local one.
 
 It pays when the norm work saved, ``(1 - 1/p)`` of it, exceeds the all-gather's start-up cost;
-:meth:`gradsync.collectives.cost.CostModel.parallel_tensor_op` predicts both from the same
-calibrated link the planner uses.
+:meth:`gradsync.collectives.cost.CostModel.parallel_tensor_op` predicts both, the all-gather
+from its start-up as :func:`gradsync.collectives.cost.calibrate` measures it; ``gradsync train
+--pto auto`` decides with it.
 """
 
 from __future__ import annotations
