@@ -337,6 +337,13 @@ def test_balanced_shares_cover_every_layer_once_and_balance() -> None:
         assert max(loads) <= sum(sizes) / parts + max(sizes)
     assert [len(s) for s in balanced_shares([1, 1, 1, 1], 2)] == [2, 2]
     assert [len(s) for s in balanced_shares([5], 3)] == [1, 0, 0]
+    from gradsync.optim.parallel import largest_share
+
+    # [1, 1, 1, 1] in two shares of two layers: half the elements, two values each
+    assert largest_share([1, 1, 1, 1], 2) == (0.5, 2)
+    # one layer of 5 on three ranks: one rank does all of it, the others contribute padding
+    assert largest_share([5], 3) == (1.0, 1)
+    assert largest_share([6, 2, 2], 2) == (0.6, 2)  # 6 alone, then 2 + 2 in two layers
 
 
 # ---------------------------------------------------------------------------------------- PTO

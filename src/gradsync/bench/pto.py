@@ -33,7 +33,8 @@ from gradsync.bench.train import _emulated, run_emulated
 from gradsync.bench.world import add_world_arguments, join_world, link_bytes_per_s
 from gradsync.collectives.cost import CostModel, calibrate, synchronize
 from gradsync.models.paper import bert_base, resnet50
-from gradsync.optim import LARS, ParallelTensorOperator, balanced_shares, layerwise_param_groups
+from gradsync.optim import LARS, ParallelTensorOperator, layerwise_param_groups
+from gradsync.optim.parallel import largest_share
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"resnet50": resnet50, "bert-base": bert_base}
 
@@ -133,9 +134,7 @@ def bench_scale(
         for c in contenders if r % 2 == 0 else list(contenders)[::-1]:
             times[c].append(_timed(contenders[c], args.reps, device))
     sizes = [q.numel() for q in params]
-    shares = balanced_shares(sizes, p)
-    share = max(sum(sizes[i] for i in s) for s in shares) / sum(sizes)
-    width = max(1, max(len(s) for s in shares))
+    share, width = largest_share(sizes, p)
     local_s = statistics.median(times["local"])
     predicted = model.parallel_tensor_op(local_s, share, width)
     ratios = [t / lo for t, lo in zip(times["pto"], times["local"], strict=True)]

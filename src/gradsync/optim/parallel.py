@@ -44,6 +44,16 @@ def balanced_shares(sizes: Sequence[int], parts: int) -> list[range]:
     return [range(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
+def largest_share(sizes: Sequence[int], parts: int) -> tuple[float, int]:
+    """For :func:`balanced_shares` over ``parts``: the largest share's fraction of the elements
+    (the work the slowest rank does) and the most layers in a share (the values each rank
+    contributes to the all-gather, padded to that)."""
+    shares = balanced_shares(sizes, parts)
+    total = max(sum(int(s) for s in sizes), 1)
+    fraction = max(sum(int(sizes[i]) for i in s) for s in shares) / total
+    return fraction, max(1, max(len(s) for s in shares))
+
+
 class ParallelTensorOperator:
     """Compute one value per layer, each rank its share, gathered on every rank.
 

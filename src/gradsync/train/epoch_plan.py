@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from gradsync.train.options import batch_plan
 from gradsync.train.resize import parse_resize_schedule, size_at
@@ -49,13 +51,18 @@ class EpochPlan:
     def global_batches(self) -> list[int]:
         return [b * self.workers for b in self.per_worker]
 
+    @cached_property
+    def _ends(self) -> tuple[int, ...]:
+        """The step count at the end of each epoch (computed once: the scheduler asks every step)."""
+        return tuple(itertools.accumulate(self.steps))
+
     def steps_before(self, epoch: int) -> int:
         """Optimizer steps in the epochs before ``epoch``."""
-        return sum(self.steps[:epoch])
+        return self._ends[epoch - 1] if epoch > 0 else 0
 
     @property
     def total_steps(self) -> int:
-        return sum(self.steps)
+        return self._ends[-1] if self._ends else 0
 
     def to_steps(self, epochs: float) -> int:
         """``epochs`` (fractional, >= 0) as a number of optimizer steps: the whole epochs' steps
@@ -67,8 +74,7 @@ class EpochPlan:
 
     def epoch_of_step(self, step: int) -> int:
         """The epoch that optimizer step ``step`` (0-based) belongs to (the last one past the end)."""
-        ends = [self.steps_before(e + 1) for e in range(self.epochs)]
-        return min(bisect.bisect_right(ends, step), self.epochs - 1)
+        return min(bisect.bisect_right(self._ends, step), self.epochs - 1)
 
     @property
     def uniform(self) -> bool:

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from gradsync.collectives import Topology
 from gradsync.collectives.cost import CostModel, measure_gather_start, time_slowest
-from gradsync.optim import ParallelTensorOperator, balanced_shares
+from gradsync.optim import ParallelTensorOperator
 from gradsync.optim.layerwise import LayerwiseOptimizer
+from gradsync.optim.parallel import largest_share
 from gradsync.sync.planner import DEFAULT_PARAMS
 
 
@@ -64,9 +65,7 @@ def choose_pto(
     optimizer.set_parallel(local)
     gather_s = measure_gather_start(topo, group, reps)
     sizes = [w.numel() for w in ws]
-    shares = balanced_shares(sizes, topo.world)
-    share = max(sum(sizes[i] for i in s) for s in shares) / max(sum(sizes), 1)
-    width = max(1, max(len(s) for s in shares))
+    share, width = largest_share(sizes, topo.world)
     # the payload is a few bytes per rank: the default links' beta is as good as a calibrated one
     model = CostModel(replace(DEFAULT_PARAMS, gather_start=gather_s), topo.nodes, topo.per_node)
     predicted = model.parallel_tensor_op(local_s, share, width)
