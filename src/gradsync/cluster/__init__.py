@@ -22,12 +22,19 @@ __all__ = [
 ]
 
 
+_STORAGE_HELP = (
+    "also a storage node gs-st (10.78.0.250) whose cable runs at this rate (100mbit, none): "
+    "serve files from it with gradsync.cluster.storage"
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     sub.add_parser("check", help="can this machine run the emulated cluster? (root, netns, veth, htb)")
     q = sub.add_parser("up", help="create NODES network-namespace nodes with cables shaped to RATE")
     q.add_argument("--nodes", type=int, default=2)
     q.add_argument("--rate", default="100mbit", help="per node cable, both directions: 100mbit, 1gbit, none")
+    q.add_argument("--storage-link", default=None, help=_STORAGE_HELP)
     sub.add_parser("down", help="remove the emulated cluster")
     sub.add_parser("status", help="nodes, rate and bytes sent per node")
     for name, text in (
@@ -38,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "run":
             q.add_argument("--nodes", type=int, default=2)
             q.add_argument("--rate", default="100mbit")
+            q.add_argument("--storage-link", default=None, help=_STORAGE_HELP)
         q.add_argument("--per-node", type=int, default=2, help="ranks per node")
         q.add_argument(
             "--timeout", type=float, default=1800.0, help="stop every rank after this many seconds"
@@ -57,8 +65,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"gradsync cluster: {why}")
             return 0 if ok else 1
         if args.action == "up":
-            state = up(args.nodes, args.rate)
-            print(f"gradsync cluster: {state.nodes} nodes up, cables at {state.rate}")
+            state = up(args.nodes, args.rate, args.storage_link)
+            storage = "" if state.storage_rate is None else f", storage node at {state.storage_rate}"
+            print(f"gradsync cluster: {state.nodes} nodes up, cables at {state.rate}{storage}")
             return 0
         if args.action == "down":
             print(f"gradsync cluster: removed {down()} namespaces")
@@ -71,7 +80,9 @@ def main(args: argparse.Namespace) -> int:
             argv = argv[1:]
         if args.action == "launch":
             return launch(args.per_node, argv, args.timeout, args.port)
-        return run_on_cluster(args.nodes, args.per_node, args.rate, argv, args.timeout, args.port)
+        return run_on_cluster(
+            args.nodes, args.per_node, args.rate, argv, args.timeout, args.port, args.storage_link
+        )
     except ClusterError as e:
         print(f"gradsync cluster: error: {e}", file=sys.stderr)
         return 1

@@ -107,12 +107,21 @@ def launch(per_node: int, argv: list[str], timeout_s: float, port: int = 29500) 
     return next((c for c in codes if c != 0), 0)
 
 
-def run_on_cluster(nodes: int, per_node: int, rate: str, argv: list[str], timeout_s: float, port: int) -> int:
-    """Bring the cluster up, run the command on it, and always take it down again."""
+def run_on_cluster(
+    nodes: int,
+    per_node: int,
+    rate: str,
+    argv: list[str],
+    timeout_s: float,
+    port: int,
+    storage_rate: str | None = None,
+) -> int:
+    """Bring the cluster up (with the storage node when ``storage_rate`` is given), run the
+    command on it, and always take it down again."""
     if per_node < 1:
         raise ValueError(f"--per-node must be at least 1, got {per_node}")
     with _terminate_on_signal():
-        up(nodes, rate)
+        up(nodes, rate, storage_rate)
         try:
             return launch(per_node, argv, timeout_s, port)
         finally:

@@ -7,6 +7,10 @@ that speed. Processes of one node talk over that namespace's loopback, unshaped:
 intra-node link. Every node disables IPv6 (so gloo cannot pick a link-local address) and uses
 TCP reno (the shaper's queue and reno give steady throughput; see the testbed notes).
 
+Optionally a storage node ``gs-st`` (10.78.0.250, eth0 plugged into the switch's port ``gspst``)
+stands for central storage behind its own shaped cable: a file server started in it (see
+:mod:`gradsync.cluster.storage`) is reached by the nodes only through that cable and their own.
+
 Only root can do this, and only where the kernel has network namespaces, veth, bridges and the
 htb qdisc: :func:`check` says whether it can run and why not. :func:`up` removes whatever it
 created if any step fails; :func:`down` removes everything named ``gs-*`` that it knows of.
@@ -29,6 +33,8 @@ PREFIX = "gs"
 SUBNET = "10.78.0"
 SWITCH = f"{PREFIX}-sw"
 BRIDGE = f"{PREFIX}br0"
+STORAGE = f"{PREFIX}-st"
+STORAGE_ADDRESS = f"{SUBNET}.250"  # above the nodes' addresses (at most 64 nodes: .1 to .64)
 STATE_DIR = Path(os.environ.get("GRADSYNC_CLUSTER_STATE", "/tmp/gradsync-cluster"))
 COMMAND_TIMEOUT_S = 20.0
 
@@ -40,12 +46,12 @@ class ClusterError(RuntimeError):
     """The emulated cluster cannot be set up or used here; the message says why."""
 
 
-def parse_rate(rate: str) -> float:
-    """``"100mbit"`` -> bits per second (``ValueError`` naming ``--rate`` for anything else)."""
+def parse_rate(rate: str, option: str = "--rate") -> float:
+    """``"100mbit"`` -> bits per second (``ValueError`` naming ``option`` for anything else)."""
     m = _RATE.match(rate.strip().lower()) if isinstance(rate, str) else None
     if not m or float(m.group(1)) <= 0:
         raise ValueError(
-            f"--rate must be a positive number with gbit, mbit or kbit (e.g. 100mbit), got {rate!r}"
+            f"{option} must be a positive number with gbit, mbit or kbit (e.g. 100mbit), got {rate!r}"
         )
     return float(m.group(1)) * _UNITS[m.group(2)]
 
@@ -58,10 +64,17 @@ def node_address(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
 
 
+def _check_rate(rate: str, option: str) -> None:
+    """A cable rate is ``none`` (unshaped) or what :func:`parse_rate` accepts."""
+    if rate != "none":
+        parse_rate(rate, option)
+
+
 @dataclass
 class ClusterState:
     nodes: int
     rate: str
+    storage_rate: str | None = None  # None: no storage node (state files written before it lack it)
 
     @classmethod
     def load(cls) -> ClusterState | None:
@@ -69,7 +82,8 @@ class ClusterState:
         if not path.is_file():
             return None
         data = json.loads(path.read_text())
-        return cls(int(data["nodes"]), str(data["rate"]))
+        storage_rate = data.get("storage_rate")
+        return cls(int(data["nodes"]), str(data["rate"]), None if storage_rate is None else str(storage_rate))
 
     def save(self) -> None:
         STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -155,8 +169,31 @@ def _shape(ns: str, dev: str, rate: str) -> list[list[str]]:
     ]
 
 
-def up_commands(nodes: int, rate: str) -> list[list[str]]:
-    """Every command :func:`up` runs, in order (``rate`` ``none``: unshaped cables)."""
+def _plug_in(ns: str, veth: str, port: str, address: str, rate: str) -> list[list[str]]:
+    """Namespace ``ns`` with eth0 at ``address``, cabled to the switch's ``port`` at ``rate``."""
+    cmds = [
+        ["ip", "netns", "add", ns],
+        ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
+        ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_congestion_control=reno"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ["ip", "link", "add", veth, "netns", ns, "type", "veth", "peer", "name", port, "netns", SWITCH],
+        ["ip", "-n", ns, "link", "set", veth, "name", "eth0"],
+        ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"],
+        ["ip", "-n", ns, "link", "set", "eth0", "up"],
+        ["ip", "-n", SWITCH, "link", "set", port, "master", BRIDGE],
+        ["ip", "-n", SWITCH, "link", "set", port, "up"],
+    ]
+    if rate != "none":
+        cmds += _shape(ns, "eth0", rate) + _shape(SWITCH, port, rate)
+    return cmds
+
+
+def up_commands(nodes: int, rate: str, storage_rate: str | None = None) -> list[list[str]]:
+    """Every command :func:`up` runs, in order (``rate`` ``none``: unshaped cables). With
+    ``storage_rate`` (a rate or ``none``) the storage node ``gs-st`` gets a cable of that speed."""
+    _check_rate(rate, "--rate")
+    if storage_rate is not None:
+        _check_rate(storage_rate, "--storage-link")
     cmds = [
         ["ip", "netns", "add", SWITCH],
         ["ip", "-n", SWITCH, "link", "set", "lo", "up"],
@@ -164,76 +201,57 @@ def up_commands(nodes: int, rate: str) -> list[list[str]]:
         ["ip", "-n", SWITCH, "link", "set", BRIDGE, "up"],
     ]
     for i in range(nodes):
-        ns, port = node_name(i), f"{PREFIX}p{i}"
-        cmds += [
-            ["ip", "netns", "add", ns],
-            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
-            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_congestion_control=reno"],
-            ["ip", "-n", ns, "link", "set", "lo", "up"],
-            [
-                "ip",
-                "link",
-                "add",
-                f"{PREFIX}n{i}e",
-                "netns",
-                ns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                port,
-                "netns",
-                SWITCH,
-            ],
-            ["ip", "-n", ns, "link", "set", f"{PREFIX}n{i}e", "name", "eth0"],
-            ["ip", "-n", ns, "addr", "add", f"{node_address(i)}/24", "dev", "eth0"],
-            ["ip", "-n", ns, "link", "set", "eth0", "up"],
-            ["ip", "-n", SWITCH, "link", "set", port, "master", BRIDGE],
-            ["ip", "-n", SWITCH, "link", "set", port, "up"],
-        ]
-        if rate != "none":
-            cmds += _shape(ns, "eth0", rate) + _shape(SWITCH, port, rate)
+        cmds += _plug_in(node_name(i), f"{PREFIX}n{i}e", f"{PREFIX}p{i}", node_address(i), rate)
+    if storage_rate is not None:
+        cmds += _plug_in(STORAGE, f"{PREFIX}ste", f"{PREFIX}pst", STORAGE_ADDRESS, storage_rate)
     return cmds
 
 
-def up(nodes: int, rate: str) -> ClusterState:
-    """Create the cluster (``ClusterError`` with the reason if it cannot; nothing is left behind)."""
+def up(nodes: int, rate: str, storage_rate: str | None = None) -> ClusterState:
+    """Create the cluster, with the storage node when ``storage_rate`` is given (a rate or
+    ``none``); ``ClusterError`` with the reason if it cannot, and then nothing is left behind."""
     if not isinstance(nodes, int) or not 1 <= nodes <= 64:
         raise ValueError(f"--nodes must be an integer from 1 to 64, got {nodes!r}")
-    if rate != "none":
-        parse_rate(rate)
+    _check_rate(rate, "--rate")
+    if storage_rate is not None:
+        _check_rate(storage_rate, "--storage-link")
     ok, why = check()
     if not ok:
         raise ClusterError(why)
-    if ClusterState.load() is not None or _exists(SWITCH):
+    if ClusterState.load() is not None or _exists(SWITCH) or _exists(STORAGE):
         raise ClusterError("an emulated cluster is already up; run 'gradsync cluster down' first")
-    ClusterState(nodes, rate).save()
+    state = ClusterState(nodes, rate, storage_rate)
+    state.save()
     try:
-        for cmd in up_commands(nodes, rate):
+        for cmd in up_commands(nodes, rate, storage_rate):
             _run(cmd)
-        _wait_reachable(nodes)
+        _wait_reachable(nodes, storage=storage_rate is not None)
     except BaseException:
         down()
         raise
-    return ClusterState(nodes, rate)
+    return state
 
 
 def _exists(ns: str) -> bool:
     return ns in _run(["ip", "netns", "list"], check=False).stdout.split()
 
 
-def _wait_reachable(nodes: int, deadline_s: float = 10.0) -> None:
-    """Every node reaches node 0 (a bounded wait: ``ClusterError`` after ``deadline_s``)."""
-    for i in range(1, nodes):
+def _wait_reachable(nodes: int, deadline_s: float = 10.0, storage: bool = False) -> None:
+    """Every node reaches node 0, and node 0 the storage node if there is one (a bounded wait:
+    ``ClusterError`` after ``deadline_s`` per pair)."""
+    pairs = [(node_name(i), f"node {i}", node_address(0), "node 0") for i in range(1, nodes)]
+    if storage:
+        pairs.append((node_name(0), "node 0", STORAGE_ADDRESS, "the storage node"))
+    for ns, who, address, whom in pairs:
         end = time.monotonic() + deadline_s
         while True:
             # a TCP connection to a closed port: "refused" means the packet got there and back
-            probe = f"timeout 1 bash -c '</dev/tcp/{node_address(0)}/9'"
-            r = _run(["ip", "netns", "exec", node_name(i), "bash", "-c", f"{probe} 2>&1"], check=False)
+            probe = f"timeout 1 bash -c '</dev/tcp/{address}/9'"
+            r = _run(["ip", "netns", "exec", ns, "bash", "-c", f"{probe} 2>&1"], check=False)
             if "refused" in r.stdout or r.returncode == 0:
                 break
             if time.monotonic() > end:
-                raise ClusterError(f"node {i} cannot reach node 0 ({node_address(0)}) after {deadline_s:g} s")
+                raise ClusterError(f"{who} cannot reach {whom} ({address}) after {deadline_s:g} s")
             time.sleep(0.1)
 
 
@@ -241,7 +259,7 @@ def down() -> int:
     """Remove the cluster; returns how many namespaces were removed. Safe to call twice."""
     state = ClusterState.load()
     listed = _run(["ip", "netns", "list"], check=False).stdout.split() if shutil.which("ip") else []
-    ours = [n for n in listed if re.fullmatch(rf"{PREFIX}-(n\d+|sw)", n)]
+    ours = [n for n in listed if re.fullmatch(rf"{PREFIX}-(n\d+|sw|st)", n)]
     if state is not None:
         ours = sorted(set(ours) | {node_name(i) for i in range(state.nodes)} & set(listed))
     for ns in ours:
@@ -255,8 +273,13 @@ def status() -> str:
     if state is None:
         return "no emulated cluster is up"
     lines = [f"{state.nodes} nodes, cables at {state.rate}"]
-    for i in range(state.nodes):
-        r = _run(["ip", "-n", node_name(i), "-s", "link", "show", "eth0"], check=False)
+    if state.storage_rate is not None:
+        lines[0] += f"; storage node, cable at {state.storage_rate}"
+    members = [(node_name(i), node_address(i)) for i in range(state.nodes)]
+    if state.storage_rate is not None:
+        members.append((STORAGE, STORAGE_ADDRESS))
+    for ns, address in members:
+        r = _run(["ip", "-n", ns, "-s", "link", "show", "eth0"], check=False)
         tx = re.search(r"TX:.*\n\s+(\d+)", r.stdout)
-        lines.append(f"  {node_name(i)} {node_address(i)}: {tx.group(1) if tx else '?'} bytes sent")
+        lines.append(f"  {ns} {address}: {tx.group(1) if tx else '?'} bytes sent")
     return "\n".join(lines)
