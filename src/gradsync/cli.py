@@ -33,6 +33,7 @@ APP_MODULES = {
     "sklearn": "scikit-learn",
     "PIL": "pillow",
     "matplotlib": "matplotlib",
+    "aiohttp": "fsspec[http]",  # fsspec itself comes with torch
 }
 INSTALL_APPS = 'pip install "gradsync[apps]"'
 DEBUG_VARIABLE = "GRADSYNC_DEBUG"
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import codecs as bench_codecs
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
+    from gradsync.bench import datacache as bench_datacache
     from gradsync.bench import large_batch as bench_large_batch
     from gradsync.bench import optim as bench_optim
     from gradsync.bench import overhead as bench_overhead
@@ -148,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
             "optim",
             bench_optim,
             "the LARS and LAMB step against a per-parameter loop, SGD and the memory floor",
+        ),
+        (
+            "datacache",
+            bench_datacache,
+            "training from an image folder behind a slow link, with and without the data cache",
         ),
         ("overhead", bench_overhead, "what recording a timeline (--trace) costs a step"),
         ("whatif", bench_whatif, "the what-if simulator's predicted step next to the measured one"),

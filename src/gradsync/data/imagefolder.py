@@ -15,7 +15,9 @@ measured on up to :data:`STATS_SAMPLE` training images chosen by the seed.
 
 from __future__ import annotations
 
+import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,22 +43,29 @@ class ImageFile:
     label: int
 
 
-def open_image(path: Path) -> Image.Image:
-    """Open ``path`` with Pillow (header only); any failure becomes a ValueError naming the file."""
+ImageSource = Path | bytes
+"""An image file: its path, or its bytes (fetched from central storage)."""
+
+
+def open_image(source: ImageSource, name: object = None) -> Image.Image:
+    """Open an image file or its bytes with Pillow (header only); any failure becomes a ValueError
+    naming the file (``name``, else the path)."""
     from PIL import Image
 
     try:
-        return Image.open(path)
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
     except Exception as exc:
-        raise ValueError(f"cannot read image {path}: {exc}") from exc
+        raise ValueError(f"cannot read image {name or source}: {exc}") from exc
 
 
-def decode_image(path: Path, size: int, mode: str) -> np.ndarray:
-    """Pixels of ``path`` as uint8 ``(H, W, C)``, converted to ``mode`` and resized to ``size x size``."""
+def decode_image(source: ImageSource, size: int, mode: str, name: object = None) -> np.ndarray:
+    """Pixels of an image file (or its bytes) as uint8 ``(H, W, C)``, converted to ``mode`` and
+    resized to ``size x size``."""
     from PIL import Image
 
+    path = name or source
     try:
-        with open_image(path) as img:
+        with open_image(source, name) as img:
             img = img.convert(mode)
             if img.size != (size, size):
                 img = img.resize((size, size), Image.Resampling.BILINEAR)
@@ -137,25 +146,30 @@ def _check_val_classes(val_root: Path, classes: list[str]) -> None:
         )
 
 
-def _statistics(
-    files: list[ImageFile], size: int, channels: int | None, seed: int
-) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """Colour mode and per-channel mean/std of [0, 1] pixels, from a seeded sample of ``files``."""
+def statistics_sample(n_train: int, seed: int) -> list[int]:
+    """The training images (indices, sorted) whose pixels give the colour mode and statistics."""
     g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(files), generator=g)[:STATS_SAMPLE].tolist()
-    sample = [files[i].path for i in sorted(order)]
+    return sorted(torch.randperm(n_train, generator=g)[:STATS_SAMPLE].tolist())
+
+
+def image_statistics(
+    sample: Sequence[ImageSource], size: int, channels: int | None
+) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Colour mode and per-channel mean/std of [0, 1] pixels of the sample's images."""
     if channels is None:
         modes = []
-        for path in sample:
-            with open_image(path) as img:
+        for source in sample:
+            with open_image(source) as img:
                 modes.append(img.mode)
         channels = 1 if all(m in GREY_MODES for m in modes) else 3
     mode = "L" if channels == 1 else "RGB"
     total = torch.zeros(channels, dtype=torch.float64)
     total_sq = torch.zeros(channels, dtype=torch.float64)
     count = 0
-    for path in sample:
-        px = torch.from_numpy(decode_image(path, size, mode)).reshape(-1, channels).to(torch.float64) / 255.0
+    for source in sample:
+        px = (
+            torch.from_numpy(decode_image(source, size, mode)).reshape(-1, channels).to(torch.float64) / 255.0
+        )
         total += px.sum(0)
         total_sq += (px * px).sum(0)
         count += px.shape[0]
@@ -187,7 +201,8 @@ def load_imagefolder_bundle(path: str, *, size: int, channels: int | None, seed:
         layout = "seeded 90/10 split"
     if not val_files:
         raise ValueError(f"--data imagefolder: {root} has too few images to hold out any for validation")
-    mode, mean, std = _statistics(train_files, size, channels, seed)
+    sample = [train_files[i].path for i in statistics_sample(len(train_files), seed)]
+    mode, mean, std = image_statistics(sample, size, channels)
     listing = [
         (str(f.path.relative_to(root)), f.label, f.path.stat().st_size) for f in train_files + val_files
     ]

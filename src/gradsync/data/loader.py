@@ -107,6 +107,15 @@ def collate(items: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
+def load_batch(dataset: MapDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of ``indices``: through the dataset's own ``load_batch`` where it has
+    one (the cached datasets fetch a batch's missing files together), else item by item."""
+    batched = getattr(dataset, "load_batch", None)
+    if batched is not None:
+        return batched(indices)
+    return collate([dataset[i] for i in indices])
+
+
 def _put(q: queue.Queue, item: object, stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
@@ -132,9 +141,14 @@ def _produce(
                 break
         while not stop.is_set():
             chunk = list(itertools.islice(indices, batch_size))
-            if not chunk or (drop_last and len(chunk) < batch_size):
+            if chunk and drop_last and len(chunk) < batch_size:
+                warm = getattr(dataset, "warm", None)
+                if warm is not None:  # a cache still loads what the short last batch leaves out
+                    warm(chunk)
                 break
-            if not _put(q, collate([dataset[i] for i in chunk]), stop):
+            if not chunk:
+                break
+            if not _put(q, load_batch(dataset, chunk), stop):
                 return
         _put(q, _END, stop)
     except BaseException as exc:  # handed to the consumer, which re-raises it

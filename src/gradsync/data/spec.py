@@ -9,6 +9,8 @@ Forms::
     imagefolder:PATH[,size=32,channels=auto]
     tokens:PATH[,vocab=N]
 
+PATH is a local path or an fsspec URL: ``imagefolder:http://storage:8000/pets,size=64``.
+
 Options are ``key=value`` pairs separated by commas. For the two PATH forms the path comes first,
 right after the colon, and the options follow it after commas: ``imagefolder:/data/pets,size=64``.
 Only trailing comma-separated pieces that look like ``key=value`` are options, so a path may itself
@@ -23,9 +25,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.data.bundle import DataBundle
+from gradsync.data.cache.source import is_url
+
+if TYPE_CHECKING:
+    from gradsync.data.cache.config import CacheConfig
 
 _OPTION = re.compile(r"^[a-z_][a-z0-9_]*=")
 
@@ -68,8 +74,8 @@ def _channels(key: str, raw: str) -> int | None:
 @dataclass(frozen=True)
 class _Form:
     usage: str
-    build: Callable[..., DataBundle]  # (path or None, options, seq_len, seed) -> bundle
-    takes_path: bool = False
+    build: Callable[..., DataBundle]  # (path or None, options, seq_len, seed[, cache]) -> bundle
+    takes_path: bool = False  # the forms with a path read it from central storage, cached or not
     options: dict[str, tuple[Callable[[str, str], Any], Any]] = field(default_factory=dict)
 
 
@@ -97,17 +103,29 @@ def _synthetic_text(path: str | None, opts: dict[str, Any], seq_len: int, seed: 
     return synthetic_text_bundle(seq_len=seq_len, seed=seed, **opts)
 
 
-def _imagefolder(path: str | None, opts: dict[str, Any], seq_len: int, seed: int) -> DataBundle:
+def _imagefolder(
+    path: str | None, opts: dict[str, Any], seq_len: int, seed: int, cache: CacheConfig | None = None
+) -> DataBundle:
+    assert path is not None
+    if cache is not None or is_url(path):
+        from gradsync.data.cache.images import load_cached_imagefolder
+
+        return load_cached_imagefolder(path, seed=seed, cache=cache, **opts)
     from gradsync.data.imagefolder import load_imagefolder_bundle
 
-    assert path is not None
     return load_imagefolder_bundle(path, seed=seed, **opts)
 
 
-def _tokens(path: str | None, opts: dict[str, Any], seq_len: int, seed: int) -> DataBundle:
+def _tokens(
+    path: str | None, opts: dict[str, Any], seq_len: int, seed: int, cache: CacheConfig | None = None
+) -> DataBundle:
+    assert path is not None
+    if cache is not None or is_url(path):
+        from gradsync.data.cache.tokens import load_cached_tokens
+
+        return load_cached_tokens(path, seq_len=seq_len, cache=cache, **opts)
     from gradsync.data.tokenfile import load_tokens_bundle
 
-    assert path is not None
     return load_tokens_bundle(path, seq_len=seq_len, **opts)
 
 
@@ -199,15 +217,25 @@ def parse_data_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
     return name, path, options
 
 
-def build_data(spec: str, *, seq_len: int = 64, seed: int = 0) -> DataBundle:
+def build_data(
+    spec: str, *, seq_len: int = 64, seed: int = 0, cache: CacheConfig | None = None
+) -> DataBundle:
     """The datasets a ``--data`` spec names; ``seq_len`` applies to language-model data only.
 
     ``seed`` fixes the train/validation split of ``digits`` and image folders and the generated
-    data of the synthetic forms; ``text`` and ``tokens`` do not depend on it.
+    data of the synthetic forms; ``text`` and ``tokens`` do not depend on it. The PATH forms take
+    a local path or any fsspec URL (``http://...``, ``s3://...``); ``cache`` reads them through
+    the cache tiers (:mod:`gradsync.data.cache`), which only those forms have.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     name, path, options = parse_data_spec(spec)
-    return _FORMS[name].build(path, options, seq_len, seed)
+    form = _FORMS[name]
+    if cache is not None:
+        if not form.takes_path:
+            cached = ", ".join(n for n in data_names() if _FORMS[n].takes_path)
+            raise ValueError(f"--cache applies to data read from files ({cached}), not to --data {name}")
+        return form.build(path, options, seq_len, seed, cache)
+    return form.build(path, options, seq_len, seed)

@@ -11,6 +11,7 @@ The last 10% of the tokens is validation, the rest training windows.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,22 +47,45 @@ def load_tokens_bundle(path: str, *, vocab: int | None, seq_len: int) -> DataBun
     size = file.stat().st_size
     if size == 0:
         raise ValueError(f"--data tokens: {file} is empty")
-    if file.suffix.lower() == ".bin":
-        if size % 2:
-            raise ValueError(
-                f"--data tokens: {file} has {size} bytes, an odd number, so it is not uint16 token ids"
-            )
-        tokens: np.ndarray = np.memmap(file, dtype="<u2", mode="r")
+    binary = file.suffix.lower() == ".bin"
+    if binary and size % 2:
+        raise ValueError(
+            f"--data tokens: {file} has {size} bytes, an odd number, so it is not uint16 token ids"
+        )
+    raw = np.memmap(file, dtype=np.uint8, mode="r")
+    return tokens_from_bytes(
+        raw,
+        binary,
+        str(file),
+        vocab=vocab,
+        seq_len=seq_len,
+        digest=lambda *extra: file_fingerprint(file, *extra),
+    )
+
+
+def tokens_from_bytes(
+    raw: np.ndarray,
+    binary: bool,
+    name: str,
+    *,
+    vocab: int | None,
+    seq_len: int,
+    digest: Callable[..., str],
+) -> DataBundle:
+    """The bundle of a token file whose bytes are ``raw`` (uint8, possibly memory-mapped):
+    uint16 ids if ``binary``, else UTF-8 bytes. ``digest(*settings)`` fingerprints the file."""
+    if binary:
+        tokens: np.ndarray = raw.view("<u2")
         top = int(tokens.max())
         if vocab is None:
             vocab = top + 1
         elif vocab <= top:
-            raise ValueError(f"--data tokens: vocab={vocab} but {file} holds token id {top}")
+            raise ValueError(f"--data tokens: vocab={vocab} but {name} holds token id {top}")
         kind = "uint16 token ids"
     else:
         if vocab is not None and vocab != 256:
             raise ValueError(f"--data tokens: vocab must be 256 for a text file (UTF-8 bytes), got {vocab}")
-        tokens = np.fromfile(file, dtype=np.uint8)
+        tokens = raw
         vocab = 256
         kind = "UTF-8 bytes"
     return lm_bundle(
@@ -69,6 +93,6 @@ def load_tokens_bundle(path: str, *, vocab: int | None, seq_len: int) -> DataBun
         tokens,
         vocab=vocab,
         seq_len=seq_len,
-        fingerprint=file_fingerprint(file, kind, vocab, seq_len),
-        source=f"token file {file} ({len(tokens)} tokens, {kind}); license: that of the file",
+        fingerprint=digest(kind, vocab, seq_len),
+        source=f"token file {name} ({len(tokens)} tokens, {kind}); license: that of the file",
     )

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
-from gradsync.train.options import add_arguments, batch_plan, validate
+from gradsync.train.options import add_arguments, batch_plan, cache_config, validate
 from gradsync.train.resize import check_model_takes, parse_resize_schedule
 
 __all__ = ["add_arguments", "check", "main"]
@@ -29,7 +30,10 @@ def _check_data_and_model(args: argparse.Namespace) -> None:
     from gradsync.models import build_model_for
     from gradsync.train.loop import default_model
 
-    data = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
+    cache = cache_config(args, 0)
+    if cache is not None:  # the launcher only lists and checks: no memory store of its own
+        cache = replace(cache, memory=False)
+    data = build_data(args.data, seq_len=args.seq_len, seed=args.seed, cache=cache)
     model = build_model_for(
         args.model or default_model(data.task), data.task, data.input_shape, data.num_classes
     )

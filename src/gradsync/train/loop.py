@@ -30,14 +30,16 @@ import gradsync
 from gradsync.collectives import Topology
 from gradsync.collectives.primitives import comm_device
 from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
+from gradsync.data.cache.partition import PartitionSampler
+from gradsync.data.loader import load_batch
 from gradsync.models import build_model_for, parameter_count
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.optim.layerwise import LayerwiseOptimizer
 from gradsync.train import checkpoint
 from gradsync.train.epoch_plan import epoch_plan
-from gradsync.train.metrics import EpochMeter, epoch_record
+from gradsync.train.metrics import EpochMeter, cache_figures, epoch_record
 from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
-from gradsync.train.options import clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
 from gradsync.train.pto_choice import PtoChoice, choose_pto
 from gradsync.train.resize import resize
 
@@ -115,15 +117,22 @@ class Trainer:
         self.device = self._join()
         self.topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
         self.rank, self.world = self.topo.rank, self.topo.world
-        self.data: DataBundle = build_data(args.data, seq_len=args.seq_len, seed=args.seed)
+        self.node = self.rank // self.topo.per_node
+        self.partitioned = args.cache is not None and args.cache_shuffle == "partition"
+        """Each rank reads a fixed part of the data (``--cache``): the node's store holds only its part."""
+        self.data: DataBundle = build_data(
+            args.data, seq_len=args.seq_len, seed=args.seed, cache=cache_config(args, self.node)
+        )
         self.model_name = args.model or default_model(self.data.task)
         torch.manual_seed(args.seed)  # identical initial weights everywhere (wrap broadcasts rank 0's)
         net = build_model_for(self.model_name, self.data.task, self.data.input_shape, self.data.num_classes)
         net = net.to(self.device)
         self.grad_bytes = sum(p.numel() * 4 for p in net.parameters() if p.requires_grad)
-        self.sampler = ShardedSampler(
-            len(self.data.train), self.rank, self.world, shuffle=True, seed=args.seed
-        )
+        self.sampler: ShardedSampler | PartitionSampler
+        if self.partitioned:
+            self.sampler = PartitionSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
+        else:
+            self.sampler = ShardedSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
         native = self.data.input_shape[-1] if self.data.task == "classify" else None
         self.plan = epoch_plan(args, self.world, len(self.sampler), native)
         self.accumulation = self.plan.accumulation
@@ -229,6 +238,8 @@ class Trainer:
             ident["resize_schedule"] = a.resize_schedule
         if a.resize_batch != "constant":
             ident["resize_batch"] = a.resize_batch
+        if self.partitioned:
+            ident["data_order"] = "partition"
         return ident
 
     # ------------------------------------------------------------------ checkpoints
@@ -417,9 +428,9 @@ class Trainer:
         loss_sum, correct, count = 0.0, 0.0, 0.0
         bs = max(self.args.batch_size, 64)
         for i in range(0, len(idx), bs):
-            items = [val[j] for j in idx[i : i + bs]]
-            x = self._inputs(torch.stack([it[0] for it in items]))
-            y = torch.stack([it[1] for it in items]).to(self.device)
+            xs, ys = load_batch(val, idx[i : i + bs])
+            x = self._inputs(xs)
+            y = ys.to(self.device)
             with self._autocast():
                 out = self.net(x)
             out = out.reshape(-1, out.shape[-1]).float()
@@ -451,11 +462,14 @@ class Trainer:
             self.sampler.set_epoch(self.epoch)
             self.loader.batch_size = self.plan.per_worker[self.epoch]
             started = time.perf_counter()
+            cache_before = self._cache_counters()
             with EpochProgress(show, self.epoch, a.epochs, self.steps_per_epoch, self.batch) as bar:
+                waited = time.perf_counter()
                 for x, y in self.loader.iter_from(self.batch):
                     t0 = time.perf_counter()
                     loss = self._step(x, y)
                     dt = time.perf_counter() - t0
+                    self.meter.wait_s += t0 - waited
                     self.batch += 1
                     self.global_step += 1
                     save_now = bool(
@@ -475,12 +489,15 @@ class Trainer:
                     if save_now:
                         self._save()
                     self._maybe_crash()
+                    waited = time.perf_counter()
             record: dict[str, Any] = {"epoch": self.epoch + 1}
             record.update(
                 epoch_record(
                     self.meter, time.perf_counter() - started, self.grad_bytes, self.world, self.device
                 )
             )
+            if cache_before is not None:
+                record.update(self._cache_record(cache_before))
             record.update(self.evaluate())
             record["lr"] = self.optimizer.param_groups[0]["lr"]
             if a.resize_schedule:
@@ -494,6 +511,23 @@ class Trainer:
                 self._save()
         self.model.close()
         return self._summary() if self.rank == 0 else None
+
+    def _cache_counters(self) -> dict[str, float] | None:
+        """The data cache's counters of this rank (``None`` for data read without the cache)."""
+        counters = getattr(self.data.train, "cache_counters", None)
+        return counters() if counters is not None else None
+
+    def _cache_record(self, before: dict[str, float]) -> dict[str, float]:
+        """The epoch's cache figures summed over ranks (evaluation included): where samples came
+        from, bytes fetched from central storage, decode time."""
+        now = self._cache_counters()
+        assert now is not None
+        keys = sorted(now)
+        t = torch.tensor([now[k] - before[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        got = dict(zip(keys, t.tolist(), strict=True))
+        return cache_figures(got, self.meter.steps)
 
     def _log_telemetry(self, loss: float, step_s: float, bar: Any) -> None:
         """Rank 0's telemetry of the step just taken (local figures: no collective)."""
@@ -558,7 +592,14 @@ def _epoch_line(r: dict[str, Any]) -> str:
         f"{r['samples_per_s']:.0f} samples/s, sent/step intra {r['bytes_per_step_intra'] / 1e6:.3f} MB "
         f"inter {r['bytes_per_step_inter'] / 1e6:.3f} MB world {r['bytes_per_step_world'] / 1e6:.3f} MB, "
         f"compression x{r['compression_ratio']:.1f}, "
-        f"exposed sync {100 * r['exposed_sync_share']:.1f}% of step"
+        f"exposed sync {100 * r['exposed_sync_share']:.1f}% of step, "
+        f"data wait {r['data_wait_ms']:.1f} ms/step"
+        + (
+            f", cache hits memory {100 * r['cache_memory_hit']:.0f}% disk {100 * r['cache_disk_hit']:.0f}%, "
+            f"{r['central_bytes'] / 1e6:.1f} MB from central storage"
+            if "cache_memory_hit" in r
+            else ""
+        )
     )
 
 

@@ -29,6 +29,7 @@ class EpochMeter:
     decode_s: float = 0.0
     comm_s: float = 0.0
     lag_max_s: float = 0.0
+    wait_s: float = 0.0  # waiting for the next batch (input not ready)
     sent: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0.0))
 
     def add(self, loss: float, samples: int, step_s: float, stats: StepStats | None) -> None:
@@ -76,6 +77,7 @@ def epoch_record(
             meter.encode_s,
             meter.decode_s,
             meter.comm_s,
+            meter.wait_s,
         ],
         dtype=torch.float64,
         device=device,
@@ -107,4 +109,24 @@ def epoch_record(
         "decode_ms": v[8] / steps * 1e3,
         "comm_ms": v[9] / steps * 1e3,
         "lag_max_ms": float(wall[1]) * 1e3,
+        "data_wait_ms": v[10] / steps * 1e3,
+        "data_wait_share": v[10] / (v[10] + v[2]) if v[10] + v[2] > 0 else 0.0,
+    }
+
+
+def cache_figures(sums: dict[str, float], steps: int) -> dict[str, float]:
+    """One epoch's data-cache figures from its counters summed over ranks (see
+    :meth:`gradsync.data.cache.tiers.SampleTiers.counters`): the share of samples served by each
+    tier, files and bytes fetched from central storage, decode time per step (per rank)."""
+    asked = sums["memory_hits"] + sums["disk_hits"] + sums["central_files"]
+    share = (lambda n: n / asked) if asked > 0 else (lambda n: 0.0)
+    return {
+        "cache_memory_hit": share(sums["memory_hits"]),
+        "cache_disk_hit": share(sums["disk_hits"]),
+        "cache_central_share": share(sums["central_files"]),
+        "central_files": sums["central_files"],
+        "central_bytes": sums["central_bytes"],
+        "decoded": sums["decoded"],
+        "decode_s": sums["decode_s"],
+        "fetch_s": sums["fetch_s"],
     }

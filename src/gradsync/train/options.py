@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from gradsync.codecs import Compressor, ErrorFeedback
+from gradsync.data.cache.config import CacheConfig
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
@@ -27,6 +28,7 @@ RESIZE_BATCH = ("constant", "memory")
 PTO = ("off", "on", "auto")
 CLIP_WHERE = ("auto", "sync", "local", "bucket")
 PLANS = ("auto", "compress", "dense")
+CACHE_SHUFFLE = ("partition", "global")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "default: vgg-small for images, lstm for text",
     )
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sample for text data")
+    g.add_argument(
+        "--cache",
+        default=None,
+        metavar="DIR",
+        help="read imagefolder/tokens data through the data cache: files fetched once per node into "
+        "DIR ({node} in DIR becomes the node index), decoded samples kept in a shared memory store "
+        "per node, and each node reading only its part of the data (see --cache-shuffle)",
+    )
+    g.add_argument(
+        "--cache-memory",
+        default="auto",
+        metavar="SIZE",
+        help="the memory store's limit per node: a size such as 512m or 4g, 'auto' (no limit beyond "
+        "the node's part of the data) or 'off' (default: auto)",
+    )
+    g.add_argument(
+        "--cache-disk",
+        default="none",
+        metavar="SIZE",
+        help="the disk tier's limit (least recently used files are evicted): a size or 'none' (default)",
+    )
+    g.add_argument(
+        "--cache-shuffle",
+        default="partition",
+        help="partition: each rank keeps a fixed part of the data, reshuffled every epoch, so a node "
+        "caches only its part (default with --cache); global: every epoch reshuffles the whole data "
+        "set over all ranks (each node may then cache all of it)",
+    )
     g.add_argument("--epochs", type=int, default=12)
     g.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
     g.add_argument("--seed", type=int, default=0)
@@ -269,8 +299,49 @@ def trace_steps(text: str) -> tuple[int, int]:
     return window
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(option: str, text: str, words: tuple[str, ...]) -> int | str:
+    """A byte count such as ``512m``, ``4g`` or ``123456``, or one of ``words``."""
+    raw = str(text).strip().lower()
+    if raw in words:
+        return raw
+    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0) or int(value * _SIZE_UNITS[unit]) < 1:
+        raise ValueError(
+            f"{option} must be a size such as 512m, 4g or a number of bytes, or {' or '.join(words)}; "
+            f"got {text!r}"
+        )
+    return int(value * _SIZE_UNITS[unit])
+
+
+def cache_config(args: argparse.Namespace, node: int) -> CacheConfig | None:
+    """The data cache ``--cache`` asks for (``None`` without it)."""
+    if args.cache is None:
+        return None
+    memory = parse_size("--cache-memory", args.cache_memory, ("auto", "off"))
+    disk = parse_size("--cache-disk", args.cache_disk, ("none",))
+    return CacheConfig(
+        directory=args.cache,
+        disk_max_bytes=disk if isinstance(disk, int) else None,
+        memory=memory != "off",
+        memory_max_bytes=memory if isinstance(memory, int) else None,
+        node=node,
+    )
+
+
 def validate(args: argparse.Namespace) -> None:
     """Every check that needs no process and no data (``ValueError`` naming the option)."""
+    _choice("--cache-shuffle", args.cache_shuffle, CACHE_SHUFFLE)
+    if args.cache is not None and not str(args.cache).strip():
+        raise ValueError("--cache must be a directory path")
+    cache_config(args, 0)
     for name in ("epochs", "batch_size", "seq_len", "threads"):
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     _choice("--optimizer", args.optimizer, OPTIMIZERS)

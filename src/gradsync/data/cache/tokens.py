@@ -1,0 +1,75 @@
+"""A token file on central storage (any fsspec URL), kept whole in the disk tier.
+
+A token file needs no decoding and is read by windows, so its cache is the disk tier alone: it
+is streamed from central storage once per node into a verified entry, then memory-mapped (the
+operating system's page cache then plays the memory tier, shared by the node's processes).
+Without a disk tier the file is read into this process's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+from collections.abc import Iterator
+
+import numpy as np
+
+from gradsync.data.bundle import DataBundle
+from gradsync.data.cache.config import CacheConfig
+from gradsync.data.cache.disk import entry_key
+from gradsync.data.cache.source import Storage, StorageError
+from gradsync.data.tokenfile import tokens_from_bytes
+
+_CHUNK = 4 << 20
+
+
+def load_cached_tokens(url: str, *, vocab: int | None, seq_len: int, cache: CacheConfig | None) -> DataBundle:
+    cache = cache if cache is not None else CacheConfig(memory=False)
+    storage = Storage(url, cache.storage_options)
+    fs = storage.fs
+    try:
+        info = fs.info(storage.root)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--data tokens: cannot read {url}: {exc}") from exc
+    size = info.get("size")
+    if info.get("type") == "directory" or size is None:
+        raise ValueError(f"--data tokens: {url} is not a file")
+    if size == 0:
+        raise ValueError(f"--data tokens: {url} is empty")
+    binary = posixpath.splitext(url.rstrip("/"))[1].lower() == ".bin"
+    if binary and size % 2:
+        raise ValueError(
+            f"--data tokens: {url} has {size} bytes, an odd number, so it is not uint16 token ids"
+        )
+    version = next((f"{k}={info[k]}" for k in ("ETag", "Last-Modified", "mtime") if k in info), "")
+    key = entry_key("file", url, int(size), version)
+    disk = cache.build_disk()
+    raw: np.ndarray | None = None
+    if disk is not None and disk.enabled:
+        found = disk.open_payload(key)
+        if found is None and disk.put_file(key, _stream(storage, url, int(size))):
+            found = disk.open_payload(key)
+        if found is not None:
+            path, offset, length = found
+            raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+    if raw is None:  # no disk tier, or it could not take the file
+        raw = np.frombuffer(b"".join(_stream(storage, url, int(size))), dtype=np.uint8)
+
+    def digest(*settings: object) -> str:
+        return hashlib.blake2b(repr((url, int(size), version, settings)).encode(), digest_size=8).hexdigest()
+
+    return tokens_from_bytes(raw, binary, url, vocab=vocab, seq_len=seq_len, digest=digest)
+
+
+def _stream(storage: Storage, url: str, size: int) -> Iterator[bytes]:
+    got = 0
+    with storage.open_stream(storage.root) as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                break
+            got += len(block)
+            yield block
+    storage.count_fetched(got)
+    if got != size:
+        raise StorageError(f"{url}: read {got} bytes but it was listed with {size}")
