@@ -496,9 +496,9 @@ class Trainer:
                     self.meter, time.perf_counter() - started, self.grad_bytes, self.world, self.device
                 )
             )
-            if cache_before is not None:
-                record.update(self._cache_record(cache_before))
             record.update(self.evaluate())
+            if cache_before is not None:  # after the evaluation: its reads count too
+                record.update(self._cache_record(cache_before))
             record["lr"] = self.optimizer.param_groups[0]["lr"]
             if a.resize_schedule:
                 record["input_size"] = self._size()
