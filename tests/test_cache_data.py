@@ -290,3 +290,52 @@ def test_a_cached_partitioned_run_resumes_mid_epoch_bit_identically(folder, tmp_
         assert torch.equal(v, reference[k]), k
     assert not list((tmp_path / "shm").glob("gradsync-*.store"))  # every store removed or reclaimed
     assert main([*run, "--checkpoint-dir", str(tmp_path / "b"), "--resume", "--cache-shuffle", "global"]) == 1
+
+
+def test_tiers_smaller_than_the_data_evict_and_stay_correct(folder, server, tmp_path):
+    """A disk tier with room for a third of the files and a memory store for a quarter of the
+    samples: every pass returns the right samples, the surplus is fetched again, nothing waits."""
+    spec = f"imagefolder:{server}/imgs,size=10"
+    reference = build_data(spec)
+    total = sum(p.stat().st_size for p in (folder / "imgs").rglob("*.*g"))
+    n = len(reference.train) + len(reference.val)
+    record = 64 + 3 * 10 * 10  # one slot: state, checksum, padding and the uint8 sample
+    cache = CacheConfig(
+        directory=str(tmp_path / "c"),
+        disk_max_bytes=total // 3,
+        memory_max_bytes=(n // 4) * record + record // 2,
+        shm_root=str(tmp_path / "shm"),
+    )
+    ds = build_data(spec, cache=cache)
+    for _ in range(3):
+        _same_samples(ds.train, reference.train)
+    counts = ds.train.cache_counters()
+    assert counts["memory_hits"] > 0 and counts["central_files"] > n  # some refetched
+    disk_bytes = sum(p.stat().st_size for p in (tmp_path / "c").rglob("*") if p.is_file())
+    assert disk_bytes <= total // 3 + total // 10  # the limit, within one writer's slack
+
+
+def test_a_torch_dataloader_with_worker_processes_reads_the_cache(folder, server, tmp_path):
+    """Any training loop: torch's DataLoader with two forked workers and the partition sampler.
+    Each worker makes its own HTTP client; the memory store filled by the workers serves the
+    next epoch's reads of the parent process."""
+    cache = CacheConfig(directory=str(tmp_path / "c"), shm_root=str(tmp_path / "shm"))
+    spec = f"imagefolder:{server}/imgs,size=10"
+    data = build_data(spec, cache=cache)
+    reference = build_data(f"imagefolder:{folder / 'imgs'},size=10")
+    sampler = PartitionSampler(len(data.train), 0, 1, seed=0)
+    loader = torch.utils.data.DataLoader(
+        data.train, batch_size=8, sampler=sampler, num_workers=2, multiprocessing_context="fork"
+    )
+    seen = []
+    for x, y in loader:
+        seen.append((x, y))
+    order = list(sampler)
+    xs, ys = torch.cat([x for x, _ in seen]), torch.cat([y for _, y in seen])
+    rx, ry = load_batch(reference.train, order)
+    assert torch.equal(xs, rx) and torch.equal(ys, ry)
+    before = data.train.cache_counters()
+    _all(data.train)  # in this process: everything from the store the workers filled
+    after = data.train.cache_counters()
+    assert after["memory_hits"] - before["memory_hits"] == len(data.train)
+    assert after["central_files"] == before["central_files"]

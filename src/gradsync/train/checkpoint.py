@@ -282,8 +282,10 @@ def load(folder: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another run: ``ValueError`` listing what differs."""
-    diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v]
+    """Refuse a checkpoint of another run: ``ValueError`` listing what differs. A key that only
+    one side has counts as a difference (options are recorded only when given)."""
+    keys = list(now) + [k for k in saved if k not in now]
+    diff = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
     if diff:
         raise ValueError("the checkpoint was saved by a different run (" + "; ".join(diff) + ")")
 
