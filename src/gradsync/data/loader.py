@@ -21,10 +21,19 @@ from torch.utils.data import Sampler
 from gradsync.data.bundle import MapDataset
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def check_shard(length: object, rank: object, world: object, seed: object, *, min_length: int) -> None:
+    """A distributed sampler's arguments (``ValueError`` naming the bad one)."""
+    check_int("length", length, min_length)
+    if check_int("rank", rank, 0) >= check_int("world", world, 1):
+        raise ValueError(f"rank must be in [0, world) = [0, {world}), got {rank}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
 
 
 class ShardedSampler(Sampler[int]):
@@ -47,13 +56,8 @@ class ShardedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        self.length = _check_int("length", length, 0)
-        self.world = _check_int("world", world, 1)
-        self.rank = _check_int("rank", rank, 0)
-        if rank >= world:
-            raise ValueError(f"rank must be in [0, world) = [0, {world}), got {rank}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        check_shard(length, rank, world, seed, min_length=0)
+        self.length, self.rank, self.world = length, rank, world
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.drop_last = bool(drop_last)
@@ -66,7 +70,7 @@ class ShardedSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next ``iter`` on."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def epoch_order(self) -> list[int]:
         """The whole epoch's order before sharding (padded or cut to ``world * len(self)``)."""
@@ -176,9 +180,9 @@ class PrefetchLoader:
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self.drop_last = bool(drop_last)
-        self.depth = _check_int("depth", depth, 1)
+        self.depth = check_int("depth", depth, 1)
 
     def __len__(self) -> int:
         if not isinstance(self.sampler, Sized):
@@ -194,7 +198,7 @@ class PrefetchLoader:
 
         Skipped batches are not loaded; only their indices are drawn from the sampler.
         """
-        _check_int("skip", skip, 0)
+        check_int("skip", skip, 0)
         # the sampler's iterator is taken now, so a set_epoch after this call leaves this pass alone
         return self._batches(iter(self.sampler), skip)
 

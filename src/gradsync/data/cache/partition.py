@@ -25,13 +25,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from gradsync.data.loader import check_int, check_shard
+
 _PARTITION_STREAM = 0x5EED_CAC4E  # keeps the partition's permutation apart from the epochs' orders
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class PartitionSampler(Sampler[int]):
@@ -55,13 +51,8 @@ class PartitionSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        self.length = _check_int("length", length, 1)
-        self.world = _check_int("world", world, 1)
-        self.rank = _check_int("rank", rank, 0)
-        if rank >= world:
-            raise ValueError(f"rank must be in [0, world) = [0, {world}), got {rank}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        check_shard(length, rank, world, seed, min_length=1)
+        self.length, self.rank, self.world = length, rank, world
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.epoch = 0
@@ -87,7 +78,7 @@ class PartitionSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next ``iter`` on."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
