@@ -24,11 +24,10 @@ from gradsync.sync.closed_loop import (
     Refit,
     Sample,
     comm_seconds,
-    keeps,
+    kept_streams,
     refit,
     refit_links,
     same_plan,
-    stream_prefixes,
 )
 from gradsync.sync.plan import BucketPlan, Plan
 from worlds import named_check, run_checks, run_world
@@ -124,44 +123,66 @@ def test_the_refit_scales_codecs_and_fits_dense_packing():
     assert CALIBRATED.inter.alpha < fit.params.inter.alpha <= TRUE.inter.alpha
 
 
-def test_stream_keys_a_switch_keeps():
-    """The coder keys of a plan's compressed buckets (``key``, ``key#part``): a stream
-    ``key/role`` is kept when its bucket is still compressed the same way, dropped otherwise."""
-    plan = Plan(
+def test_the_streams_a_switch_keeps_and_ends():
+    """A bucket's streams (``key/role``, ``key#part/role``) stay only when the new plan compresses
+    the same slots under the same key, codec and number of parts; PowerSGD's per-tensor streams
+    (keyed by the parameter's name) stay while the tensor stays under PowerSGD, in any bucket.
+    Everything else ends, and the slots it ended are listed."""
+    names = [f"s{i}" for i in range(8)]
+    old = Plan(
         [
-            BucketPlan([0], 0, True, 1),
-            BucketPlan([1], 0, True, 2),
-            BucketPlan([2], 0, False, 1),
-            BucketPlan([3], -1, False, 1),
+            BucketPlan([0], 0, True, 1),  # a: the same after the switch
+            BucketPlan([1], 0, True, 2),  # b: 2 parts, then 4
+            BucketPlan([2], 0, False, 1),  # c: dense, then compressed
+            BucketPlan([3], -1, False, 1),  # d: never compressed
+            BucketPlan([4, 5], 1, True, 1),  # e: PowerSGD; s4 stays under it, s5 goes dense
+            BucketPlan([6, 7], 0, True, 1),  # x: the same key, but its members in another order after
         ]
     )
-    prefixes = stream_prefixes(plan, ["a", "b", "c", "d"])
-    assert prefixes == {0: {"a", "b#0", "b#1"}}
-    keep = keeps(prefixes[0])
-    assert keep("a/allgather") and keep("b#1/allgather@0")
-    assert not keep("b/allgather") and not keep("c/ring0") and not keep("a#0/allgather")
-    assert same_plan(plan, copy.deepcopy(plan))
-    other = copy.deepcopy(plan)
+    new = Plan(
+        [
+            BucketPlan([0], 0, True, 1),
+            BucketPlan([1], 0, True, 4),
+            BucketPlan([2], 0, True, 1),
+            BucketPlan([3], -1, False, 1),
+            BucketPlan([4], 1, True, 1),
+            BucketPlan([5], 1, False, 1),
+            BucketPlan([7, 6], 0, True, 1),
+        ]
+    )
+    keep, ended = kept_streams(
+        old, ["a", "b", "c", "d", "e", "x"], new, ["a", "b", "c", "d", "s4", "s5", "x"], names, {1}
+    )
+    assert set(keep) == {0, 1}
+    assert keep[0]("a/allgather") and keep[0]("a/ring1")
+    assert not keep[0]("b#1/allgather@0") and not keep[0]("b/allgather") and not keep[0]("a#0/allgather")
+    assert not keep[0]("c/ring0") and not keep[0]("x/allgather")
+    assert keep[1]("s4") and not keep[1]("s5") and not keep[1]("e/allgather")
+    assert ended == [1, 5, 6, 7]
+    assert same_plan(old, copy.deepcopy(old))
+    other = copy.deepcopy(old)
     other.buckets[1].partitions = 4
-    assert not same_plan(plan, other)
+    assert not same_plan(old, other)
 
 
-def test_drop_streams_forgets_only_rejected_residuals():
+def test_take_streams_hands_over_only_what_the_filter_rejects():
     codec = build_codec("topk:density=0.1+ef")
     g = torch.Generator().manual_seed(0)
-    for key in ("x/allgather", "y/allgather"):
-        codec.encode(torch.randn(100, generator=g), gradsync_ctx(key))
-    before = codec.residual("x/allgather")
-    assert before is not None and codec.residual("y/allgather") is not None
-    assert codec.drop_streams(keeps({"x"})) == ["y/allgather"]
+    for key, offset in (("x/allgather", 0), ("y/allgather", 40)):
+        codec.encode(torch.randn(100, generator=g), gradsync_ctx(key, offset))
+    before_x, before_y = codec.residual("x/allgather"), codec.residual("y/allgather")
+    assert before_x is not None and before_y is not None
+    taken = codec.take_streams(lambda key: key.startswith("x/"))
+    assert [(o.key, o.offset) for o in taken] == [("y/allgather", 40)]
+    assert torch.equal(taken[0].residual, before_y) and taken[0].momentum is None
     assert codec.residual("y/allgather") is None
-    assert torch.equal(codec.residual("x/allgather"), before)
+    assert torch.equal(codec.residual("x/allgather"), before_x)
 
 
-def gradsync_ctx(key: str):
+def gradsync_ctx(key: str, offset: int = 0):
     from gradsync.codecs import EncodeContext
 
-    return EncodeContext(key=key)
+    return EncodeContext(key=key, offset=offset)
 
 
 def test_the_loop_counts_the_same_steps_on_every_rank():
@@ -356,8 +377,9 @@ def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
 def check_a_switch_that_measured_slower_is_undone():
     """The guard: the forced refit switches to compressing everything after step 3; the steps
     after it are made to measure 10x slower (the agreed span is scaled, the buckets' times are
-    real), so after step 6 every rank goes back to the first plan, settles, drops the residuals,
-    and step 7 is the plain mean of the ranks' gradients."""
+    real), so after step 6 every rank goes back to the first plan and settles; the streams end,
+    and step 7 is the mean over the ranks of gradient + the residual each rank's streams held
+    after step 6 (carried into the dense step, not dropped)."""
     from gradsync.sync import engine as engine_module
 
     world = dist.get_world_size()
@@ -381,6 +403,12 @@ def check_a_switch_that_measured_slower_is_undone():
             return measured, span * (10.0 if len(rounds) > 1 else 1.0)
 
         engine.loop.agreed = slower_after_the_switch
+        weights = [f"{i}.weight" for i in range(3)]
+        held: dict[str, torch.Tensor | None] = {}
+        # the residuals as the step before the revert left them (observers run before a re-plan)
+        engine.observers.append(
+            lambda *_: held.update({w: engine.codecs[0].residual(f"{w}/allgather") for w in weights})
+        )
         plans = []
         for step in range(7):
             x, y = _batch(step)
@@ -394,16 +422,21 @@ def check_a_switch_that_measured_slower_is_undone():
     last = engine.loop.history[-1] if engine.loop.history else {}
     expect(bool(last.get("reverted")) and engine.loop.settled, f"history {engine.loop.history}")
     expect(engine.loop.replans == 1, f"replans {engine.loop.replans}")
-    expect(engine.codecs[0].residual("1.weight/allgather") is None, "a residual outlived the revert")
+    expect(engine.codecs[0].residual("1.weight/allgather") is None, "a stream outlived the revert")
+    expect(all(held.get(w) is not None for w in weights), f"residuals before the revert: {held}")
+    before = dict(held)  # the observer goes on writing into held
     twin = copy.deepcopy(model.module)
     x, y = _batch(7)
     nn.functional.mse_loss(twin(x), y).backward()
     nn.functional.mse_loss(model(x), y).backward()
     for (n, p), q in zip(twin.named_parameters(), model.module.parameters(), strict=True):
         total = p.grad.double()
+        owed = before.get(n)
+        if owed is not None:
+            total += owed.double().view_as(total)
         dist.all_reduce(total)
         err = float((q.grad.double() - total / world).abs().max() / (total / world).abs().max())
-        expect(err < 1e-6, f"step 7 after the revert, {n}: off the mean by {err:.2e}")
+        expect(err < 1e-6, f"step 7 after the revert, {n}: off the mean (with residuals) by {err:.2e}")
     assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed)
     model.close()
 
@@ -428,8 +461,12 @@ def check_switches_carry_state_and_match_the_reference():
         engine.loop.revert_above = math.inf  # forced plans, real times: the guard has its own check
         codec = engine.codecs[0]
         key = "1.weight/allgather"
-        seen: dict[int, torch.Tensor | None] = {}
-        engine.observers.append(lambda st, *_: seen.__setitem__(st.step, codec.residual(key)))
+        seen: dict[int, dict[str, torch.Tensor | None]] = {}
+        engine.observers.append(
+            lambda st, *_: seen.__setitem__(
+                st.step, {n: codec.residual(f"{n}/allgather") for n in ("0.weight", "1.weight", "2.weight")}
+            )
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         plans = []
         for step in range(7):
@@ -460,10 +497,11 @@ def check_switches_carry_state_and_match_the_reference():
     # the bucket the second switch kept compressed keeps its residual bit for bit; the others'
     # residuals are gone
     kept = codec.residual(key)
-    expect(kept is not None and seen[6] is not None and torch.equal(kept, seen[6]), "residual not carried")
+    before = seen[6]["1.weight"]
+    expect(kept is not None and before is not None and torch.equal(kept, before), "residual not kept")
     expect(kept is not None and float(kept.abs().sum()) > 0, "the carried residual is zero")
     for gone in ("0.weight/allgather", "2.weight/allgather"):
-        expect(codec.residual(gone) is None, f"{gone}: residual kept after its bucket went dense")
+        expect(codec.residual(gone) is None, f"{gone}: a stream outlived its bucket going dense")
     # every rank runs the same plan
     mine = engine.plan.to_tensor()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -474,8 +512,9 @@ def check_switches_carry_state_and_match_the_reference():
         dist.all_gather(everyone, mine)
         expect(all(torch.equal(everyone[0], t) for t in everyone), "the ranks run different plans")
 
-    # step 7 against a float64 reference written out here: the dense buckets are the mean of
-    # the ranks' gradients; 1.weight is the mean of each rank's top 5 % of residual + gradient
+    # step 7 against a float64 reference written out here: the buckets that went dense are the
+    # mean over the ranks of gradient + the residual their stream held after step 6 (carried,
+    # not dropped); 1.weight is the mean of each rank's top 5 % of residual + gradient
     # (the selection is made in float32 from the same float32 sums the engine makes, so
     # that no rounding flips an element at the top-k boundary; the mean is taken in float64)
     twin = copy.deepcopy(model.module)
@@ -490,7 +529,12 @@ def check_switches_carry_state_and_match_the_reference():
     sent[top] = v[top].double()
     reference = {}
     for n, g in local.items():
-        total = sent.view_as(g).clone() if n == "1.weight" else g.double()
+        if n == "1.weight":
+            total = sent.view_as(g).clone()
+        else:
+            owed = seen[6].get(n)
+            expect((owed is not None) == n.endswith("weight"), f"{n}: residual after step 6 {owed}")
+            total = g.double() + (owed.double().view_as(g) if owed is not None else 0.0)
         dist.all_reduce(total)
         reference[n] = total / world
     nn.functional.mse_loss(model(x), y).backward()

@@ -8,7 +8,7 @@
 """
 
 from gradsync.codecs.base import Codec, EncodeContext, Stream
-from gradsync.codecs.compressor import Compressor
+from gradsync.codecs.compressor import Compressor, Owed
 from gradsync.codecs.config import CodecConfig, OptionsConfig, SparsityConfig
 from gradsync.codecs.feedback import ErrorFeedback, FeedbackConfig
 from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Payload
@@ -25,6 +25,7 @@ __all__ = [
     "Flag",
     "Header",
     "OptionsConfig",
+    "Owed",
     "Payload",
     "SparsityConfig",
     "Stream",

@@ -51,6 +51,11 @@ class EncodeContext:
     """How many payloads will be summed before decoding; summable formats leave that headroom."""
     amax: float | None = None
     """An agreed ``max |x|`` over all summands, so that summable formats pick the same scale."""
+    offset: int = 0
+    """Where the encoded tensor's first element sits in what the stream's key names (a bucket the
+    caller reduces in pieces; 0 for a stream of one whole tensor). Codecs ignore it; error
+    feedback records it with the stream's residual, so that the caller can tell later which
+    elements the residual is owed to (see :class:`~gradsync.codecs.Owed`)."""
 
 
 @dataclass

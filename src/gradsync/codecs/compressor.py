@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,18 @@ import torch
 if TYPE_CHECKING:
     from gradsync.codecs.base import Codec, EncodeContext
     from gradsync.codecs.payload import Payload
+
+
+@dataclass
+class Owed:
+    """What one error-feedback stream still owes: its residual (and, with momentum correction,
+    its momentum), flat and unscaled, and where its first element sits in the tensor the caller
+    reduced (``EncodeContext.offset``)."""
+
+    key: str
+    offset: int
+    residual: torch.Tensor
+    momentum: torch.Tensor | None = None
 
 
 class Compressor(abc.ABC):
@@ -157,11 +170,20 @@ class Compressor(abc.ABC):
         """Forget the state of every stream whose key ``keep`` rejects (the tensors it belonged to
         are no longer compressed this way) and return those keys, sorted."""
 
+    def take_streams(self, keep: Callable[[str], bool]) -> list[Owed]:
+        """:meth:`drop_streams`, returning what the dropped streams still owed (nothing without
+        error feedback), so that the caller can hand it on instead of losing it."""
+        self.drop_streams(keep)
+        return []
+
     # ------------------------------------------------------------------ error feedback
     # Protocols that compress in several rounds (PowerSGD inside a collective) call these three
     # instead of encode(); a compressor without error feedback keeps nothing.
-    def accumulate(self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0) -> torch.Tensor:
-        """The flat tensor to compress this step (the gradient plus what is owed to it)."""
+    def accumulate(
+        self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0, offset: int = 0
+    ) -> torch.Tensor:
+        """The flat tensor to compress this step (the gradient plus what is owed to it);
+        ``offset`` as ``EncodeContext.offset``."""
         return grad.reshape(-1)
 
     def commit(  # noqa: B027 - nothing to keep without error feedback
@@ -188,8 +210,23 @@ class Compressor(abc.ABC):
         """The L2 norm over every stream's residual (unscaled units), None without error feedback."""
         return None
 
+    def owed(self) -> list[Owed]:
+        """What every stream still owes (copies; nothing without error feedback)."""
+        return []
+
+    def homes(self) -> dict[str, tuple[int, int]]:
+        """``{key: (offset, numel)}`` of every stream with a residual (none without error
+        feedback): where each one's elements sit in the caller's tensor."""
+        return {}
+
+    def rollback_elements(self, key: str, start: int, stop: int) -> bool:
+        """Give elements ``start:stop`` of a stream back the residual and momentum they had
+        before this round's commit (their result was not applied); False when there is nothing
+        to undo."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec()!r})"
 
 
-__all__ = ["Compressor"]
+__all__ = ["Compressor", "Owed"]

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradsync.codecs.base import Codec, EncodeContext
-from gradsync.codecs.compressor import Compressor
+from gradsync.codecs.compressor import Compressor, Owed
 from gradsync.codecs.config import OptionsConfig, check_range
 from gradsync.codecs.payload import Payload
 
@@ -66,6 +66,7 @@ class FeedbackStream:
     residual: torch.Tensor | None = None  # flat, in units of `scale`
     momentum: torch.Tensor | None = None  # flat, in units of `scale`
     scale: float = 1.0
+    offset: int = 0  # EncodeContext.offset of the last encode: where the caller's elements start
     # work buffers (not state): the next residual / momentum is computed here, then swapped in
     spare: torch.Tensor | None = None
     spare_u: torch.Tensor | None = None
@@ -128,7 +129,7 @@ class ErrorFeedback(Compressor):
     ) -> Payload:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
-        v = self.accumulate(grad, ctx.key, loss_scale)
+        v = self.accumulate(grad, ctx.key, loss_scale, ctx.offset)
         wire = v if v.dtype == grad.dtype else v.to(grad.dtype)  # see "Half-precision" above
         payload = self.codec.encode(wire.view(grad.shape), ctx, out=out)
         if payload.nonfinite:
@@ -140,6 +141,45 @@ class ErrorFeedback(Compressor):
         else:
             self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
         return payload
+
+    def owed(self) -> list[Owed]:
+        """What every stream still owes, unscaled copies with each stream's offset."""
+        return [self._owed(key, s) for key, s in sorted(self._streams.items()) if s.residual is not None]
+
+    @staticmethod
+    def _owed(key: str, s: FeedbackStream) -> Owed:
+        assert s.residual is not None
+        momentum = None if s.momentum is None else s.momentum / s.scale
+        return Owed(key, s.offset, s.residual / s.scale, momentum)
+
+    def take_streams(self, keep: Callable[[str], bool]) -> list[Owed]:
+        """Drop the streams ``keep`` rejects (and the codec's streams of those keys) and return
+        what their residuals and momentum still owed, for the caller to pass on."""
+        taken = [
+            self._owed(k, s)
+            for k, s in sorted(self._streams.items())
+            if not keep(k) and s.residual is not None
+        ]
+        self.drop_streams(keep)
+        return taken
+
+    def homes(self) -> dict[str, tuple[int, int]]:
+        return {k: (s.offset, s.residual.numel()) for k, s in self._streams.items() if s.residual is not None}
+
+    def rollback_elements(self, key: str, start: int, stop: int) -> bool:
+        """Elements ``start:stop`` of stream ``key`` go back to the residual (and momentum) they
+        had before this round's commit: what was sent of them was not applied (a parameter no
+        rank used, whose synchronized gradient is dropped), so it is still owed."""
+        s = self._streams.get(key)
+        if s is None or not s.committed or s.residual is None or s.spare is None or start >= stop:
+            return False
+        s.residual[start:stop].copy_(s.spare[start:stop])
+        if s.momentum is not None:  # no momentum before this round's commit: it was zero
+            if s.spare_u is None:
+                s.momentum[start:stop].zero_()
+            else:
+                s.momentum[start:stop].copy_(s.spare_u[start:stop])
+        return True
 
     def residual_norm(self) -> float | None:
         """The L2 norm over every stream's residual, in unscaled units (the gradient still owed
@@ -155,14 +195,18 @@ class ErrorFeedback(Compressor):
 
     # The three steps of encode(), for protocols that compress in several rounds (PowerSGD in a
     # collective): accumulate() returns the buffer to compress, commit() takes what was sent.
-    def accumulate(self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0) -> torch.Tensor:
+    def accumulate(
+        self, grad: torch.Tensor, key: str = "", loss_scale: float = 1.0, offset: int = 0
+    ) -> torch.Tensor:
         """The flat tensor to compress for this step: residual + gradient (with momentum
-        correction and clipping as configured). Pending until :meth:`commit` or :meth:`discard`."""
+        correction and clipping as configured). Pending until :meth:`commit` or :meth:`discard`.
+        ``offset``: where ``grad`` sits in the caller's tensor (``EncodeContext.offset``)."""
         if not (loss_scale > 0 and math.isfinite(loss_scale)):
             raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
         flat = self.codec._flatten(grad)
         work_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
         s = self._streams.setdefault(key, FeedbackStream())
+        s.offset = offset
         n = flat.numel()
         if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
             s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
@@ -324,6 +368,7 @@ class ErrorFeedback(Compressor):
             streams[key] = {
                 "residual": None if s.residual is None else s.residual / s.scale,
                 "momentum": None if s.momentum is None else s.momentum / s.scale,
+                "offset": s.offset,
             }
         return {"ef": self.config.to_dict(), "codec": self.codec.state_dict(), "streams": streams}
 
@@ -338,6 +383,7 @@ class ErrorFeedback(Compressor):
             key: FeedbackStream(
                 residual=None if v["residual"] is None else v["residual"].clone(),
                 momentum=None if v["momentum"] is None else v["momentum"].clone(),
+                offset=int(v.get("offset", 0)),
             )
             for key, v in state["streams"].items()
         }

@@ -113,15 +113,17 @@ def compressed_program(
     pipeline: int = 4,
     ws: Workspace | None = None,
     parts: list[tuple[torch.Tensor, str]] | None = None,
+    offset: int = 0,
 ) -> Program:
     """:func:`compressed_allreduce` of the contiguous ``x`` as a step program (arguments checked
     by the caller). ``ws`` holds this program's scratch space. For low-rank codecs ``parts``
     lists the tensors inside ``x`` (views with their own shapes) and their state keys; by default
-    ``x`` is one tensor."""
+    ``x`` is one tensor. ``offset``: where ``x`` starts in the caller's tensor (a part of a
+    bucket), recorded with error feedback's residuals (``EncodeContext.offset``)."""
     ws = ws if ws is not None else topo.workspace
     if topo.world == 1:
         return None
-    coder = Coder(codec, key, loss_scale)
+    coder = Coder(codec, key, loss_scale, offset)
     scale = 1.0 / topo.world if op == "mean" else 1.0
     flat = x.view(-1)
     if coder.codec.lowrank:
@@ -167,7 +169,9 @@ def _locally_aggregated(
     else:
         yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
         base = topo.local_rank * shard.numel()
-        inner = yield from run_strategy(shard, topo.inter_group, "inter", coder, strategy, topo.rank)
+        inner = yield from run_strategy(
+            shard, topo.inter_group, "inter", coder.shifted(base), strategy, topo.rank
+        )
         pieces = [Piece(base + q.offset, q.payload) for q in inner]
     # forward what crossed the nodes to the other ranks of the node (not the dense shard:
     # paper 01's sparse intra-node all-gather), then everybody decodes all of it

@@ -46,9 +46,9 @@ def pipelined_allgather(
         sub = chunk.numel() // n
         shard = ws.get("pipeline_shard", sub, padded.dtype, padded.device)
         yield partial(P.reduce_scatter, shard, chunk, topo.intra_group, "intra", scratch)
-        payload = coder.encode(shard, f"allgather@{start}")
-        capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
         offset = start + topo.local_rank * sub
+        payload = coder.encode(shard, f"allgather@{start}", at=offset)
+        capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
         if capacity > 2 * max(codec.estimate_nbytes(sub, (sub,), padded.dtype), 1024):
             # a variable-size codec with a loose bound: exchange the sizes instead (no overlap)
             bufs = yield partial(P.all_gather_bytes, payload.data, topo.inter_group, "inter")

@@ -51,7 +51,9 @@ def lowrank_rounds(
     parts: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup | None, level: str, coder: Coder
 ) -> Program:
     """Sum the tensors over ``group`` through PowerSGD's factors, every matrix of ``parts`` in the
-    same two all-reduces (P, then Q); tensors the codec sends dense ride along with P."""
+    same two all-reduces (P, then Q); tensors the codec sends dense ride along with P. Each
+    matrix's state (factors, error feedback) is its own stream, keyed by its key, and its
+    residual's offsets count from the matrix's first element."""
     codec = lowrank_codec(coder.codec)
     feedback = coder.codec if coder.codec.error_feedback else None
     dense = [x for x, _ in parts if not codec.compresses(x.shape)]

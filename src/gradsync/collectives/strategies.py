@@ -19,7 +19,7 @@ Each runs on the flat tensor of one rank over a group of p ranks and returns the
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -40,19 +40,31 @@ Pieces = Generator[Step, Any, "list[Piece]"]
 @dataclass
 class Coder:
     """Encodes for one tensor (its state keyed by ``key`` plus the role of each encode, so every
-    lossy encode a rank performs keeps its own residual) and rebuilds payloads from peers' bytes."""
+    lossy encode a rank performs keeps its own residual) and rebuilds payloads from peers' bytes.
+
+    ``base`` is where the tensor the strategy runs on starts in the caller's tensor (a bucket);
+    each encode passes on where its input starts there (``EncodeContext.offset``), so that what
+    error feedback keeps can be traced back to the caller's elements."""
 
     codec: Compressor
     key: str
     loss_scale: float
+    base: int = 0
 
     @property
     def plain(self) -> Codec:
         return self.codec.plain
 
-    def encode(self, x: torch.Tensor, role: str, ctx: EncodeContext | None = None) -> Payload:
+    def shifted(self, by: int) -> Coder:
+        """The same coder for a tensor that starts ``by`` elements further into the caller's."""
+        return replace(self, base=self.base + by)
+
+    def encode(self, x: torch.Tensor, role: str, ctx: EncodeContext | None = None, at: int = 0) -> Payload:
+        """Encode ``x``, which starts ``at`` elements into the strategy's tensor."""
         c = ctx or EncodeContext()
-        c = EncodeContext(key=f"{self.key}/{role}", rank=c.rank, summands=c.summands, amax=c.amax)
+        c = EncodeContext(
+            key=f"{self.key}/{role}", rank=c.rank, summands=c.summands, amax=c.amax, offset=self.base + at
+        )
         return self.codec.encode(x, c, loss_scale=self.loss_scale)
 
     def received(self, data: torch.Tensor, like: torch.Tensor) -> Payload:
@@ -108,7 +120,7 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
     exchange = partial(P.send_recv_bytes, dst=right, src=left, group=group, level=level)
     if codec.summable:  # add the payloads' values, no decoding
         ctx = yield from _agreed(x, group, level, coder, rank)
-        payloads = [coder.encode(c, f"ring{i}", ctx) for i, c in enumerate(chunks)]
+        payloads = [coder.encode(c, f"ring{i}", ctx, offsets[i]) for i, c in enumerate(chunks)]
         send = payloads[g]
         for s in range(p - 1):
             idx = (g - s - 1) % p
@@ -117,13 +129,15 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
             send = payloads[idx]
         final = payloads[owned]
     else:
-        send = coder.encode(chunks[g], f"ring{g}")
+        send = coder.encode(chunks[g], f"ring{g}", at=offsets[g])
         for s in range(p - 1):
             idx = (g - s - 1) % p
             incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
             work = chunks[idx].clone()
             codec.decode(incoming, out=work, accumulate=True)
-            send = coder.encode(work, f"ring{idx}")  # the last one is the owned chunk's final payload
+            send = coder.encode(
+                work, f"ring{idx}", at=offsets[idx]
+            )  # the last: the owned chunk's final payload
         final = send
     # all-gather phase: pass the final payloads around the ring
     pieces = [Piece(offsets[owned], final)]
@@ -139,10 +153,13 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
 def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
     p, g = P.size(group), P.group_rank(group)
     parts = list(torch.tensor_split(x, p))
+    starts = [0]
+    for part in parts[:-1]:
+        starts.append(starts[-1] + part.numel())
     codec = coder.plain
     summable = codec.summable
     ctx = (yield from _agreed(x, group, level, coder, rank)) if summable else None
-    payloads = [coder.encode(part, f"ps{j}", ctx) for j, part in enumerate(parts)]
+    payloads = [coder.encode(part, f"ps{j}", ctx, starts[j]) for j, part in enumerate(parts)]
     datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
     received = [coder.received(d, parts[g]) for d in datas]
     if summable:
@@ -155,7 +172,7 @@ def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Cod
         work = torch.zeros_like(parts[g])
         for q in received:
             codec.decode(q, out=work, accumulate=True)
-        agg = coder.encode(work, "ps-aggregate")
+        agg = coder.encode(work, "ps-aggregate", at=starts[g])
     pieces, offset = [], 0
     for j, data in enumerate((yield partial(P.all_gather_bytes, agg.data, group, level))):
         pieces.append(Piece(offset, coder.received(data, parts[j])))

@@ -29,8 +29,10 @@ measures every bucket for a few steps: the time inside its collectives, on the c
    last one only runs this guard.
 
 A switch keeps the compression state of every bucket it leaves as it was: same tensors,
-compressed, same number of parts. A bucket the switch changes starts afresh, as a bucket does
-after the dense warm-up. Its error-feedback residual is dropped and the engine's log names it.
+compressed, same codec, same number of parts (PowerSGD's per-tensor streams stay while their
+tensor stays under PowerSGD). A bucket the switch changes starts its streams afresh, but what
+their error feedback still owed is not dropped: it is traced back to the parameters and carried
+into the new plan (:mod:`gradsync.sync.carry`), and so is a revert's.
 """
 
 from __future__ import annotations
@@ -294,24 +296,50 @@ def same_plan(a: Plan, b: Plan) -> bool:
     return key == [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in b.buckets]
 
 
-def stream_prefixes(plan: Plan, keys: list[str]) -> dict[int, set[str]]:
-    """Per codec, the stream-key prefixes of the plan's compressed buckets (``key`` or
-    ``key#part``, as the engine names a part's coder): the streams a switch to this plan keeps."""
-    out: dict[int, set[str]] = {}
-    for b, bp in enumerate(plan.buckets):
-        if bp.compress:
-            names = [keys[b]] if bp.partitions == 1 else [f"{keys[b]}#{p}" for p in range(bp.partitions)]
-            out.setdefault(bp.codec_id, set()).update(names)
-    return out
+def kept_streams(
+    old: Plan,
+    old_keys: Sequence[str],
+    new: Plan,
+    new_keys: Sequence[str],
+    names: Sequence[str],
+    lowrank: set[int],
+) -> tuple[dict[int, Callable[[str], bool]], list[int]]:
+    """Which compression streams a switch from ``old`` to ``new`` keeps (a filter of stream
+    keys per codec id), and the slots whose streams it ends (sorted; the same on every rank).
 
+    A bucket's streams (``key/role``, ``key#part/role``) stay when the new plan compresses a
+    bucket of the same key, slots, codec and number of parts; anything else gives its elements
+    other offsets or another codec. A low-rank codec keys its streams by parameter name
+    (``names``: the slots' names), so they stay while the parameter stays under that codec."""
 
-def keeps(prefixes: set[str]) -> Callable[[str], bool]:
-    """A stream-key filter: the streams of these coder keys (``prefix/role``) stay."""
+    def compressed(plan: Plan, keys: Sequence[str]) -> dict[str, tuple[tuple[int, ...], int, int]]:
+        return {
+            keys[b]: (tuple(bp.slots), bp.codec_id, bp.partitions)
+            for b, bp in enumerate(plan.buckets)
+            if bp.compress
+        }
 
-    def keep(key: str) -> bool:
-        return key.split("/", 1)[0] in prefixes
+    before, after = compressed(old, old_keys), compressed(new, new_keys)
+    prefixes: dict[int, set[str]] = {}
+    per_tensor: dict[int, set[str]] = {}
+    ended: set[int] = set()
+    for key, (slots, cid, parts) in before.items():
+        if cid in lowrank:
+            now = {i for k, (s, c, _) in after.items() if c == cid for i in s}
+            per_tensor.setdefault(cid, set()).update(names[i] for i in slots if i in now)
+            ended.update(i for i in slots if i not in now)
+        elif after.get(key) == (slots, cid, parts):
+            prefixes.setdefault(cid, set()).update(
+                [key] if parts == 1 else [f"{key}#{p}" for p in range(parts)]
+            )
+        else:
+            ended.update(slots)
 
-    return keep
+    def keep(cid: int) -> Callable[[str], bool]:
+        buckets, tensors = prefixes.get(cid, set()), per_tensor.get(cid, set())
+        return lambda key: key.split("/", 1)[0] in buckets or key in tensors
+
+    return {cid: keep(cid) for cid in {c for _, c, _ in before.values()}}, sorted(ended)
 
 
 # ------------------------------------------------------------------------------- the measurements

@@ -40,15 +40,15 @@ from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups, codec_class_for
+from gradsync.sync.carry import Carry, Layouts, gather_for_mean, overlapping
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import (
     ClosedLoop,
-    keeps,
+    kept_streams,
     plan_seconds,
     refit,
     same_plan,
     samples_of,
-    stream_prefixes,
 )
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
@@ -177,6 +177,10 @@ class SyncEngine:
         self._compress: list[bool] = []
         self._parts: list[int] = []
         self._set_buckets(self._initial_groups(), None)
+        self.carry = Carry()
+        """What error feedback owed to streams that ended, until a step applies it
+        (:mod:`gradsync.sync.carry`)."""
+        self._dense_flushed = False  # dense_from_step: the streams were ended for dense training
         # per step
         self._in_step = False
         self._dense_step = True
@@ -185,7 +189,7 @@ class SyncEngine:
         self._ready_at: list[float | None] = [None] * len(self.slots)
         self._order: list[int] = []
         self._backward_end_at = 0.0
-        self._nonfinite = False
+        self._nonfinite: list[torch.Tensor] = []  # per packed bucket: a 0-d bool, on its device
         self._loss_scale = 1.0
         self._shadow = False  # this step is taken without data (a joined rank under Join)
         self.forwards = 0
@@ -381,11 +385,13 @@ class SyncEngine:
         with self._failing():
             self.manager.wait(self._tasks, timeout=self.config.timeout_s)
             self._own_density()
-            overflow = False
+            overflow, unused = False, set[str]()
             if flags is not None:
-                overflow = self._apply_flags(flags)
+                overflow, unused = self._apply_flags(flags)
             if self.join_work is not None:
                 self._rescale_for_join()
+            if self.carry and not overflow:
+                self._apply_carry(unused)
             stats = self._stats(in_backward, overflow)
             for observe in list(self.observers):  # an observer may leave
                 observe(stats, self._tasks, self._task_bucket)
@@ -405,6 +411,14 @@ class SyncEngine:
                 and self.loop.observe(stats, valid=not overflow and not shadow)
             ):
                 self._replan()
+            cfg = self.config
+            if (
+                cfg.dense_from_step is not None
+                and self.step >= cfg.dense_from_step
+                and not self._dense_flushed
+            ):
+                self._dense_flushed = True
+                self._end_all_streams()
         return stats
 
     @contextlib.contextmanager
@@ -447,7 +461,7 @@ class SyncEngine:
         self._ready_at = [None] * len(self.slots)
         self._order = []
         self._backward_end_at = 0.0
-        self._nonfinite = False
+        self._nonfinite = []
         self.manager.take_traffic()
         for b in self._buckets:
             b.pending = len(b.slots)
@@ -515,8 +529,12 @@ class SyncEngine:
                         self.config.clip_local, self.topo.world, bucket.numel, self._numel
                     )
                     clip_([bucket.flat], bound, self._loss_scale)
-            if self.check_overflow and not bool(torch.isfinite(bucket.flat).all()):
-                self._nonfinite = True
+                if self.carry.local:  # what ended streams owed: sent with the gradient
+                    for j, s in enumerate(bucket.slots):
+                        region = bucket.flat[bucket.offsets[j] : bucket.offsets[j] + s.numel]
+                        self.carry.inject(s.name, region, self._loss_scale)
+            if self.check_overflow:  # stays on the device: read once, after the flags' all-reduce
+                self._nonfinite.append(torch.isfinite(bucket.flat).all().logical_not())
         lo, hi = bucket.part_range(part, parts)
         view = bucket.flat[lo:hi]
         ws = bucket.workspace(part)
@@ -537,7 +555,7 @@ class SyncEngine:
         return (
             yield from compressed_program(
                 view, self.topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key,
-                self._loss_scale, 4, ws, lowrank_parts,
+                self._loss_scale, 4, ws, lowrank_parts, lo,
             )
         )  # fmt: skip
 
@@ -552,11 +570,12 @@ class SyncEngine:
 
         def program() -> Program:
             # runs after every bucket's packing (tasks run their first segments in order)
-            flags[0] = float(self._nonfinite)
             if unused:
                 for i, t in enumerate(self._ready_at):
                     flags[1 + i] = float(t is not None)
-            out.copy_(flags)
+                out.copy_(flags)
+            if self._nonfinite:  # device flags: no host synchronization per bucket
+                out[:1].copy_(torch.stack([f.to(out.device) for f in self._nonfinite]).any().reshape(1))
             yield lambda: P.all_reduce(out, self.topo.world_group, "world", op=dist.ReduceOp.MAX)
             return lambda: flags.copy_(out)
 
@@ -564,7 +583,9 @@ class SyncEngine:
         self._task_bucket.append(-1)
         return flags
 
-    def _apply_flags(self, flags: torch.Tensor) -> bool:
+    def _apply_flags(self, flags: torch.Tensor) -> tuple[bool, set[str]]:
+        """Act on the agreed flags: an overflow on any rank skips the step everywhere; a parameter
+        no rank used gets no gradient (returns the overflow and those parameters' names)."""
         overflow = bool(flags[0] > 0)
         if overflow:
             # some rank overflowed: every rank skips the step (its GradScaler sees NaN) and undoes
@@ -576,14 +597,43 @@ class SyncEngine:
                 codec.rollback_round()
             if self.momentum is not None:
                 self.momentum.rollback_round()
+        unused: set[str] = set()
         if self.config.find_unused_parameters:
             unused = {s.name for i, s in enumerate(self.slots) if flags[1 + i] == 0}
             for s in self.slots:
                 if s.name in unused:
                     s.param.grad = None  # no rank used it: leave it as DDP would
-            if unused and self.momentum is not None and not overflow:
-                self.momentum.rollback_round(unused)  # SGD skips it: its momentum too
-        return overflow
+            if unused and not overflow:
+                self._rollback_unused(unused)
+        return overflow, unused
+
+    def _rollback_unused(self, unused: set[str]) -> None:
+        """Parameters no rank used get no gradient, so what error feedback sent of them this step
+        never reaches the model: their elements get their residual back (and their momentum:
+        SGD skips a parameter without a gradient, so the momentum does not move either)."""
+        layouts = self._layouts(self._buckets)
+        for codec in self.codecs:
+            for key, (offset, numel) in codec.homes().items():
+                for start, stop in overlapping(layouts.spans(key, offset, numel), unused):
+                    codec.rollback_elements(key, start, stop)
+        if self.momentum is not None:
+            self.momentum.rollback_round(unused)
+
+    def _apply_carry(self, unused: set[str]) -> None:
+        """After a step that was not skipped: the agreed carry (momentum correction) goes onto the
+        synchronized gradients; what this step applied is settled. A parameter without a gradient
+        (no rank used it, or a rank that joined) keeps its carry for a later step."""
+        scale = self._loss_scale
+        if self._shadow:  # the others applied the agreed carry; this rank takes their parameters
+            self.carry.settle(list(self.carry.mean), local=False)
+            return
+        applied = []
+        for s in self.slots:
+            if s.param.grad is None or s.name in unused:
+                continue
+            self.carry.apply_mean(s.name, s.param.grad, scale)
+            applied.append(s.name)
+        self.carry.settle(applied)
 
     def _rescale_for_join(self) -> None:
         """Under ``Join(..., divide_by_initial_world_size=False)``: a mean over the ranks that
@@ -686,16 +736,16 @@ class SyncEngine:
                 )  # fmt: skip
             return
         self.loop.replans += 1
-        dropped = self._switch_plan(new)
+        carried = self._switch_plan(new)
         # every switch is measured once more before the loop settles: the guard compares the
         # new plan's span with this one (or, after the last allowed switch, only that)
         self.loop.before = (old, span)
         if cfg.log_plan and self.topo.rank == 0:
             log.info(
                 "gradsync closed loop at step %d: re-plan %d of at most %d (%s; predicted %.1f -> %.1f ms "
-                "of synchronization per step; %d compression streams of changed buckets start afresh)",
-                self.step, self.loop.replans, self.loop.replan, record.get("refit"),
-                *record.get("predicted_ms", [0.0, 0.0]), len(dropped),
+                "of synchronization per step; %d compression streams of changed buckets end, what they "
+                "owed is carried to the next step)", self.step, self.loop.replans, self.loop.replan,
+                record.get("refit"), *record.get("predicted_ms", [0.0, 0.0]), len(carried),
             )  # fmt: skip
         self._report_plan(time.perf_counter() - t0)
 
@@ -706,27 +756,72 @@ class SyncEngine:
         old, old_span = self.loop.before
         self.loop.before = None
         self.loop.settled = True
-        dropped = self._switch_plan(old)
+        carried = self._switch_plan(old)
         record.update(switched=True, reverted=True, seconds=time.perf_counter() - t0)
         self.loop.history.append(record)
         if self.config.log_plan and self.topo.rank == 0:
             log.info(
                 "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step against "
                 "%.1f ms before it; going back to the previous plan and settling (%d compression "
-                "streams start afresh)", self.step, record["measured_ms"], old_span * 1e3, len(dropped),
+                "streams end, what they owed is carried)", self.step, record["measured_ms"], old_span * 1e3,
+                len(carried),
             )  # fmt: skip
         self._report_plan(time.perf_counter() - t0)
 
     def _switch_plan(self, plan: Plan) -> list[str]:
-        """Install ``plan`` between steps; the compression state of the buckets it changes is
-        dropped (their keys returned), that of the buckets it keeps stays."""
+        """Install ``plan`` between steps. The compression state of the buckets it keeps stays;
+        the streams of the buckets it changes end, and what they owed is carried to their
+        parameters (their keys are returned)."""
+        assert self.plan is not None
+        old_plan, old = self.plan, self._buckets
         self._install_plan(plan)
-        keep = stream_prefixes(plan, [b.key for b in self._buckets])
-        dropped: list[str] = []
-        for cid, codec in enumerate(self.codecs):
-            dropped += codec.drop_streams(keeps(keep.get(cid, set())))
+        lowrank = {cid for cid, c in enumerate(self.codecs) if c.lowrank}
+        names = [s.name for s in self.slots]
+        keep, ended = kept_streams(
+            old_plan, [b.key for b in old], plan, [b.key for b in self._buckets], names, lowrank
+        )
+        taken = self._end_streams(keep, ended, self._layouts(old))
         self.loop.restart()
-        return dropped
+        return taken
+
+    def _end_all_streams(self) -> list[str]:
+        """``dense_from_step``: every stream ends; what they owed goes into the dense steps."""
+        assert self.plan is not None
+        ended = sorted(i for b in self.plan.buckets if b.compress for i in b.slots)
+        return self._end_streams({}, ended, self._layouts(self._buckets))
+
+    def _end_streams(
+        self, keep: dict[int, Callable[[str], bool]], ended: list[int], layouts: Layouts
+    ) -> list[str]:
+        """End every stream ``keep`` rejects (all of a codec without a filter) and carry what they
+        owed (:mod:`gradsync.sync.carry`). ``ended``: the slots whose streams end, the same on every
+        rank. With momentum correction the ranks agree on it here (one all-reduce)."""
+        owed = []
+        for cid, codec in enumerate(self.codecs):
+            owed += codec.take_streams(keep.get(cid, lambda key: False))
+        if self.momentum is None:
+            self.carry.add_owed(owed, layouts)
+        elif ended:
+            slots = [self.slots[i] for i in ended]
+            wide = any(s.param.dtype == torch.float64 for s in slots)
+            total = gather_for_mean(
+                owed, layouts, [(s.name, s.numel) for s in slots], torch.float64 if wide else torch.float32,
+                self.topo.comm_device,
+            )  # fmt: skip
+            if self.active:
+                P.all_reduce(total, self.topo.control_group, "world")
+            total.div_(self.topo.world)
+            half, at = total.numel() // 2, 0
+            for s in slots:
+                device = s.param.device
+                self.carry.add_mean(s.name, total[at : at + s.numel].to(device))
+                self.momentum.seed(s.name, total[half + at : half + at + s.numel].to(device))
+                at += s.numel
+        return [o.key for o in owed]
+
+    @staticmethod
+    def _layouts(buckets: list[Bucket]) -> Layouts:
+        return Layouts((b.key, [(s.name, s.numel) for s in b.slots]) for b in buckets)
 
     def codec_rejects(self, codec_id: int, slots: list[int], parts: int) -> str | None:
         """Why codec ``codec_id`` cannot compress a bucket of ``slots`` in ``parts`` parts (None
@@ -768,6 +863,8 @@ class SyncEngine:
         covered = sorted(i for b in plan.buckets for i in b.slots)
         if covered != list(range(n)) or any(b.codec_id >= len(self.codecs) for b in plan.buckets):
             raise ValueError("gradsync: the plan does not match this model's parameters or codecs")
+        if any(b.compress and b.partitions > 1 and self.codecs[b.codec_id].lowrank for b in plan.buckets):
+            raise ValueError("gradsync: a low-rank codec factors whole tensors; its buckets take one part")
         self.plan = plan
         self._set_buckets([(b.slots, b.codec_id) for b in plan.buckets], plan)
 
@@ -847,6 +944,21 @@ class SyncEngine:
             st.done_at = max(st.done_at, task.done_at or 0.0)
         return out
 
+    def owed_gradients(self) -> dict[str, torch.Tensor]:
+        """What this rank still owes the synchronized (mean) gradient, per parameter name, flat
+        and unscaled: error feedback's residuals traced back to their parameters, and what is
+        carried. The ranks' values add up to everything computed but not applied yet. A pass over
+        the residuals: call it between steps, for checks and telemetry."""
+        world = self.topo.world
+        residuals = Carry()
+        layouts = self._layouts(self._buckets)
+        for codec in self.codecs:
+            residuals.add_owed(codec.owed(), layouts)
+        out = self.carry.owed(world)
+        for name, t in residuals.owed(world).items():
+            out[name] = out[name] + t if name in out else t
+        return out
+
     def residual_norm(self) -> float | None:
         """The L2 norm of every codec's error-feedback residuals (None without error feedback).
         A pass over the residuals: call it between steps, every few steps."""
@@ -884,6 +996,7 @@ class SyncEngine:
             "codecs": [c.state_dict() for c in self.codecs],
             "closed_loop": self._loop_state(),
             "momentum": None if self.momentum is None else self.momentum.state_dict(),
+            "carry": self.carry.state_dict(),
         }
 
     def _loop_state(self) -> dict[str, Any]:
@@ -931,6 +1044,7 @@ class SyncEngine:
             )
             for codec in self.codecs:
                 codec.reset_state()
+            self.carry = Carry()
             self.momentum = sync_momentum(self.codecs)
             self.step = int(state.get("step", 0))
             self.plan = None
@@ -941,6 +1055,7 @@ class SyncEngine:
             codec.load_state_dict(cs)
         if self.momentum is not None and state.get("momentum") is not None:
             self.momentum.load_state_dict(state["momentum"])
+        self.carry.load_state_dict(state.get("carry"))
         self.step = int(state["step"])
         if state["plan"] is not None:
             self._install_plan(Plan.from_state(state["plan"]))

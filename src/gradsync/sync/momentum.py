@@ -12,13 +12,16 @@ needed. Per parameter, as ``torch.optim.SGD`` computes it::
 
     u = M * u + g;  update = u            (Nesterov: update = g + M * u)
 
-When a parameter moves from dense to compressed (after the dense warm-up, or when a re-plan
-starts compressing its bucket), the momentum its dense steps built up is not handed to the
-compressed streams: those are each rank's own and laid out per codec. It is released as momentum
-SGD would release it: ``u = M * u; update += u`` (Nesterov: ``update += M * u``) on every
-compressed step. Momentum SGD's velocity is linear in the gradients, so the sum of this decaying
-part and the error feedback's new momentum is the velocity momentum SGD would have. Once
-``M ** steps`` falls below :data:`NEGLIGIBLE`, the momentum is dropped.
+When a compressed stream ends (a re-plan changes its bucket, or the switch to dense training),
+the momentum its error feedback kept is averaged over the ranks and added here (:meth:`seed`),
+so momentum carries on instead of restarting. When a parameter moves from dense to compressed
+(after the dense warm-up, or when a re-plan starts compressing its bucket), the momentum its
+dense steps built up is not handed to the compressed streams: those are each rank's own and
+laid out per codec. It is released as momentum SGD would release it: ``u = M * u;
+update += u`` (Nesterov: ``update += M * u``) on every compressed step. Momentum SGD's velocity
+is linear in the gradients, so the sum of this decaying part and the error feedback's new
+momentum is the velocity momentum SGD would have. Once ``M ** steps`` falls below
+:data:`NEGLIGIBLE`, the momentum is dropped.
 
 ``u`` is kept unscaled (a GradScaler's scale divided out), in float32 for 16-bit gradients. A
 step that every rank skips for an overflow leaves ``u`` as it was (:meth:`rollback_round`).
@@ -111,6 +114,14 @@ class SyncMomentum:
                 self.velocity[name] = u
                 self._released[name] = released
             grad.add_(u.view(grad.shape), alpha=(m if self.nesterov else 1.0) * scale)
+
+    def seed(self, name: str, u: torch.Tensor) -> None:
+        """Add ``u`` (flat, unscaled, in units of the mean gradient) to ``name``'s momentum,
+        between steps: the momentum a compressed stream had built up when the stream ended (see
+        :mod:`gradsync.sync.carry`). A dense step continues it; a compressed one releases it."""
+        old = self.velocity.get(name)
+        self.velocity[name] = u.clone() if old is None else old + u.to(old.dtype)
+        self._released[name] = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
