@@ -94,8 +94,9 @@ def best_dense(model: CostModel, nbytes: float, algorithm: str) -> tuple[str, fl
 def best_partitions(
     scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost, nodes: int, per_node: int, fixed: int
 ) -> tuple[int, float]:
-    """The number of pipelined parts (``fixed`` if nonzero) and the predicted seconds."""
-    choices = [fixed] if fixed else ([1] if codec.lowrank else [1, 2, 4])
+    """The number of pipelined parts (``fixed`` if nonzero) and the predicted seconds. A low-rank
+    codec factors whole tensors, so its buckets are never cut (``fixed`` does not apply)."""
+    choices = [1] if codec.lowrank else ([fixed] if fixed else [1, 2, 4])
     best = (1, math.inf)
     for k in choices:
         part = nbytes / k
