@@ -192,6 +192,22 @@ def test_planner_compresses_big_buckets_on_a_slow_network_and_declines_on_a_fast
     assert [(b.compress, b.dense_algorithm) for b in never.buckets] == [(False, "torus2d")] * 3
 
 
+def test_planner_never_cuts_a_low_rank_bucket_in_parts():
+    """PowerSGD factors whole tensors: a bucket in two parts would reduce every tensor twice, so
+    even a fixed ``partitions=2`` leaves a low-rank bucket in one part (other codecs take it)."""
+    from dataclasses import replace
+
+    scheme = Scheme.parse("powersgd:rank=2")
+    groups = [([0], 0), ([1], 0)]
+    nbytes = [64 << 10, 64 << 20]
+    lowrank = replace(_codec(), lowrank=True)
+    plan = make_plan(groups, nbytes, scheme, _model(1e11, 1e11), {0: lowrank}, "compress", "auto", 2)
+    assert [(b.compress, b.partitions) for b in plan.buckets] == [(True, 1), (True, 1)]
+    topk = make_plan(groups, nbytes, Scheme.parse("hitopk:density=0.01"), _model(1e11, 1e11), {0: _codec()},
+                     "compress", "auto", 2)  # fmt: skip
+    assert [b.partitions for b in topk.buckets] == [2, 2]
+
+
 def test_planner_picks_the_cheapest_candidate_per_bucket_and_skips_refused_ones():
     """Two codecs on a 100 Mbit/s network: codec 0 costs 1 ms per call plus 2 ns a byte, codec 1
     20 ms per call and nothing per byte (payloads 1 % for both). By hand: a 1 MiB bucket is
