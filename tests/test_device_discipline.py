@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
 from gradsync.collectives import compressed_allreduce
 from gradsync.collectives import primitives as P
-from gradsync.collectives.topology import Topology, backend_device
+from gradsync.collectives.topology import Topology, TopologyError, backend_device
+from gradsync.sync.tasks import TaskError, TaskManager
 from worlds import expect_all, run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -179,3 +182,100 @@ def _every_path():
 
 def test_every_collective_gets_tensors_on_the_communication_device():
     run_world(4, _every_path)
+
+
+# ------------------------------------------------------------------------- the threads' device
+def test_a_topology_takes_the_rank_device_and_refuses_others():
+    assert Topology(device=3).device == torch.device("cuda", 3)
+    assert Topology(device="cuda:1").device == torch.device("cuda", 1)
+    assert Topology(device="cpu").device == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert Topology().device == torch.device("cpu")
+    for bad in ("cuda", "gpu:0", -1, True, 1.5, "meta"):
+        with pytest.raises(TopologyError, match=r"device must be 'cpu', a CUDA device with its index"):
+            Topology(device=bad)
+    topo = Topology(device="cuda:1")
+    topo.check_devices([torch.device("cuda", 1), torch.device("cuda", 0), torch.device("cpu")])
+    topo.check_devices([torch.device("cpu")])
+    with pytest.raises(
+        ValueError, match=r"parameters are on cuda:0, cuda:2 but this rank's device is cuda:1"
+    ):
+        topo.check_devices([torch.device("cuda", 2), torch.device("cuda", 0)])
+
+
+@contextlib.contextmanager
+def recorded_set_device():
+    """``torch.cuda.set_device`` records (thread name, device) instead of acting (no GPU here)."""
+    calls: list[tuple[str, torch.device]] = []
+    real = torch.cuda.set_device
+    torch.cuda.set_device = lambda d: calls.append((threading.current_thread().name, torch.device(d)))
+    try:
+        yield calls
+    finally:
+        torch.cuda.set_device = real
+
+
+def test_the_task_threads_make_the_device_current_before_any_task():
+    with recorded_set_device() as calls:
+        manager = TaskManager("t", torch.device("cuda", 3))
+        ran: list[tuple[str, int]] = []
+
+        def program():
+            ran.append((threading.current_thread().name, len(calls)))
+            yield lambda: ran.append((threading.current_thread().name, len(calls)))
+
+        manager.wait([manager.submit(program(), "p")], timeout=10)
+        manager.close()
+    assert sorted(calls) == [("t-comm", torch.device("cuda", 3)), ("t-compute", torch.device("cuda", 3))]
+    assert {name for name, _ in ran} == {"t-compute", "t-comm"}
+    assert all(seen >= 1 for _, seen in ran)  # each thread had set its device before running
+
+
+def test_a_device_the_threads_cannot_take_fails_the_tasks():
+    def refuse(device):
+        raise RuntimeError(f"no such device {device}")
+
+    real = torch.cuda.set_device
+    torch.cuda.set_device = refuse
+    try:
+        manager = TaskManager("t", torch.device("cuda", 7))
+
+        def program():
+            yield lambda: None
+
+        with pytest.raises(TaskError, match="no such device cuda:7"):
+            manager.wait([manager.submit(program(), "p")], timeout=10)
+        manager.close()
+    finally:
+        torch.cuda.set_device = real
+
+
+def _threads_take_the_rank_device():
+    """Rank r given ``Topology(device=r)``: wrap's and the DDP hook's threads set cuda:r (a new
+    thread's current device is cuda:0, so without it every rank of a node staged there)."""
+    rank = dist.get_rank()
+    want = torch.device("cuda", rank)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    with recorded_set_device() as calls:
+        torch.manual_seed(0)
+        synced = gradsync.wrap(
+            nn.Linear(16, 4), "topk:density=0.1", Topology(nodes=1, per_node=2, device=f"cuda:{rank}"),
+            plan="compress", min_compress_bytes=0, log_plan=False,
+        )  # fmt: skip
+        for _ in range(2):
+            synced(x).square().mean().backward()
+        synced.close()
+        ddp = DistributedDataParallel(nn.Linear(16, 4))
+        state = gradsync.register_comm_hook(
+            ddp, "topk:density=0.1", Topology(nodes=1, per_node=2, device=rank), min_compress_bytes=0
+        )
+        for _ in range(2):
+            ddp(x).square().mean().backward()
+        state.close()
+    names = {name for name, d in calls if d == want}
+    assert {"gradsync-compute", "gradsync-comm", "gradsync-ddp-compute", "gradsync-ddp-comm"} <= names, calls
+    assert all(d == want for _, d in calls), calls
+
+
+def test_gradsync_threads_work_on_the_rank_device():
+    run_world(2, _threads_take_the_rank_device)

@@ -300,6 +300,28 @@ def check_planner_times_codecs_on_the_gradients_device(device):
         assert timed == [], timed  # rank 0 decides alone
 
 
+def check_the_threads_work_on_this_ranks_gpu(device):
+    """gradsync's compute and communication threads (wrap's and the DDP hook's) have this rank's
+    GPU as their current device: a new thread starts on cuda:0, where every rank of a node would
+    otherwise allocate and stage."""
+    seen = []
+
+    def probe():
+        seen.append(torch.cuda.current_device())  # the compute thread
+        yield lambda: seen.append(torch.cuda.current_device())  # the communication thread
+
+    model = gradsync.wrap(mlp().to(device), "topk:density=0.1", topology(), **FAST)
+    train(model, device, steps=1)
+    model.engine.manager.wait([model.engine.manager.submit(probe(), "probe")], timeout=30)
+    model.close()
+    net = ddp(mlp().to(device), device)
+    state = gradsync.register_comm_hook(net, "topk:density=0.1", topology(), **FAST)
+    train(net, device, steps=1)
+    state.manager.wait([state.manager.submit(probe(), "probe")], timeout=30)
+    state.close()
+    assert seen == [device.index] * 4, f"current devices {seen}, this rank's GPU is {device.index}"
+
+
 # ----------------------------------------------------------------------------------- worlds
 def nccl_world(device_type):
     device = device_of(device_type)
@@ -309,6 +331,7 @@ def nccl_world(device_type):
         named_check(check_lossy_schemes_with_wrap, device),
         named_check(check_lossy_schemes_with_the_hook, device),
         named_check(check_autocast_with_a_grad_scaler, device),
+        named_check(check_the_threads_work_on_this_ranks_gpu, device),
         *([named_check(check_planner_times_codecs_on_the_gradients_device, device)] if planned else []),
     )
 

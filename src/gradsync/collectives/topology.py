@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,43 @@ def default_timeout() -> datetime.timedelta | None:
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
+def default_device() -> torch.device:
+    """The current CUDA device of the calling thread, or the CPU without CUDA."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _parse_device(device: object) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+            parsed = torch.device("cuda", device)
+        elif isinstance(device, (str, torch.device)):
+            parsed = torch.device(device)
+        else:
+            raise TypeError
+    except (RuntimeError, TypeError):
+        parsed = None
+    if (
+        parsed is None
+        or parsed.type not in ("cpu", "cuda")
+        or (parsed.type == "cuda" and parsed.index is None)
+    ):
+        raise TopologyError(
+            f"device must be 'cpu', a CUDA device with its index ('cuda:1', torch.device('cuda', 1)) or "
+            f"a GPU index, got {device!r}"
+        )
+    return parsed
+
+
+def use_device(device: torch.device | None) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for the CPU)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def backend_device(backend: str) -> torch.device:
     """The device a backend's tensors must be on: the current GPU for NCCL, else the CPU."""
     if backend == "nccl":
@@ -70,6 +108,12 @@ class Topology:
     to emulate two nodes on one machine. Without a process group (or with one rank) it is the
     trivial topology and creates no groups. ``timeout`` bounds gradsync's collectives (default:
     the default process group's timeout).
+
+    ``device`` is the accelerator this rank computes on (a ``torch.device``, ``"cuda:1"`` or a
+    GPU index): gradsync's own threads make it their current device, so that what they allocate
+    and stage lands there and not on ``cuda:0`` (a new thread's current device). By default it
+    is the current CUDA device of the thread that builds the topology (torchrun scripts call
+    ``torch.cuda.set_device(LOCAL_RANK)`` first), or the CPU without CUDA.
     """
 
     def __init__(
@@ -77,12 +121,14 @@ class Topology:
         nodes: int | None = None,
         per_node: int | None = None,
         timeout: datetime.timedelta | None = None,
+        device: torch.device | str | int | None = None,
     ) -> None:
         if (nodes is None) != (per_node is None):
             raise TopologyError("give both nodes and per_node, or neither (to read torchrun's environment)")
         for name, v in (("nodes", nodes), ("per_node", per_node)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise TopologyError(f"{name} must be a positive integer, got {v!r}")
+        self._device = _parse_device(device)
         self._asked = (nodes, per_node, timeout)
         # scratch buffers of the algorithms run on this topology (large CPU allocations page-fault)
         self.workspace = Workspace()
@@ -97,6 +143,8 @@ class Topology:
         self.backend = dist.get_backend() if initialized else "gloo"
         self.comm_device = backend_device(self.backend) if initialized else torch.device("cpu")
         """Where the tensors of gradsync's collectives live: the current GPU under NCCL, else the CPU."""
+        self.device = self._device if self._device is not None else default_device()
+        """The device this rank computes on; gradsync's threads make it their current device."""
         if nodes is None:
             nodes, per_node, node_rank, local_rank = self._from_env()
         else:
@@ -142,6 +190,20 @@ class Topology:
             )
         self._build()
         return self
+
+    def check_devices(self, devices: Iterable[torch.device], what: str = "the model's parameters") -> None:
+        """Refuse CUDA tensors none of which is on this rank's device (``ValueError``): the rank
+        would stage and communicate on another GPU than its data (typically ``cuda:0`` on every
+        rank of a node, because ``torch.cuda.set_device`` was not called)."""
+        cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+        if not cuda or self.device in cuda:
+            return
+        where = ", ".join(str(d) for d in cuda)
+        raise ValueError(
+            f"gradsync: {what} are on {where} but this rank's device is {self.device} (the current CUDA "
+            "device when its Topology was built): call torch.cuda.set_device(LOCAL_RANK) before "
+            "init_process_group, or pass Topology(device=...)"
+        )
 
     @property
     def is_bound(self) -> bool:

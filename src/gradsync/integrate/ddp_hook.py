@@ -108,12 +108,13 @@ class HookState:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("gradsync: the DDP hook ran without a process group")
         topo = self._topology.bind() if self._topology is not None else Topology()
-        agreed(topo, lambda: self.config, lambda c: c.spec(), self.model)
+        agreed(topo, lambda: _placed(topo, self.model, self.config), lambda c: c.spec(), self.model)
         return self._bound_to(topo)
 
     def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
+        self.manager.device = topo.device  # the threads start with the first bucket
         return topo
 
     def key(self, bucket: dist.GradBucket) -> str:
@@ -305,6 +306,13 @@ def hook_config(config: SyncConfig) -> SyncConfig:
     return config
 
 
+def _placed(topo: Topology, model: nn.Module | None, config: SyncConfig) -> SyncConfig:
+    """``config``, once the model's parameters are checked to be on this rank's device."""
+    if model is not None:
+        topo.check_devices(p.device for p in model.parameters())
+    return config
+
+
 def ddp_comm_hook(
     scheme: str | SyncConfig = "auto",
     topology: Topology | None = None,
@@ -324,7 +332,10 @@ def ddp_comm_hook(
         return HookState(hook_config(build_config(scheme, config, options)), topology, model), gradsync_hook
     # with a process group, a bad option on one rank must fail on every rank: agree first
     topo = topology.bind() if topology is not None else Topology()
-    cfg = agreed(topo, lambda: hook_config(build_config(scheme, config, options)), lambda c: c.spec(), model)
+    cfg = agreed(
+        topo, lambda: _placed(topo, model, hook_config(build_config(scheme, config, options))),
+        lambda c: c.spec(), model,
+    )  # fmt: skip
     state = HookState(cfg, topo, model)
     state._bound_to(topo)
     return state, gradsync_hook

@@ -157,7 +157,8 @@ class SyncEngine:
         self.check_overflow = (
             config.check_overflow if config.check_overflow is not None else grad_scaler is not None
         )
-        self.manager = TaskManager("gradsync")
+        topology.check_devices(s.param.device for s in self.slots)
+        self.manager = TaskManager("gradsync", topology.device)
         self.step = 0  # completed steps
         self.plan: Plan | None = None
         loop_on = config.plan == "auto" and self.scheme.kind != "dense" and bool(self.codecs)

@@ -36,8 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program, Step
+from gradsync.collectives.topology import use_device
 
 
 class TaskError(RuntimeError):
@@ -92,10 +95,15 @@ class Task:
 
 
 class TaskManager:
-    """Runs step programs on a compute thread and a communication thread (started lazily)."""
+    """Runs step programs on a compute thread and a communication thread (started lazily).
 
-    def __init__(self, name: str = "gradsync") -> None:
+    ``device``: the accelerator the tasks work on; both threads make it their current device
+    before anything else (a new thread's current CUDA device is ``cuda:0``, whatever the thread
+    that started it uses). It may be set until the first task is submitted."""
+
+    def __init__(self, name: str = "gradsync", device: torch.device | None = None) -> None:
         self.name = name
+        self.device = device
         self._cv = threading.Condition()
         self._compute: list[tuple[int, Task]] = []  # heap by submission order
         self._comm: deque[Task] = deque()
@@ -185,9 +193,23 @@ class TaskManager:
         if self._threads:
             return
         for target, role in ((self._compute_loop, "compute"), (self._comm_loop, "comm")):
-            t = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
+            t = threading.Thread(
+                target=self._on_device, args=(target,), name=f"{self.name}-{role}", daemon=True
+            )
             t.start()
             self._threads.append(t)
+
+    def _on_device(self, loop: Callable[[], None]) -> None:
+        try:
+            use_device(self.device)
+        except BaseException as e:  # every task fails with it, instead of running elsewhere
+            with self._cv:
+                self._error = self._error or e
+                queued = list(self._comm)
+            for task in queued:
+                self._fail(task, e)
+            return
+        loop()
 
     def _fail(self, task: Task, error: BaseException) -> None:
         """Record a failure and fail every task queued after it (call without the lock)."""
