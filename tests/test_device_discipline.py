@@ -279,3 +279,73 @@ def _threads_take_the_rank_device():
 
 def test_gradsync_threads_work_on_the_rank_device():
     run_world(2, _threads_take_the_rank_device)
+
+
+# ---------------------------------------------------------------------------- host reads per step
+HOST_READS = ("__bool__", "__float__", "__int__", "item", "tolist")
+
+
+@contextlib.contextmanager
+def counted_host_reads():
+    """Count the reads of tensor values into Python (each a host synchronization on a GPU) that
+    gradsync's sync engine makes, in any thread: a ``Counter`` by (method, line)."""
+    import collections
+    import os
+    import sys
+
+    engine_file = os.path.join("gradsync", "sync", "engine.py")
+    counts: collections.Counter = collections.Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name, fn):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.endswith(engine_file):
+                counts[(name, caller.co_name)] += 1
+            return fn(self, *args, **kwargs)
+
+        return read
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, counting(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _host_reads_do_not_grow_with_buckets():
+    """Under a GradScaler the engine checks every bucket for inf/NaN; the flags stay on the device
+    until the step's flag all-reduce, so a step reads the device the same few times whether the
+    model has 2 buckets or 12 (before: one read per bucket)."""
+    rank = dist.get_rank()
+    per_step = {}
+    for layers in (2, 12):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        synced = gradsync.wrap(
+            model, "hierarchical", Topology(nodes=1, per_node=2), grad_scaler=scaler, bucket_bytes=4096,
+            find_unused_parameters=True, log_plan=False, calibrate=False,
+        )  # fmt: skip
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+        for step in range(4):
+            if step == 2:  # after the first plan (which measures, with reads of its own)
+                with counted_host_reads() as counts:
+                    scaler.scale(synced(x).square().mean()).backward()
+            else:
+                scaler.scale(synced(x).square().mean()).backward()
+            scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+            scaler.update()
+            model.zero_grad()
+        per_step[layers] = (len(synced.engine._buckets), dict(counts))
+        synced.close()
+    (few, reads_few), (many, reads_many) = per_step[2], per_step[12]
+    assert many > few + 5, per_step
+    assert reads_few == reads_many, f"host reads per step: {per_step}"
+    assert sum(reads_many.values()) <= 2, f"host reads per step: {per_step}"
+
+
+def test_a_step_reads_the_device_a_fixed_number_of_times():
+    run_world(2, _host_reads_do_not_grow_with_buckets)

@@ -359,8 +359,10 @@ class SyncEngine:
             self._clip_all()
         if self.momentum is not None:
             live = [(s.name, g) for s in self.slots if (g := s.param.grad) is not None]
-            if scaled and not all(bool(torch.isfinite(g).all()) for _, g in live):
-                return  # the GradScaler skips this step: the momentum stays as it was
+            if scaled and live:  # one read of the flags (kept on the device until then)
+                home = live[0][1].device
+                if not bool(torch.stack([torch.isfinite(g).all().to(home) for _, g in live]).all()):
+                    return  # the GradScaler skips this step: the momentum stays as it was
             self.momentum.begin_round()
             self.momentum.dense([n for n, _ in live], [g for _, g in live], self._loss_scale)
 
@@ -587,7 +589,8 @@ class SyncEngine:
     def _apply_flags(self, flags: torch.Tensor) -> tuple[bool, set[str]]:
         """Act on the agreed flags: an overflow on any rank skips the step everywhere; a parameter
         no rank used gets no gradient (returns the overflow and those parameters' names)."""
-        overflow = bool(flags[0] > 0)
+        values = flags.tolist()  # the flags came back to the host: one read of them all
+        overflow = values[0] > 0
         if overflow:
             # some rank overflowed: every rank skips the step (its GradScaler sees NaN) and undoes
             # what this step did to the residuals
@@ -600,7 +603,7 @@ class SyncEngine:
                 self.momentum.rollback_round()
         unused: set[str] = set()
         if self.config.find_unused_parameters:
-            unused = {s.name for i, s in enumerate(self.slots) if flags[1 + i] == 0}
+            unused = {s.name for i, s in enumerate(self.slots) if values[1 + i] == 0}
             for s in self.slots:
                 if s.name in unused:
                     s.param.grad = None  # no rank used it: leave it as DDP would
