@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
 from gradsync.codecs import build_codec
@@ -276,6 +277,107 @@ def check_momentum_correction_carries_residual_and_momentum():
     assert not failed, "\n".join(failed)
 
 
+# -------------------------------------------------------------------------------- the DDP hook
+def check_the_hook_owes_nothing(scheme: str):
+    """The invariant through gradsync's DDP hook under a GradScaler: DDP with
+    ``find_unused_parameters`` (the side head unused at steps 3 and 9, on rank 1 at step 8) and
+    small buckets; rank 3's loss overflows at step 2, so every rank skips that step (its
+    gradients are NaN on every rank, its residuals as after step 1 on every rank, and the step
+    counts neither as computed nor as applied); at step 4 the state goes into a new DDP model with
+    other buckets (one for everything) and the next iteration is dense, with everything that was
+    owed; dense from step 8 on, after which nothing is owed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed, expect = _failures()
+    module = Branchy()
+    twin = copy.deepcopy(module)
+    topo = Topology(nodes=2, per_node=2)
+    options = dict(plan="compress", min_compress_bytes=0, dense_from_step=8, log_plan=False)
+
+    def hooked(m: nn.Module, cap: float):
+        ddp = DistributedDataParallel(m, find_unused_parameters=True, bucket_cap_mb=cap)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        return ddp, scaler, gradsync.register_comm_hook(ddp, scheme, topo, grad_scaler=scaler, **options)
+
+    ddp, scaler, state = hooked(module, 0.004)
+    expect(state.config.find_unused_parameters, "the hook did not take DDP's find_unused_parameters")
+    names = [n for n, _ in module.named_parameters()]
+    wanted = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in module.named_parameters()}
+    applied = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in module.named_parameters()}
+    after: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(10):
+        x, y = _batch(step)
+        side = _sides(step, rank)
+        blow_up = float("inf") if step == 2 and rank == 3 else 1.0
+        nn.functional.mse_loss(twin(x, side), y).backward()
+        scale = scaler.get_scale()
+        scaler.scale(nn.functional.mse_loss(ddp(x, side), y) * blow_up).backward()
+        if step != 2:
+            for n, p in twin.named_parameters():
+                g = p.grad.double().reshape(-1) if p.grad is not None else torch.zeros_like(wanted[n])
+                dist.all_reduce(g)
+                wanted[n] += g / world
+        for n, p in ddp.module.named_parameters():
+            if p.grad is None:
+                continue
+            if step == 2:
+                expect(
+                    bool(torch.isnan(p.grad).all()), f"{scheme}, step 2, {n}: the overflow did not reach it"
+                )
+            else:
+                applied[n] += p.grad.double().reshape(-1) / scale
+        scaler.step(torch.optim.SGD(ddp.parameters(), lr=0.0))
+        scaler.update()
+        if step == 2:
+            expect(scaler.get_scale() < scale, f"{scheme}: rank {rank}'s GradScaler did not skip step 2")
+        twin.zero_grad(set_to_none=True)
+        ddp.zero_grad(set_to_none=True)
+        if step == 4:  # a new DDP model with other buckets, from the saved state
+            saved = state.state_dict()
+            state.close()
+            ddp, scaler, state = hooked(copy.deepcopy(ddp.module), 25.0)
+            state.load_state_dict(saved)
+        owed = state.owed_gradients()
+        after[step] = {n: t.clone() for n, t in owed.items()}
+        if step == 2:
+            same = after[1].keys() == owed.keys() and all(torch.equal(after[1][n], owed[n]) for n in owed)
+            expect(same, f"{scheme}: rank {rank}'s residuals changed in the skipped step")
+        for n in names:
+            t = owed.get(n)
+            total = t.double() if t is not None else torch.zeros_like(wanted[n])
+            dist.all_reduce(total)
+            err = _relative(applied[n] + total, wanted[n])
+            expect(
+                err < TOL, f"{scheme} hook, after step {step}, {n}: applied + owed off the mean by {err:.2e}"
+            )
+            if step in (5, 8, 9):  # a dense iteration (after the load; from dense_from_step on)
+                expect(float(total.abs().max()) == 0.0, f"{scheme} hook, after step {step}, {n}: still owed")
+    state.close()
+    assert not failed, "\n".join(failed)
+
+
+def check_the_hook_says_when_it_cannot_restore_residuals():
+    """A hook made by hand for a DDP model with ``find_unused_parameters=True`` but not told so
+    cannot give back what error feedback sent of a parameter no rank used: it says so (once)."""
+    import warnings
+
+    module = Branchy()
+    ddp = DistributedDataParallel(module, find_unused_parameters=True)
+    state, hook = gradsync.ddp_comm_hook(
+        "allgather/topk:density=0.1", Topology(nodes=2, per_node=2), model=module, plan="compress",
+        min_compress_bytes=0, log_plan=False,
+    )  # fmt: skip
+    ddp.register_comm_hook(state, hook)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = _batch(step)
+            nn.functional.mse_loss(ddp(x, step != 2), y).backward()
+            ddp.zero_grad(set_to_none=True)
+    state.close()
+    said = [str(w.message) for w in seen if "find_unused_parameters=True" in str(w.message)]
+    assert len(said) == 1 and "side.bias" in said[0], said
+
+
 def owed_world():
     run_checks(
         named_check(check_every_strategy_records_where_its_residuals_belong),
@@ -284,8 +386,17 @@ def owed_world():
         named_check(check_nothing_owed_is_lost, "ps+local/onebit", label="ps+local onebit"),
         named_check(check_nothing_owed_is_lost, "powersgd:rank=2", label="powersgd"),
         named_check(check_momentum_correction_carries_residual_and_momentum),
+        named_check(check_the_hook_owes_nothing, "allgather/topk:density=0.1", label="hook topk"),
+        named_check(check_the_hook_owes_nothing, "hitopk:density=0.05", label="hook hitopk"),
+        named_check(check_the_hook_owes_nothing, "powersgd:rank=2", label="hook powersgd"),
+        named_check(check_the_hook_says_when_it_cannot_restore_residuals),
     )
 
 
 def test_nothing_owed_is_lost_on_four_ranks():
     run_world(WORLD, owed_world)
+
+
+def test_a_hook_told_find_unused_parameters_needs_the_model():
+    with pytest.raises(ValueError, match=r"find_unused_parameters: the DDP hook needs model="):
+        gradsync.ddp_comm_hook("topk:density=0.1", find_unused_parameters=True)

@@ -101,7 +101,9 @@ def hooked(spec, opts=None, **ddp_kw):
 
     def make(model):
         ddp = DDP(model, **ddp_kw)
-        state, hook = gradsync.ddp_comm_hook(spec, model=model, **(opts or {}))
+        # as the docs say: the hook is told what DDP does with unused parameters
+        unused = {"find_unused_parameters": True} if ddp_kw.get("find_unused_parameters") else {}
+        state, hook = gradsync.ddp_comm_hook(spec, model=model, **unused, **(opts or {}))
         ddp.register_comm_hook(state, hook)
         ddp._gradsync_state = state
         return ddp

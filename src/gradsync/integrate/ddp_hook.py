@@ -22,8 +22,26 @@ process groups (see :class:`~gradsync.collectives.Topology`), so they never pair
 Each iteration starts with the step check of :mod:`gradsync.sync.sequence` (with ``model``
 given, forward passes are counted too). Under ``Join`` DDP runs the hook on zero buckets for a
 rank out of data; the hook recognizes them (they run outside any backward pass).
+
+What error feedback owes is never lost (:mod:`gradsync.sync.carry`), as with ``wrap``:
+
+- ``grad_scaler=``: the hook reads the loss scale once per iteration (error feedback keeps its
+  residuals unscaled) and checks every bucket for inf/NaN; one tiny all-reduce after the last
+  bucket agrees on it, and if any rank overflowed, every rank's buckets become NaN (its
+  GradScaler skips the step) and every rank undoes what the iteration did to its residuals.
+  DDP receives the iteration's buckets once that is settled.
+- ``find_unused_parameters`` (read from the DDP model by :func:`register_comm_hook`): the same
+  all-reduce carries which parameters got a gradient; DDP leaves a parameter that no rank used
+  untouched, so what error feedback sent of it goes back into its residual.
+- A stream whose bucket DDP no longer forms (a rebuild), and every stream at the start of a
+  dense iteration (``dense_from_step``, and the first iteration after :meth:`HookState.load_state_dict`,
+  which runs dense so that DDP's first-iteration bucket rebuild happens on dense buckets), ends;
+  what it owed is added to its parameters' gradients in the next iteration. Parameters are
+  named when ``model`` is given; without it, owed gradient follows a bucket only while DDP keeps
+  that bucket.
 """
 
+import dataclasses
 import hashlib
 import logging
 import warnings
@@ -42,6 +60,7 @@ from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology, TopologyError
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
+from gradsync.integrate.hook_ledger import Iteration, Ledger
 from gradsync.integrate.wrap import build_config
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
@@ -69,17 +88,29 @@ class HookState:
         topology: Topology | None,
         model: nn.Module | None,
         loss_scale: float = 1.0,
+        grad_scaler: Any | None = None,
     ) -> None:
+        if config.find_unused_parameters and model is None:
+            raise ValueError(
+                "find_unused_parameters: the DDP hook needs model= (the DDP model's module) to tell "
+                "which parameters got a gradient; gradsync.register_comm_hook passes it"
+            )
         self.config = config
         self.model = model
+        self.grad_scaler = grad_scaler
+        self.iteration: Iteration | None = None
+        self._dense_next = False  # the first iteration after load_state_dict is dense
         self.codec = Scheme.parse(config.scheme).build(config.error_feedback)
         self.density_schedule = schedule_for(
             config.density_schedule, [self.codec] if self.codec is not None else [], config.scheme
         )
+        check_overflow = grad_scaler is not None if config.check_overflow is None else config.check_overflow
+        self.ledger = Ledger(self.codec, model, config.find_unused_parameters, check_overflow)
+        """Carry, layouts and parameter use from one iteration to the next."""
         self.manager = TaskManager("gradsync-ddp")
         self.step = 0
         self.forwards = 0  # training-mode forward passes of ``model`` (for the step check)
-        self.loss_scale = loss_scale  # set it each step under GradScaler (error feedback's units)
+        self.loss_scale = loss_scale  # the scale the gradients carry (read from grad_scaler when given)
         # bound to the process group by bind() (at construction when one exists, else at the first call)
         self.topo: Topology | None = None
         self.scheme: Scheme | None = None
@@ -126,11 +157,43 @@ class HookState:
         return f"ddp-bucket:{hashlib.blake2b(shapes.encode(), digest_size=6).hexdigest()}"
 
     def dense_step(self) -> bool:
-        """Whether this iteration is dense for everyone (warm-up, or the switch to dense)."""
+        """Whether this iteration is dense for everyone (warm-up, the switch to dense, or the
+        first iteration after a load)."""
         c = self.config
-        return self.step < c.dense_warmup_steps or (
-            c.dense_from_step is not None and self.step >= c.dense_from_step
+        return (
+            self._dense_next
+            or self.step < c.dense_warmup_steps
+            or (c.dense_from_step is not None and self.step >= c.dense_from_step)
         )
+
+    # ------------------------------------------------------------------ one iteration
+    def members(self, bucket: dist.GradBucket, key: str) -> list[tuple[str, int]]:
+        """The bucket's parameters as (name, numel), in its order (a name made from the key where
+        the parameter has none)."""
+        return [
+            (self._names.get(id(p)) or f"{key}/{i}", p.numel()) for i, p in enumerate(bucket.parameters())
+        ]
+
+    def begin(self, joined: bool) -> Iteration:
+        """The first bucket of an iteration (every bucket of the last one is done by now)."""
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self.loss_scale = float(self.grad_scaler.get_scale())  # once per iteration
+        self.iteration = self.ledger.begin(joined, self.dense_step())
+        return self.iteration
+
+    def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
+        """The iteration is over (compute thread): the ledger settles it, then DDP gets the
+        buckets (its next iteration starts from the counted step)."""
+        self.ledger.settle(it, flags)
+        self._dense_next = self._dense_next and not it.dense
+        self.step += 1
+        self.iteration = None
+        self.ledger.release(it)
+
+    def owed_gradients(self) -> dict[str, torch.Tensor]:
+        """What this rank still owes the mean gradient, per parameter (as
+        ``GradSync.engine.owed_gradients``); call it between iterations."""
+        return self.ledger.owed_gradients(self.topo.world if self.topo is not None else 1)
 
     def why_dense(self, buffer: torch.Tensor, key: str = "") -> str | None:
         """Why a bucket is synchronized densely this iteration; None when it is compressed."""
@@ -203,23 +266,35 @@ class HookState:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "codec": None if self.codec is None else self.codec.state_dict()}
+        """This rank's state: tensors and plain values (``weights_only`` loads it)."""
+        return {
+            "step": self.step,
+            "codec": None if self.codec is None else self.codec.state_dict(),
+            **self.ledger.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. The next iteration is dense: what the residuals owe is sent
+        in it, and DDP's first-iteration bucket rebuild (a new DDP model) happens on dense buckets,
+        so no residual waits for a bucket that DDP no longer forms."""
         self.step = int(state["step"])
         if self.codec is not None and state.get("codec") is not None:
             self.codec.load_state_dict(state["codec"])
+        self.ledger.load_state_dict(state)
+        self._dense_next = True
 
     def close(self) -> None:
-        """Stop the threads and stop counting forward passes."""
+        """Stop the threads and stop counting forward passes (and gradients)."""
         if self._counting is not None:
             self._counting.remove()
             self._counting = None
+        self.ledger.close()
         self.manager.close()
 
 
-def _program(state: HookState, bucket: dist.GradBucket, key: str, compress: bool) -> Program:
+def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str, compress: bool) -> Program:
     buf = bucket.buffer()
+    state.ledger.inject(it, key, buf, state.loss_scale)
     ws = state._workspaces.setdefault(key, Workspace())
     scheme, topo = state.scheme, state.topo
     assert scheme is not None and topo is not None
@@ -256,29 +331,44 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             "gradients only (build embeddings with sparse=False)"
         )
     key = state.key(bucket)
-    last = bucket.is_last()
+    first, last = bucket.index() == 0, bucket.is_last()
+    # DDP's Join mirrors a step on zero buckets outside backward, for a rank out of data
+    it = state.begin(joined=not _in_backward()) if first or state.iteration is None else state.iteration
+    it.members[key] = state.ledger.layouts[key] = state.members(bucket, key)
     why = state.why_dense(buf, key)
+    if why is None:
+        it.compressed.add(key)
+        if state.codec is not None and state.codec.lowrank:  # PowerSGD's streams are per tensor
+            it.compressed.update(n for n, _ in it.members[key])
     state.note(key, bucket, why)
     if last:
         state.report()
+    held = state.ledger.needs_flags
 
     def done() -> None:
-        if last:
-            state.step += 1
+        if held:  # DDP gets it once the iteration's flags are settled
+            it.held.append((fut, buf))
+            return
+        if last:  # before DDP sees the result: its next iteration starts from the settled state
+            state.settle(it, None)
         fut.set_result(buf)
 
     def fail(error: BaseException) -> None:
         # torch annotates set_exception's argument as the future's result type; it takes the error
-        fut.set_exception(error)  # type: ignore[arg-type]
+        for f in [fut, *(f for f, _ in it.held)]:
+            if not f.done():
+                f.set_exception(error)  # type: ignore[arg-type]
 
-    if bucket.index() == 0 and state.config.check_steps and topo.world > 1:
+    if first and state.config.check_steps and topo.world > 1:
         # the first bucket of an iteration: check that every rank is at the same step first
-        joined = not _in_backward()  # DDP's Join mirrors a step on zero buckets outside backward
-        forwards = None if joined or state.model is None else state.forwards
+        forwards = None if it.joined or state.model is None else state.forwards
         state.manager.submit(sequence_program(topo, state.step, forwards), "step check", None, fail)
     state.manager.submit(
-        _program(state, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fail
+        _program(state, it, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fail
     )
+    if last and held:
+        program, flags = state.ledger.flags_program(it, topo)
+        state.manager.submit(program, "step flags", lambda: state.settle(it, flags), fail)
     return fut
 
 
@@ -319,24 +409,30 @@ def ddp_comm_hook(
     *,
     model: nn.Module | None = None,
     config: SyncConfig | None = None,
+    grad_scaler: Any | None = None,
     **options: Any,
 ) -> tuple[HookState, Any]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 
     ``scheme`` and ``options`` as for :func:`gradsync.wrap`. Pass the wrapped ``model`` so that
     compression state is keyed by parameter names and forward passes are counted for the step
-    check. Options are checked here; with a process group the hook binds to it here too (and
-    checks that every rank passed the same), else at its first call."""
+    check, and ``grad_scaler`` under mixed precision (overflowing iterations are then skipped on
+    every rank, their residuals untouched). With a DDP model made with
+    ``find_unused_parameters=True`` pass ``find_unused_parameters=True`` too
+    (:func:`register_comm_hook` reads it from the model). Options are checked here; with a
+    process group the hook binds to it here too (and checks that every rank passed the same),
+    else at its first call."""
     check_model(model)
     if not (dist.is_available() and dist.is_initialized()):
-        return HookState(hook_config(build_config(scheme, config, options)), topology, model), gradsync_hook
+        cfg = hook_config(build_config(scheme, config, options))
+        return HookState(cfg, topology, model, grad_scaler=grad_scaler), gradsync_hook
     # with a process group, a bad option on one rank must fail on every rank: agree first
     topo = topology.bind() if topology is not None else Topology()
     cfg = agreed(
         topo, lambda: _placed(topo, model, hook_config(build_config(scheme, config, options))),
         lambda c: c.spec(), model,
     )  # fmt: skip
-    state = HookState(cfg, topo, model)
+    state = HookState(cfg, topo, model, grad_scaler=grad_scaler)
     state._bound_to(topo)
     return state, gradsync_hook
 
@@ -347,17 +443,30 @@ def register_comm_hook(
     topology: Topology | None = None,
     *,
     config: SyncConfig | None = None,
+    grad_scaler: Any | None = None,
     **options: Any,
 ) -> HookState:
     """Register gradsync's hook on a DDP model (after ``init_process_group``) and return its
     state: the one call for models that a framework wrapped in DDP (Accelerate's
     ``prepare``, Lightning's strategy). Compression state is keyed by the parameter names of
-    ``ddp_model.module``, and its forward passes are counted for the step check."""
+    ``ddp_model.module``, its forward passes are counted for the step check, and the hook takes
+    the DDP model's ``find_unused_parameters`` (whatever the options say: it must do what DDP
+    does). ``grad_scaler``: as for :func:`ddp_comm_hook`."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             "gradsync: register_comm_hook needs a DistributedDataParallel model, "
             f"got {type(ddp_model).__name__}"
         )
-    state, hook = ddp_comm_hook(scheme, topology, model=ddp_model.module, config=config, **options)
+    # the hook mirrors what DDP does with parameters that got no gradient
+    unused = bool(getattr(ddp_model, "find_unused_parameters", False))
+    if isinstance(scheme, SyncConfig) and config is None:
+        config, scheme = scheme, "auto"
+    if config is not None:
+        config = dataclasses.replace(config, find_unused_parameters=unused)
+    else:
+        options["find_unused_parameters"] = unused
+    state, hook = ddp_comm_hook(
+        scheme, topology, model=ddp_model.module, config=config, grad_scaler=grad_scaler, **options
+    )
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -80,18 +80,13 @@ class Strategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        self.hook_state = register_comm_hook(self.model, self.sync_config, self._topology)
+        # under a GradScaler (precision="16-mixed") the hook reads the scale the gradients carry
+        # (error feedback keeps its residuals unscaled) and skips overflowing steps on every rank
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self.hook_state = register_comm_hook(self.model, self.sync_config, self._topology, grad_scaler=scaler)
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
-
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Under a GradScaler (``precision="16-mixed"``) error feedback must know the scale the
-        gradients carry, to keep its residuals in unscaled units."""
-        super().pre_backward(closure_loss)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if self.hook_state is not None and scaler is not None and scaler.is_enabled():
-            self.hook_state.loss_scale = float(scaler.get_scale())
 
     # ------------------------------------------------------------------ checkpoints
     def _signature(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from gradsync.codecs import Owed
+from gradsync.codecs import Compressor, Owed
 
 
 @dataclass(frozen=True)
@@ -128,11 +128,17 @@ class Carry:
             t = table[name] = torch.zeros(numel, dtype=dtype, device=values.device)
         t[at : at + values.numel()].add_(values.reshape(-1).to(t.dtype))
 
-    def add_owed(self, owed: Iterable[Owed], layouts: Layouts) -> None:
-        """Put the residuals of taken streams on their parameters, as this rank's share."""
+    def add_owed(self, owed: Iterable[Owed], layouts: Layouts, strict: bool = True) -> list[str]:
+        """Put the residuals of taken streams on their parameters, as this rank's share. A stream
+        of no known bucket raises ``ValueError``, or with ``strict=False`` is returned (its key)."""
+        lost = []
         for o in owed:
+            if not strict and layouts.of(o.key) is None:
+                lost.append(o.key)
+                continue
             for s in layouts.spans(o.key, o.offset, o.residual.numel()):
                 self._add(self.local, s.name, s.numel, s.in_param, _piece(o.residual, s))
+        return lost
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
         self._add(self.mean, name, values.numel(), 0, values)
@@ -204,4 +210,19 @@ def gather_for_mean(
             out[at : at + s.length].add_(_piece(o.residual, s).to(device, dtype))
             if o.momentum is not None:
                 out[total + at : total + at + s.length].add_(_piece(o.momentum, s).to(device, dtype))
+    return out
+
+
+def owed_by_parameter(
+    codecs: Iterable[Compressor], layouts: Layouts, carry: Carry, world: int
+) -> dict[str, torch.Tensor]:
+    """What this rank still owes the mean gradient, per parameter name (flat, unscaled): the
+    codecs' residuals traced back through ``layouts``, plus ``carry``. The ranks' values add up
+    to everything computed but not applied yet."""
+    residuals = Carry()
+    for codec in codecs:
+        residuals.add_owed(codec.owed(), layouts)
+    out = carry.owed(world)
+    for name, t in residuals.owed(world).items():
+        out[name] = out[name] + t if name in out else t
     return out

@@ -40,7 +40,7 @@ from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket, Slot, build_groups, codec_class_for
-from gradsync.sync.carry import Carry, Layouts, gather_for_mean, overlapping
+from gradsync.sync.carry import Carry, Layouts, gather_for_mean, overlapping, owed_by_parameter
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import (
     ClosedLoop,
@@ -953,15 +953,7 @@ class SyncEngine:
         and unscaled: error feedback's residuals traced back to their parameters, and what is
         carried. The ranks' values add up to everything computed but not applied yet. A pass over
         the residuals: call it between steps, for checks and telemetry."""
-        world = self.topo.world
-        residuals = Carry()
-        layouts = self._layouts(self._buckets)
-        for codec in self.codecs:
-            residuals.add_owed(codec.owed(), layouts)
-        out = self.carry.owed(world)
-        for name, t in residuals.owed(world).items():
-            out[name] = out[name] + t if name in out else t
-        return out
+        return owed_by_parameter(self.codecs, self._layouts(self._buckets), self.carry, self.topo.world)
 
     def residual_norm(self) -> float | None:
         """The L2 norm of every codec's error-feedback residuals (None without error feedback).

@@ -1,0 +1,203 @@
+"""The DDP hook's books from one iteration to the next: what error feedback owes, where DDP's
+buckets put each parameter, which parameters got a gradient, and the flags an iteration ends
+with (see :mod:`gradsync.integrate.ddp_hook` for what the hook does with them).
+
+DDP hands the hook one bucket at a time and waits for every bucket's future at the end of the
+backward pass. An :class:`Iteration` collects what the buckets of one iteration leave behind; the
+:class:`Ledger` settles it once the last bucket is done: with the agreed flags (overflow on some
+rank, parameters no rank used), with the streams of buckets DDP no longer forms (their residuals
+carried to the parameters, :mod:`gradsync.sync.carry`), and only then are the buckets released
+to DDP.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.codecs import Compressor
+from gradsync.collectives import primitives as P
+from gradsync.collectives.program import Program
+from gradsync.collectives.topology import Topology
+from gradsync.sync.carry import Carry, Layouts, overlapping, owed_by_parameter
+
+
+@dataclass
+class Iteration:
+    """One DDP iteration as the hook sees it, bucket by bucket."""
+
+    joined: bool  # DDP's Join runs the hook on zero buckets for a rank out of data
+    dense: bool
+    members: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # bucket key -> (name, numel)
+    compressed: set[str] = field(default_factory=set)  # keys (and, for PowerSGD, names) of streams in use
+    nonfinite: list[torch.Tensor] = field(default_factory=list)  # per bucket, on its device
+    held: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+
+
+class Ledger:
+    """Carry, bucket layouts and parameter use of a DDP hook (``codec``: its compressor, None for
+    a dense scheme; ``model``: DDP's module, for parameter names and their use)."""
+
+    def __init__(
+        self, codec: Compressor | None, model: nn.Module | None, find_unused: bool, check_overflow: bool
+    ) -> None:
+        self.codec = codec
+        self.find_unused = find_unused
+        self.check_overflow = check_overflow
+        self.carry = Carry()
+        """What error feedback owed to streams that ended, until an iteration applies it."""
+        self.layouts: dict[str, list[tuple[str, int]]] = {}
+        """Every bucket key seen, with its parameters (name, numel) in DDP's order."""
+        self._warned: set[str] = set()  # the warnings given once
+        self._used: set[str] = set()  # parameters with a gradient since the last synchronized iteration
+        self._named = model is not None
+        trained = (
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad] if model is not None else []
+        )
+        self._tracked = [n for n, _ in trained] if find_unused else []
+        """The parameters whose use the flags carry (the same order on every rank)."""
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, n=n: self._used.add(n)) for n, p in trained
+        ]
+
+    @property
+    def needs_flags(self) -> bool:
+        """Whether an iteration ends with the flag all-reduce (overflow, used parameters)."""
+        return self.check_overflow or self.find_unused
+
+    def begin(self, joined: bool, dense: bool) -> Iteration:
+        """The first bucket of an iteration (every bucket of the last one is done by now)."""
+        it = Iteration(joined, dense)
+        if self.codec is not None:
+            self.codec.begin_round()
+            if dense:  # a dense iteration: every stream ends, what it owed is sent now
+                self._end_streams(lambda key: False)
+        return it
+
+    def _end_streams(self, keep: Callable[[str], bool]) -> None:
+        assert self.codec is not None
+        lost = self.carry.add_owed(self.codec.take_streams(keep), Layouts(self.layouts.items()), strict=False)
+        if lost:
+            warnings.warn(
+                f"gradsync: the residuals of {len(lost)} compression streams ({', '.join(lost[:3])}...) "
+                "belong to buckets this hook has no layout of (a state saved by an older gradsync): "
+                "they are dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def inject(self, it: Iteration, key: str, buf: torch.Tensor, loss_scale: float) -> None:
+        """Before a bucket is synchronized (compute thread): add what its parameters are owed and
+        note whether it holds inf/NaN (a flag kept on the device)."""
+        if self.carry.local and not it.joined:
+            at = 0
+            for name, numel in it.members[key]:
+                self.carry.inject(name, buf[at : at + numel], loss_scale)
+                at += numel
+        if self.check_overflow:
+            it.nonfinite.append(torch.isfinite(buf).all().logical_not())
+
+    def flags_program(self, it: Iteration, topo: Topology) -> tuple[Program, torch.Tensor]:
+        """After the last bucket: agree on overflow and on the parameters used (one all-reduce)."""
+        names = self._tracked
+        host = torch.zeros(1 + len(names), dtype=torch.float32, device="cpu")
+        out = host.to(topo.comm_device)
+
+        def program() -> Program:
+            if names:
+                host[1:] = torch.tensor([float(n in self._used) for n in names])
+                out.copy_(host)
+            if it.nonfinite:
+                out[:1].copy_(torch.stack([f.to(out.device) for f in it.nonfinite]).any().reshape(1))
+            yield lambda: P.all_reduce(out, topo.world_group, "world", op=dist.ReduceOp.MAX)
+            return lambda: host.copy_(out)
+
+        return program(), host
+
+    def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
+        """The iteration is over (compute thread): act on the agreed ``flags``, and carry what
+        the streams of buckets DDP no longer forms owed. :meth:`release` then hands DDP the buckets."""
+        values = flags.tolist() if flags is not None else [0.0]
+        overflow = values[0] > 0
+        unused = {n for n, v in zip(self._tracked, values[1:], strict=True) if v == 0}
+        if overflow:  # every rank skips the step: NaN reaches each rank's GradScaler
+            for _, buf in it.held:
+                buf.fill_(math.nan)
+            if self.codec is not None:
+                self.codec.rollback_round()
+        elif unused and self.codec is not None:  # DDP leaves them untouched: nothing sent reached them
+            layouts = Layouts(self.layouts.items())
+            for key, (offset, numel) in self.codec.homes().items():
+                for start, stop in overlapping(layouts.spans(key, offset, numel), unused):
+                    self.codec.rollback_elements(key, start, stop)
+        if not overflow and not it.joined:
+            self.carry.settle(n for members in it.members.values() for n, _ in members if n not in unused)
+            self._warn_unplaced(it)
+            self._warn_untracked(it)
+        if not it.dense and self.codec is not None:  # streams of buckets DDP no longer forms
+            self._end_streams(lambda key: key.split("/", 1)[0] in it.compressed or key in it.compressed)
+        self._used.clear()
+
+    @staticmethod
+    def release(it: Iteration) -> None:
+        for fut, buf in it.held:
+            fut.set_result(buf)
+
+    def _warn_untracked(self, it: Iteration) -> None:
+        """A parameter without a gradient while the hook was not told ``find_unused_parameters``:
+        if no rank used it, DDP drops its result, and what error feedback sent of it is lost."""
+        if self.find_unused or not self._named or "untracked" in self._warned:
+            return
+        missing = sorted({n for members in it.members.values() for n, _ in members} - self._used)
+        if missing:
+            self._warned.add("untracked")
+            warnings.warn(
+                f"gradsync: {len(missing)} parameters ({', '.join(missing[:3])}) got no gradient in this "
+                "iteration, and the hook was not made with find_unused_parameters=True: for a parameter "
+                "that no rank uses, DDP drops the synchronized result and with it what error feedback "
+                "sent; pass find_unused_parameters=True, as the DDP model has (gradsync.register_comm_hook "
+                "does it for you)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _warn_unplaced(self, it: Iteration) -> None:
+        here = {n for members in it.members.values() for n, _ in members}
+        stray = sorted(set(self.carry.local) - here)
+        if stray and "unplaced" not in self._warned:
+            self._warned.add("unplaced")
+            warnings.warn(
+                f"gradsync: gradient owed to {len(stray)} tensors ({', '.join(stray[:3])}) waits for buckets "
+                "DDP no longer forms: give the hook model= so that it follows parameters by name",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def owed_gradients(self, world: int) -> dict[str, torch.Tensor]:
+        """What this rank still owes the mean gradient, per parameter (see
+        :func:`~gradsync.sync.carry.owed_by_parameter`)."""
+        codecs = [self.codec] if self.codec is not None else []
+        return owed_by_parameter(codecs, Layouts(self.layouts.items()), self.carry, world)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "carry": self.carry.state_dict(),
+            "layouts": {k: [[n, c] for n, c in members] for k, members in self.layouts.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.carry.load_state_dict(state.get("carry"))
+        for key, members in (state.get("layouts") or {}).items():
+            self.layouts[key] = [(str(n), int(c)) for n, c in members]
+
+    def close(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
