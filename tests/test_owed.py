@@ -183,11 +183,14 @@ def check_nothing_owed_is_lost(scheme: str):
         if step in (2, 4, 6):
             how = {2: "merge", 4: "first dense", 6: "all compressed"}[step]
             before = {k: t.clone() for k, t in _lowrank_residuals(engine).items()}
+            warm = _warm_starts(engine)
             engine._switch_plan(_replanned(engine, first, how))
-            if step == 6:  # PowerSGD's per-tensor streams outlive a re-cut of their bucket
+            if step == 6:  # PowerSGD's per-tensor streams (residual, warm start) outlive a re-cut
                 lowrank_kept = {k: t for k, t in _lowrank_residuals(engine).items() if k in before}
                 for k, t in lowrank_kept.items():
                     expect(torch.equal(t, before[k]), f"{scheme}: {k}'s PowerSGD residual changed")
+                    q = _warm_starts(engine).get(k)
+                    expect(q is not None and torch.equal(q, warm[k]), f"{scheme}: {k}'s warm start changed")
         if step == 4:  # resume right after a switch: what is carried is in the checkpoint
             expect(_anywhere(bool(engine.carry)), f"{scheme}: nothing carried after the switch at step 4")
             state = engine.state_dict()
@@ -215,6 +218,15 @@ def _anywhere(flag: bool) -> bool:
     t = torch.tensor([float(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t[0] > 0)
+
+
+def _warm_starts(engine) -> dict[str, torch.Tensor]:
+    """PowerSGD's warm-started Q factor of each tensor (from the codec's saved state)."""
+    codec = engine.codecs[0]
+    if not codec.lowrank:
+        return {}
+    streams = codec.state_dict()["codec"]["streams"]
+    return {k: v["q"].clone() for k, v in streams.items() if v.get("q") is not None}
 
 
 def _lowrank_residuals(engine) -> dict[str, torch.Tensor]:
