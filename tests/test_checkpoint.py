@@ -1,6 +1,7 @@
 """Checkpoint integrity: the manifest of sizes and SHA-256 digests, verified before anything is
 loaded; damaged, truncated, missing and old-format files refused naming the file; one rank's
-damaged file stops every rank; pruning never removes the checkpoint just written.
+damaged file stops every rank; every rank resumes from the folder rank 0 resolves; pruning never
+removes the checkpoint just written, nor a completed checkpoint of a later step.
 
 One 2-rank world (spawned once per module) writes a real checkpoint; the damage cases work on
 copies of it in this process."""
@@ -69,7 +70,33 @@ def _two_ranks(root):
         assert main["position"]["global_step"] == STEP
         assert torch.equal(local["sync"]["residual"], torch.full((8000,), float(rank + 1)))
 
-    run_checks(check_one_damaged_file_stops_every_rank, check_an_intact_checkpoint_loads_on_every_rank)
+    def check_every_rank_resolves_the_folder_rank_0_sees():
+        """Each rank is given its own view of the folder (its own root, a stale ``latest`` on rank
+        1): every rank takes the folder rank 0's pointer names; a damaged pointer on rank 0 fails
+        every rank with rank 0's reason; no pointer on rank 0 means no checkpoint anywhere."""
+        view = Path(root, f"view-{rank}")
+        for step in (8, 16):
+            (view / f"step-{step:08d}").mkdir(parents=True, exist_ok=True)
+        (view / "latest").write_text("step-00000016\n" if rank == 0 else "step-00000008\n")
+        assert checkpoint.agreed_latest(view) == view / "step-00000016"
+        dist.barrier()
+        if rank == 0:
+            (view / "latest").write_text("step-x/../../etc\n")
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="latest is damaged") as err:
+            checkpoint.agreed_latest(view)
+        assert rank == 0 or str(err.value).startswith("rank 0 cannot resolve the checkpoint: ")
+        dist.barrier()
+        if rank == 0:
+            (view / "latest").unlink()
+        dist.barrier()
+        assert checkpoint.agreed_latest(view) is None
+
+    run_checks(
+        check_one_damaged_file_stops_every_rank,
+        check_an_intact_checkpoint_loads_on_every_rank,
+        check_every_rank_resolves_the_folder_rank_0_sees,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +204,17 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-00000032"]
     assert checkpoint.latest(tmp_path) == tmp_path / "step-00000032"
     checkpoint.load(tmp_path / "step-00000032", 0)
+
+
+def test_pruning_never_removes_a_completed_checkpoint_of_a_later_step(tmp_path):
+    """A completed later checkpoint is not this run's unfinished save (a resumed run starts from
+    ``latest``): another run's, it stays; the unfinished one (no manifest) goes."""
+    for step in (40, 48):
+        checkpoint.save(tmp_path, step, _main_state(), _local_state(0), 0, keep=3)
+    (tmp_path / "step-00000048" / "manifest.json").unlink()
+    checkpoint.save(tmp_path, 8, _main_state(), _local_state(0), 0, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-00000008", "step-00000040"]
+    checkpoint.load(tmp_path / "step-00000040", 0)
 
 
 def test_saving_a_step_again_replaces_its_manifest(tmp_path):

@@ -273,6 +273,21 @@ def test_ranks_agree_on_a_diverged_loss():
     run_world(2, _one_rank_diverges)
 
 
+def test_a_fresh_run_is_refused_where_a_run_left_checkpoints(tmp_path, capsys, monkeypatch):
+    """Starting afresh there would overwrite and prune that run's checkpoints; --resume continues
+    it; a folder with only an unfinished save (no ``latest``) may start afresh."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    (tmp_path / "step-00000016").mkdir()
+    (tmp_path / "latest").write_text("step-00000016\n")
+    assert main(["train", "--quiet", "--checkpoint-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint-dir {str(tmp_path)!r} already holds the checkpoints of a run" in err
+    assert "latest: 'step-00000016'" in err and "pass --resume to continue it" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000016"]  # untouched
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

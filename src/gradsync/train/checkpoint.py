@@ -15,7 +15,11 @@ their (size, digest) pairs as one small uint8 all-gather (no pickle), which also
 every rank's file exists, and only then rank 0 writes the manifest and points ``latest`` at the
 folder (both atomically). So ``latest`` only ever names a folder whose manifest exists, and a
 checkpoint is used only once every rank's part of it exists. Older folders beyond ``keep`` are
-removed afterwards. The folder is created with mode 0700.
+removed afterwards, and so are unfinished folders of later steps (a crashed attempt's); a
+completed checkpoint of a later step is never removed. ``gradsync train`` refuses to start afresh
+in a folder that holds a run's checkpoints (``--resume`` continues it), and on resuming every
+rank loads the folder rank 0 resolved (:func:`agreed_latest`). The folder is created with mode
+0700.
 
 Loading checks before anything is unpickled: the manifest exists and is well formed, and
 ``main.pt`` and this rank's file have the recorded size and digest. Each file is opened once,
@@ -135,14 +139,16 @@ def save(
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
-    """Keep the checkpoint of ``step`` and the ``keep - 1`` newest before it. Folders of later
-    steps are leftovers of an attempt that did not get this far; they go too (left in place they
-    would outrank the checkpoint just written)."""
+    """Keep the checkpoint of ``step`` and the ``keep - 1`` newest before it. A folder of a later
+    step without a manifest is the unfinished save of an attempt that did not get this far: it
+    goes too. A later folder with a manifest is a completed checkpoint that this run did not
+    resume from (another run's): it stays."""
     found = sorted(
         (int(m.group(1)), p) for p in root.iterdir() if (m := _FOLDER.match(p.name)) and p.is_dir()
     )
     older = [p for s, p in found if s < step]
-    doomed = older[: max(len(older) - (keep - 1), 0)] + [p for s, p in found if s > step]
+    unfinished = [p for s, p in found if s > step and not (p / MANIFEST).is_file()]
+    doomed = older[: max(len(older) - (keep - 1), 0)] + unfinished
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
 
@@ -162,6 +168,39 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
             f"{pointer} is damaged: it should name a step-NNNNNNNN folder, holds {name[:40]!r}"
         )
     return Path(root) / name
+
+
+def agreed_latest(root: str | os.PathLike[str]) -> Path | None:
+    """:func:`latest` as rank 0 reads it, on every rank (one broadcast of the folder's name; the
+    same :class:`CheckpointError` everywhere when rank 0 cannot read the pointer). Each rank
+    reading the pointer itself could see another folder: rank 0 may be moving it, or a shared
+    file system may show it late. Every rank must call it (a collective under a process group)."""
+    if _world() == 1:
+        return latest(root)
+    mine = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        try:
+            found = latest(root)
+            status, raw = (0, b"") if found is None else (1, found.name.encode())
+        except CheckpointError as e:
+            status, raw = 2, str(e).encode()[:_MESSAGE_BYTES]
+        mine[0] = status
+        if raw:
+            mine[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    mine = mine.to(_device())
+    dist.broadcast(mine, 0)
+    row = mine.cpu()
+    text = bytes(row[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+    status = int(row[0])
+    if status == 2:
+        raise CheckpointError(
+            text if dist.get_rank() == 0 else f"rank 0 cannot resolve the checkpoint: {text}"
+        )
+    if status == 0:
+        return None
+    if not _FOLDER.match(text):  # what rank 0 sent was checked there; check it here too
+        raise CheckpointError(f"rank 0 named an unusable checkpoint folder {text[:40]!r}")
+    return Path(root) / text
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -266,7 +266,7 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        folder = checkpoint.latest(self.args.checkpoint_dir)
+        folder = checkpoint.agreed_latest(self.args.checkpoint_dir)  # the same folder on every rank
         if folder is None:
             if self.rank == 0:
                 print(

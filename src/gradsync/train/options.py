@@ -336,6 +336,14 @@ def cache_config(args: argparse.Namespace, node: int) -> CacheConfig | None:
     )
 
 
+def _read_pointer(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return repr(fh.read(64).strip())
+    except OSError as e:
+        return f"unreadable: {e}"
+
+
 def validate(args: argparse.Namespace) -> None:
     """Every check that needs no process and no data (``ValueError`` naming the option)."""
     _choice("--cache-shuffle", args.cache_shuffle, CACHE_SHUFFLE)
@@ -408,6 +416,15 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_dir and os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise ValueError(f"--checkpoint-dir must be a folder, {args.checkpoint_dir!r} is a file")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    pointer = os.path.join(args.checkpoint_dir or "", "latest")
+    if args.checkpoint_dir and not args.resume and not restarted and os.path.isfile(pointer):
+        # a fresh run there would overwrite and prune that run's checkpoints as its own
+        raise ValueError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoints of a run (latest: "
+            f"{_read_pointer(pointer)}); pass --resume to continue it, or give another (or empty) folder "
+            "to start afresh"
+        )
     if args.json and os.environ.get("RANK", "0") == "0":
         # checked now rather than when the summary is written after the whole run (by rank 0,
         # whose machine is the one that needs the folder)
