@@ -112,6 +112,21 @@ def test_lars_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
             _close(buf, ref_v[i], torch.float64 if dtype == torch.float64 else torch.float32, f"buffer {i}")
 
 
+def test_lars_trust_clip_takes_the_smaller_of_ratio_and_lr() -> None:
+    """LARC's clipping (apex ``LARC(clip=True)``): a layer's rate is min(ratio, lr), written out
+    here in float64 for one layer whose ratio is above lr and one whose ratio is below it."""
+    lr, coef = 0.1, 1.0
+    big = nn.Parameter(torch.full((16,), 2.0, dtype=torch.float64))  # ratio |w| / |g| = 4 > lr
+    small = nn.Parameter(torch.full((16,), 0.01, dtype=torch.float64))  # ratio 0.02 < lr
+    big.grad = torch.full((16,), 0.5, dtype=torch.float64)
+    small.grad = torch.full((16,), 0.5, dtype=torch.float64)
+    opt = LARS([big, small], lr=lr, momentum=0.0, trust_coefficient=coef, eps=0.0, trust_clip=True)
+    opt.step()
+    for p, w0, ratio in ((big, 2.0, 4.0), (small, 0.01, 0.02)):
+        rate = min(ratio, lr)  # not lr * min(ratio, 1): that would be 0.1 and 0.002
+        torch.testing.assert_close(p.detach(), torch.full((16,), w0 - rate * 0.5, dtype=torch.float64))
+
+
 def test_lars_fp16_keeps_a_trust_ratio_below_fp16_range() -> None:
     """Paper 03's failure: lr x ratio under fp16's smallest subnormal (6e-8) becomes 0 in fp16.
     Computed in float32, the momentum keeps it."""

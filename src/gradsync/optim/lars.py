@@ -9,8 +9,9 @@ Per layer (one parameter tensor) ``w`` with gradient ``g``, weight decay ``wd``,
 (computed without materializing ``g + wd * w``: a step allocates nothing for float32 parameters).
 
 The learning rate sits inside the momentum, as in the LARS paper and MLPerf's reference: a
-schedule's change of ``lr`` reaches the step gradually. With ``trust_clip`` (LARC's clipping)
-the ratio is capped so that a layer's rate ``lr * ratio`` never exceeds ``lr``.
+schedule's change of ``lr`` reaches the step gradually. With ``trust_clip`` (LARC's clipping,
+as NVIDIA apex's ``LARC(clip=True)`` does it) the trust ratio is itself a learning rate capped
+at the global one: a layer's rate is ``min(ratio, lr)`` instead of ``lr * ratio``.
 
 Norms and ratios are float32 (float64 for float64 parameters) whatever the parameter dtype, and a
 16-bit parameter's momentum is a float32 buffer (paper 03: LARS in FP32 under mixed precision).
@@ -39,7 +40,7 @@ class LARS(LayerwiseOptimizer):
         weight_decay: L2 coefficient, added to the gradient and to the ratio's denominator.
         trust_coefficient: ``c``, LARS's eta (0.001 in the LARS paper).
         eps: keeps the ratio finite when ``|g| + wd |w|`` is tiny.
-        trust_clip: cap the layer's rate at ``lr`` (LARC).
+        trust_clip: LARC's clipping: the layer's rate is ``min(ratio, lr)`` (see the module).
         parallel: compute the trust ratios with the parallel tensor operator over this process
             group (True: the world); the result equals the local one.
     """
