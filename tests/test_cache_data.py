@@ -173,6 +173,42 @@ def test_a_token_file_over_http_is_the_local_file(folder, server, tmp_path):
         _same_samples(bundle.val, local.val)
 
 
+def test_files_without_a_version_are_never_served_from_the_disk_cache(folder, tmp_path):
+    """Storage that reports no version (fsspec's memory file system: no ETag, Last-Modified or
+    mtime) could replace a file in place with one of the same size, and the disk copy would be
+    served stale: such files are read from central storage, with one warning, and the second
+    read sees the new content."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    old = (np.arange(6000) * 7 % 300).astype("<u2")
+    fs.pipe("/versionless/corpus.bin", old.tobytes())
+    for name in ("circle", "cross"):
+        for i in (1, 2, 4, 7, 8, 11, 13, 14):  # PNGs at the top of the class folder
+            fs.pipe(
+                f"/versionless/imgs/{name}/{i}.png",
+                (folder / "imgs" / name / f"{name} [{i:02d}].png").read_bytes(),
+            )
+    cache = CacheConfig(directory=str(tmp_path / "c"), memory=False)
+    try:
+        with pytest.warns(RuntimeWarning, match="has no version on its storage") as said:
+            first = build_data("tokens:memory://versionless/corpus.bin", seq_len=16, cache=cache)
+        assert len([w for w in said if "no version" in str(w.message)]) == 1
+        new = (np.arange(6000) * 11 % 300).astype("<u2")  # the same size, other tokens
+        fs.pipe("/versionless/corpus.bin", new.tobytes())
+        with pytest.warns(RuntimeWarning, match="has no version on its storage"):
+            second = build_data("tokens:memory://versionless/corpus.bin", seq_len=16, cache=cache)
+        xa, _ = _all(first.train)
+        xb, _ = _all(second.train)
+        assert not torch.equal(xa, xb)  # the new file, not a stale copy
+        with pytest.warns(RuntimeWarning, match="16 files under memory://versionless/imgs have no version"):
+            images = build_data("imagefolder:memory://versionless/imgs,size=14", cache=cache)
+            _all(images.train)
+        assert not list((tmp_path / "c").rglob("*")) or all(p.is_dir() for p in (tmp_path / "c").rglob("*"))
+    finally:
+        fs.rm("/versionless", recursive=True)
+
+
 def test_cache_errors_name_the_option(server, tmp_path):
     with pytest.raises(ValueError, match="--cache applies to data read from files"):
         build_data("digits", cache=CacheConfig(directory=str(tmp_path)))

@@ -96,7 +96,7 @@ def test_entry_key_rejects_other_types(bad):
 )
 def test_bad_keys_are_rejected(tmp_path, key):
     cache = DiskCache(tmp_path / "c")
-    calls = (cache.get, cache.open_payload, lambda k: cache.put(k, b"x"), lambda k: cache.put_file(k, []))
+    calls = (cache.get, cache.map_payload, lambda k: cache.put(k, b"x"), lambda k: cache.put_file(k, []))
     for call in calls:
         with pytest.raises(ValueError, match="key"):
             call(key)
@@ -206,12 +206,12 @@ def test_hit_refreshes_mtime(tmp_path):
         os.utime(entry_path(tmp_path, key), (1_000_000_000, 1_000_000_000))
     before = time.time() - 1
     assert cache.get(a) == b"aaa"
-    assert cache.open_payload(b) is not None
+    assert cache.map_payload(b) is not None
     for key in (a, b):
         assert entry_path(tmp_path, key).stat().st_mtime >= before
 
 
-def test_put_file_streams_and_open_payload_maps(tmp_path):
+def test_put_file_streams_and_map_payload_maps(tmp_path):
     cache = DiskCache(tmp_path)
     key = entry_key("big")
     chunks = [os.urandom(n) for n in (1, 0, 70_000, 1 << 20, 3)]
@@ -220,13 +220,30 @@ def test_put_file_streams_and_open_payload_maps(tmp_path):
     path = entry_path(tmp_path, key)
     expected = (b"GSCACHE1", len(payload), hashlib.sha256(payload).digest(), payload)
     assert parse_entry(path) == expected
-    found = cache.open_payload(key)
-    assert found == (path, HEADER, len(payload))
-    mapped = np.memmap(found[0], dtype=np.uint8, mode="r", offset=found[1], shape=(found[2],))
-    assert mapped.tobytes() == payload
+    found = cache.map_payload(key)
+    assert found is not None and found.readonly and found.nbytes == len(payload)
+    assert np.frombuffer(found, dtype=np.uint8).tobytes() == payload
     assert cache.stats.writes == 1 and cache.stats.bytes_written == len(payload)
     assert cache.stats.hits == 1 and cache.stats.bytes_read == len(payload)
-    assert cache.open_payload(entry_key("absent")) is None and cache.stats.misses == 1
+    assert cache.map_payload(entry_key("absent")) is None and cache.stats.misses == 1
+
+
+def test_a_mapped_payload_is_what_was_verified_whatever_happens_to_the_entry(tmp_path):
+    """Between the digest check and the reads, another process may evict the entry (unlink) or
+    replace it (a re-fetch renames a new file over it): the mapping still reads the verified
+    bytes, never the new file, never a missing one."""
+    cache = DiskCache(tmp_path)
+    key, first = entry_key("moving"), os.urandom(200_000)
+    cache.put(key, first)
+    mapped = cache.map_payload(key)
+    assert mapped is not None
+    other = DiskCache(tmp_path)
+    entry_path(tmp_path, key).unlink()  # evicted
+    assert bytes(mapped) == first
+    assert other.put(key, os.urandom(200_000))  # fetched again, different bytes, same name
+    assert bytes(mapped) == first
+    again = cache.map_payload(key)
+    assert again is not None and bytes(again) != first
 
 
 def test_put_file_failure_of_the_source_leaves_nothing(tmp_path):
@@ -264,7 +281,7 @@ def _damage(path, how):
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("reader", ["get", "open_payload"])
+@pytest.mark.parametrize("reader", ["get", "map_payload"])
 @pytest.mark.parametrize(
     "how",
     [
@@ -389,7 +406,7 @@ def test_unusable_directory_warns_once_and_turns_off(tmp_path, monkeypatch, targ
         for i in range(50):
             assert cache.put(entry_key(i), b"x" * 100) is False
             assert cache.put_file(entry_key("f", i), [b"y"]) is False
-            assert cache.get(kept) is None and cache.open_payload(kept) is None
+            assert cache.get(kept) is None and cache.map_payload(kept) is None
     assert refuse.calls == 1  # after giving up, nothing touches the disk
     assert len(caught) == 1
     w = caught[0]
@@ -434,7 +451,8 @@ def _with_file_size_limit(directory):
         results = [cache.put(small, b"fits")]
         results += [cache.put(entry_key(i), bytes(1 << 20)) for i in range(10)]
         results += [cache.put_file(entry_key("f"), [bytes(1 << 16)] * 4)]
-        gets = [cache.get(small), cache.get(entry_key(0)), cache.open_payload(small)]
+        mapped = cache.map_payload(small)
+        gets = [cache.get(small), cache.get(entry_key(0)), None if mapped is None else bytes(mapped)]
     return {
         "results": results,
         "gets": gets,
@@ -482,15 +500,9 @@ def _hammer(directory, seed, rounds, max_bytes):
             got = cache.get(key)
             wrong += got is not None and got != want
         else:
-            found = cache.open_payload(key)
-            if found is not None:
-                try:
-                    with open(found[0], "rb") as f:
-                        f.seek(found[1])
-                        got = f.read(found[2])
-                except FileNotFoundError:  # evicted by another process meanwhile
-                    continue
-                wrong += got != want
+            found = cache.map_payload(key)
+            if found is not None:  # still what was verified, if evicted or replaced meanwhile
+                wrong += bytes(found) != want
     return {"wrong": wrong, **cache.stats.as_dict()}
 
 

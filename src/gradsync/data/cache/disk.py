@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import mmap
 import os
 import re
 import stat
@@ -181,10 +182,12 @@ class DiskCache:
         self._hit(path, len(payload))
         return payload
 
-    def open_payload(self, key: str) -> tuple[Path, int, int] | None:
-        """``(entry file, payload offset, payload length)`` of a verified entry, for memory-mapping;
-        None when missing, corrupt or disabled. The digest is checked by streaming the file, so a
-        large entry is never loaded whole."""
+    def map_payload(self, key: str) -> memoryview | None:
+        """The payload of a verified entry, memory-mapped (read-only); None when missing, corrupt
+        or disabled. The digest is checked on the mapping itself, block by block, so a large
+        entry is never loaded whole, and what the caller reads is exactly what was verified: an
+        entry is never changed in place (writers rename a new file over it, eviction unlinks it),
+        and the mapping keeps the verified file alive whatever happens to its name afterwards."""
         path = self._path(key)
         if not self.enabled:
             self.stats.misses += 1
@@ -194,9 +197,11 @@ class DiskCache:
                 length, digest = self._check_header(f)
                 ok = length is not None
                 if length is not None:
+                    whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    view = memoryview(whole)[HEADER_BYTES:]
                     h = hashlib.sha256()
-                    while block := f.read(_BLOCK):
-                        h.update(block)
+                    for start in range(0, length, _BLOCK):
+                        h.update(view[start : start + _BLOCK])
                     ok = h.digest() == digest
                 if not ok:
                     self._discard(path, os.fstat(f.fileno()))
@@ -206,7 +211,7 @@ class DiskCache:
         if length is None or not ok:
             return None
         self._hit(path, length)
-        return path, HEADER_BYTES, length
+        return view
 
     def put(self, key: str, payload: bytes) -> bool:
         """Store ``payload`` under ``key``; False when not stored (too big for ``max_bytes``, or the

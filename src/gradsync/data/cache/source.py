@@ -44,7 +44,9 @@ def is_url(path: str) -> bool:
     return bool(sep) and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
 
 
-def _version(info: dict[str, Any]) -> str:
+def version_of(info: dict[str, Any]) -> str:
+    """What changes when a file does, from fsspec's ``info()`` (an ETag, a modification time);
+    "" when storage reports none (then a cached copy cannot tell a changed file)."""
     for key in ("ETag", "etag", "Last-Modified", "LastModified", "last_modified", "mtime", "updated"):
         value = info.get(key)
         if value is not None:
@@ -113,7 +115,7 @@ class Storage:
             for name, info in found.items()
             if info.get("type", "file") == "file" and not name.endswith("/")
         ]
-        missing = [name for name, info in entries if info.get("size") is None or not _version(info)]
+        missing = [name for name, info in entries if info.get("size") is None or not version_of(info)]
         if missing:
             extra = self._info_many(missing)
             entries = [(name, {**info, **extra.get(name, {})}) for name, info in entries]
@@ -122,7 +124,7 @@ class Storage:
             size = info.get("size")
             if size is None:
                 raise StorageError(f"{self.url}: the server gives no size for {name}")
-            files.append(RemoteFile(name, self._rel(name), int(size), _version(info)))
+            files.append(RemoteFile(name, self._rel(name), int(size), version_of(info)))
         files.sort(key=lambda f: f.rel)
         return files
 

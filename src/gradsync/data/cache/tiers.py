@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +77,17 @@ class SampleTiers:
         self.disk = disk
         self.memory = memory
         self._counts = _Counts()
+        # without a version a changed file keeps its key: its disk copy could be stale, so the
+        # disk tier does not hold such files (their decoded samples still go to memory)
+        self._unversioned = {i for i, f in enumerate(self.files) if not f.version}
+        if disk is not None and self._unversioned:
+            warnings.warn(
+                f"{len(self._unversioned)} files under {storage.url} have no version on their storage "
+                "(no ETag, Last-Modified or modification time), so a cached copy could not tell that "
+                "one changed: they are read from central storage, not from the disk cache",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts of this process: hits per tier, files and bytes fetched from central
@@ -90,7 +102,8 @@ class SampleTiers:
         disk = self.disk
         if disk is not None and disk.enabled:
             for j, key in enumerate(keys):
-                out[j] = disk.get(key)
+                if slots[j] not in self._unversioned:
+                    out[j] = disk.get(key)
         want = [j for j, b in enumerate(out) if b is None]
         self._counts.add(disk_hits=len(slots) - len(want))
         if want:
@@ -108,7 +121,7 @@ class SampleTiers:
                         f"{f.url} has {len(data)} bytes but was listed with {f.size}: it changed "
                         "on central storage during the run; restart to list it again"
                     )
-                if disk is not None and disk.enabled:
+                if disk is not None and disk.enabled and slots[j] not in self._unversioned:
                     disk.put(keys[j], data)
                 out[j] = data
         return [b for b in out if b is not None]

@@ -4,12 +4,21 @@ A token file needs no decoding and is read by windows, so its cache is the disk 
 is streamed from central storage once per node into a verified entry, then memory-mapped (the
 operating system's page cache then plays the memory tier, shared by the node's processes).
 Without a disk tier the file is read into this process's memory.
+
+The entry's key is the file's URL, size and version (its ETag, Last-Modified or modification
+time, as storage reports it), so a file changed on central storage gets a new entry. Storage
+that reports no version at all cannot tell a file replaced in place with one of the same size:
+then the disk tier is not used for it (one warning), and the file is read from central storage.
+The mapping is made from the very file whose digest was checked (see
+:meth:`~gradsync.data.cache.disk.DiskCache.map_payload`), so another process evicting or
+replacing the entry meanwhile cannot change what is read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import posixpath
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,7 +26,7 @@ import numpy as np
 from gradsync.data.bundle import DataBundle
 from gradsync.data.cache.config import CacheConfig
 from gradsync.data.cache.disk import entry_key
-from gradsync.data.cache.source import Storage, StorageError
+from gradsync.data.cache.source import Storage, StorageError, version_of
 from gradsync.data.tokenfile import tokens_from_bytes
 
 _CHUNK = 4 << 20
@@ -41,17 +50,25 @@ def load_cached_tokens(url: str, *, vocab: int | None, seq_len: int, cache: Cach
         raise ValueError(
             f"--data tokens: {url} has {size} bytes, an odd number, so it is not uint16 token ids"
         )
-    version = next((f"{k}={info[k]}" for k in ("ETag", "Last-Modified", "mtime") if k in info), "")
+    version = version_of(info)
     key = entry_key("file", url, int(size), version)
     disk = cache.build_disk()
+    if disk is not None and not version:
+        warnings.warn(
+            f"--data tokens: {url} has no version on its storage (no ETag, Last-Modified or "
+            "modification time), so a cached copy could not tell that it changed: it is read from "
+            "central storage, not from the disk cache",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        disk = None
     raw: np.ndarray | None = None
     if disk is not None and disk.enabled:
-        found = disk.open_payload(key)
+        found = disk.map_payload(key)
         if found is None and disk.put_file(key, _stream(storage, url, int(size))):
-            found = disk.open_payload(key)
+            found = disk.map_payload(key)
         if found is not None:
-            path, offset, length = found
-            raw = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+            raw = np.frombuffer(found, dtype=np.uint8)
     if raw is None:  # no disk tier, or it could not take the file
         raw = np.frombuffer(b"".join(_stream(storage, url, int(size))), dtype=np.uint8)
 
