@@ -12,9 +12,12 @@ import inspect
 import json
 import os
 import pickle
+import re
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -69,8 +72,17 @@ def finish(proc, returncode=0, timeout=20):
     return out
 
 
+def home(root):
+    """This user's folder for stores under ``root`` (what the module makes there)."""
+    return Path(root) / f"gradsync-{os.getuid()}"
+
+
 def listing(root):
-    return sorted(p.name for p in Path(root).iterdir() if not p.name.endswith(".lock"))
+    """The stores' files under ``root`` (in this user's folder there; none if it is missing)."""
+    folder = home(root)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
 
 
 # ------------------------------------------------------------------------------------- single process
@@ -207,7 +219,7 @@ def test_close_of_the_last_user_removes_the_store(tmp_path):
     first = SharedSampleStore("life", 2, SHAPE, "uint8", root=tmp_path)
     second = SharedSampleStore("life", 2, SHAPE, "uint8", root=tmp_path)
     assert first.path == second.path and (first.path.stat().st_mode & 0o777) == 0o600
-    users = tmp_path / "gradsync-life.users"
+    users = home(tmp_path) / "gradsync-life.users"
     assert (users.stat().st_mode & 0o777) == 0o700 and len(list(users.iterdir())) == 2
     first.put(0, expected(0))
     first.close()
@@ -224,7 +236,9 @@ def test_default_root_is_shared_memory_and_cleaned_up():
     name = f"test-{os.getpid()}-{os.urandom(4).hex()}"
     with SharedSampleStore(name, 3, SHAPE, "uint8") as store:
         assert store.path.parent == default_root()
-        assert default_root() == (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(store.path.parent))
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        assert default_root() == home(shm)
+        assert stat.S_IMODE(default_root().stat().st_mode) == 0o700
         assert store.put(1, expected(1)) and np.array_equal(store.get(1), expected(1))
     assert not store.path.exists() and not store.path.with_suffix(".users").exists()
 
@@ -259,7 +273,7 @@ def test_two_processes_share_one_copy(tmp_path):
     assert np.array_equal(store.get(6), expected(6)) and store.stored_count() == 6
     # one file; the child deregistered itself at exit, this process is still registered
     assert listing(tmp_path) == ["gradsync-pair.store", "gradsync-pair.users"]
-    assert len(list((tmp_path / "gradsync-pair.users").iterdir())) == 1
+    assert len(list((home(tmp_path) / "gradsync-pair.users").iterdir())) == 1
     store.close()
     assert listing(tmp_path) == []
 
@@ -308,12 +322,12 @@ def test_concurrent_writers_and_readers(tmp_path):
             assert all(reports[k]["complete"] for k in range(writers, len(procs)))
             assert store.stored_count() == slots
             assert all(np.array_equal(store.get(i), expected(i)) for i in range(slots))
-            assert [p.name for p in tmp_path.glob("*.store")] == ["gradsync-many.store"]
+            assert [p.name for p in home(tmp_path).glob("*.store")] == ["gradsync-many.store"]
     finally:
         (tmp_path / "release").touch()
         for proc in procs:
             finish(proc)
-    assert not list(tmp_path.glob("*.store"))
+    assert not list(home(tmp_path).glob("*.store"))
 
 
 def crash(root, names, how):
@@ -328,7 +342,7 @@ def crash(root, names, how):
     """
     finish(child(body, root, ",".join(names), how), returncode=-signal.SIGKILL if how == "kill" else 0)
     for name in names:
-        assert (Path(root) / f"gradsync-{name}.store").exists()
+        assert (home(root) / f"gradsync-{name}.store").exists()
 
 
 def test_stores_of_crashed_processes_are_reclaimed(tmp_path):
@@ -336,7 +350,7 @@ def test_stores_of_crashed_processes_are_reclaimed(tmp_path):
         alive.put(1, expected(1))
         crash(tmp_path, ["killed", "reused"], "kill")
         # a live pid (ours) with another start time is a reused pid, not the registered process
-        (tmp_path / "gradsync-reused.users" / f"{os.getpid()}-1-0").touch()
+        (home(tmp_path) / "gradsync-reused.users" / f"{os.getpid()}-1-0").touch()
         assert sorted(reclaim_stale(tmp_path)) == ["killed", "reused"]
         assert listing(tmp_path) == ["gradsync-alive.store", "gradsync-alive.users"]
         crash(tmp_path, ["exited"], "exit")
@@ -353,12 +367,12 @@ def test_stores_of_crashed_processes_are_reclaimed(tmp_path):
 
 def test_store_without_users_is_reclaimed_only_when_old(tmp_path):
     crash(tmp_path, ["orphan"], "exit")
-    for entry in (tmp_path / "gradsync-orphan.users").iterdir():
+    for entry in (home(tmp_path) / "gradsync-orphan.users").iterdir():
         entry.unlink()
-    (tmp_path / "gradsync-orphan.users").rmdir()  # as if it crashed while creating the store
+    (home(tmp_path) / "gradsync-orphan.users").rmdir()  # as if it crashed while creating the store
     assert reclaim_stale(tmp_path) == []  # maybe being created right now
     old = time.time() - 120
-    os.utime(tmp_path / "gradsync-orphan.store", (old, old))
+    os.utime(home(tmp_path) / "gradsync-orphan.store", (old, old))
     assert reclaim_stale(tmp_path) == ["orphan"]
     assert listing(tmp_path) == []
 
@@ -380,7 +394,7 @@ def test_forked_child_reads_and_does_not_deregister(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert listing(tmp_path) == ["gradsync-fork.store", "gradsync-fork.users"]
-    assert len(list((tmp_path / "gradsync-fork.users").iterdir())) == 1
+    assert len(list((home(tmp_path) / "gradsync-fork.users").iterdir())) == 1
     assert np.array_equal(store.get(4), expected(4)) and store.stored_count() == 5
     store.close()
     assert listing(tmp_path) == []
@@ -393,9 +407,46 @@ def test_files_of_other_users_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not a regular file owned by uid 0"):
         SharedSampleStore("owned", 2, SHAPE, "uint8", root=tmp_path)
     store.close()
-    foreign = tmp_path / "gradsync-foreign.store"
+    foreign = home(tmp_path) / "gradsync-foreign.store"
     foreign.write_bytes(b"x")
     os.chown(foreign, 12345, 12345)
     old = time.time() - 120
     os.utime(foreign, (old, old))
     assert reclaim_stale(tmp_path) == [] and foreign.exists()  # never touches another user's files
+
+
+@pytest.mark.parametrize("how", ["symlink", "open to others", "a file", "another owner"])
+def test_a_folder_others_could_write_is_refused(tmp_path, how):
+    """The stores live in ROOT/gradsync-<uid>, which must be a directory of ours, mode 0700: in a
+    world-writable ROOT (/dev/shm) another user could have made that name first."""
+    folder = home(tmp_path)
+    if how == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+        problem = "a symbolic link"
+    elif how == "open to others":
+        folder.mkdir()
+        folder.chmod(0o777)
+        problem = "mode 777, open to other users"
+    elif how == "a file":
+        folder.write_text("x")
+        problem = "not a directory"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("chown needs root")
+        folder.mkdir(mode=0o700)
+        os.chown(folder, 12345, 12345)
+        problem = "owned by uid 12345"
+    message = re.escape(f"the memory store's folder {folder} is {problem}; it must be a directory of uid")
+    with pytest.raises(ValueError, match=message):
+        SharedSampleStore("refused", 2, SHAPE, "uint8", root=tmp_path)
+    with pytest.raises(ValueError, match=message):
+        reclaim_stale(tmp_path)
+    if how == "symlink":
+        assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing written through the link
+
+
+def test_the_private_folder_is_made_with_mode_0700(tmp_path):
+    with SharedSampleStore("private", 2, SHAPE, "uint8", root=tmp_path / "new" / "root") as store:
+        assert store.path.parent == home(tmp_path / "new" / "root")
+        assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700

@@ -1,7 +1,7 @@
 """The memory tier of the data cache: one store of decoded samples per node, shared by processes.
 
-A :class:`SharedSampleStore` is one file, ``ROOT/gradsync-<name>.store`` (``ROOT`` is ``/dev/shm``,
-a RAM-backed tmpfs, where it exists), mapped into every training process of the node and into the
+A :class:`SharedSampleStore` is one file, ``HOME/gradsync-<name>.store``, mapped into every
+training process of the node and into the
 DataLoader workers forked from them, so a sample is decoded once per node and kept in memory once.
 It is filled during the first epoch and read from then on. Standard library and numpy only; no
 pickle: a sample is stored as its raw bytes, with its shape and dtype fixed in the file's header.
@@ -23,15 +23,22 @@ training goes on from the lower tiers. Record locks belong to the process and ar
 process should open a store once (a second object's ``close`` would drop the first one's claims;
 the crc still keeps readers safe). Forked children (DataLoader workers) share the parent's object.
 
-Lifetime: each process using a store registers itself in ``ROOT/gradsync-<name>.users/`` (its pid
+Where: ``HOME`` is ``ROOT/gradsync-<uid>``, a folder of this user's alone (mode 0700), under
+``ROOT``: ``/dev/shm`` (a RAM-backed tmpfs) where it exists, else the temporary directory, or the
+``root`` given (``GRADSYNC_SHM_ROOT`` for ``gradsync train``). ``/dev/shm`` is writable by every
+local user, who could otherwise pre-create or link a store's names; a ``HOME`` that is not a real
+directory of ours with mode 0700 (a symbolic link, another owner, a wider mode) is refused.
+
+Lifetime: each process using a store registers itself in ``HOME/gradsync-<name>.users/`` (its pid
 and start time, so a reused pid is not mistaken for it); :meth:`~SharedSampleStore.close` (also run
 at exit) deregisters it and removes the store once no user is left. A crashed run leaves its store
 behind; :func:`reclaim_stale`, also run whenever a store is opened, removes stores whose users are
-all dead. These steps hold an exclusive ``flock`` on ``ROOT/gradsync-cache-<uid>.lock``.
+all dead. These steps hold an exclusive ``flock`` on ``HOME/gradsync-cache-<uid>.lock``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -137,8 +144,8 @@ class SharedSampleStore:
         self.stats = MemoryStats()
         self._nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
         self.record_bytes = -(-(_PAYLOAD_AT + self._nbytes) // 64) * 64
-        root_dir = Path(root) if root is not None else default_root()
-        root_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._parent = Path(root) if root is not None else shared_memory()
+        root_dir = private_root(self._parent)
         self.root = root_dir
         self.path = root_dir / f"gradsync-{name}.store"
         # internal: record locks do not exclude threads of one process; this lock does (recreated
@@ -211,7 +218,8 @@ class SharedSampleStore:
 
     def __reduce__(self) -> tuple[object, ...]:
         # a spawned DataLoader worker opens (and registers for) the same store by name
-        return (_reopen, (self.name, self.slots, self.shape, self.dtype.str, self.max_bytes, str(self.root)))
+        args = (self.name, self.slots, self.shape, self.dtype.str, self.max_bytes, str(self._parent))
+        return (_reopen, args)
 
     def __repr__(self) -> str:
         return (
@@ -278,19 +286,50 @@ class SharedSampleStore:
         return self._thread_lock
 
 
-def default_root() -> Path:
+def shared_memory() -> Path:
     """``/dev/shm`` (memory-backed) where it is a directory, else the temporary directory."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def default_root() -> Path:
+    """Where the stores live by default: this user's folder under :func:`shared_memory`."""
+    return private_root(shared_memory())
+
+
+def private_root(parent: str | os.PathLike[str]) -> Path:
+    """``parent/gradsync-<uid>``, made with mode 0700 if missing. ``ValueError`` when that name is
+    anything but a directory of this user with no access for others (a symbolic link, another
+    owner, a wider mode): whoever can write in it could pre-create or swap a store's files."""
+    uid = os.getuid()
+    home = Path(parent) / f"gradsync-{uid}"
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        home.mkdir(mode=0o700)
+    st = home.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+    elif st.st_uid != uid:
+        problem = f"owned by uid {st.st_uid}"
+    elif st.st_mode & 0o077:
+        problem = f"mode {stat.S_IMODE(st.st_mode):o}, open to other users"
+    else:
+        return home
+    raise ValueError(
+        f"gradsync: the memory store's folder {home} is {problem}; it must be a directory of uid {uid} "
+        "with mode 0700. Remove it (it is made again), or point GRADSYNC_SHM_ROOT elsewhere"
+    )
+
+
 def reclaim_stale(root: str | os.PathLike[str] | None = None) -> list[str]:
-    """Remove the stores under ``root`` whose registered users are all dead; returns their names."""
-    root_dir = Path(root) if root is not None else default_root()
-    if not root_dir.is_dir():
-        return []
-    with _registry_lock(root_dir):
-        return _reclaim_locked(root_dir)
+    """Remove the stores of this user under ``root`` (default :func:`shared_memory`) whose
+    registered users are all dead; returns their names."""
+    parent = Path(root) if root is not None else shared_memory()
+    if not os.path.lexists(parent / f"gradsync-{os.getuid()}"):
+        return []  # nothing was ever stored there
+    home = private_root(parent)
+    with _registry_lock(home):
+        return _reclaim_locked(home)
 
 
 def _reopen(
