@@ -33,8 +33,9 @@ class CacheConfig:
     ``directory``: the disk tier (``None``: none); a ``{node}`` in it is replaced by the node
     index, for nodes that share one filesystem (the emulated cluster). ``memory``: keep decoded
     samples in the node's shared memory store, a file in this user's folder ``gradsync-<uid>``
-    under ``shm_root`` (default: the environment's ``GRADSYNC_SHM_ROOT``, else ``/dev/shm``). The limits are bytes (``None``: no limit).
-    ``storage_options`` go to fsspec (credentials, timeouts, ...).
+    under ``shm_root`` (default: the environment's ``GRADSYNC_SHM_ROOT``, else ``/dev/shm``). The
+    limits are bytes (``None``: no limit). ``storage_options`` go to fsspec (credentials,
+    timeouts, ...).
     """
 
     directory: str | None = None
