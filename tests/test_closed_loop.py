@@ -292,13 +292,13 @@ def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
     """``auto:candidates=``: the re-plan gives each bucket the candidate the (forced) model finds
     cheapest; on the first compressed step, the top-k buckets equal a float64 top-k reference and
     the PowerSGD bucket equals an engine that runs PowerSGD alone from the same step."""
-    from gradsync.sync import engine as engine_module
     from gradsync.sync import planner as planner_module
+    from gradsync.sync import replan as replan_module
 
     world = dist.get_world_size()
-    real = engine_module.refit
+    real = replan_module.refit
     real_measure = planner_module.measure_codec
-    engine_module.refit = _forced_refits([_topk_small_powersgd_large] * 2)
+    replan_module.refit = _forced_refits([_topk_small_powersgd_large] * 2)
     # the first plan, from the codecs' measured speed, must be dense whatever that speed (the
     # native top-k kernel made it compress on a quiet machine): every codec takes a second
     planner_module.measure_codec = lambda *a, **k: replace(
@@ -330,7 +330,7 @@ def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
             if step < 3:
                 expect(not any(b.compress for b in engine.plan.buckets), f"step {step} compressed already")
     finally:
-        engine_module.refit = real
+        replan_module.refit = real
         planner_module.measure_codec = real_measure
     chosen = {names[s]: b.codec_id for b in engine.plan.buckets if b.compress for s in b.slots}
     expect(chosen == {"0.weight": 0, "1.weight": 1, "2.weight": 0}, f"the re-plan chose codecs {chosen}")
@@ -380,11 +380,11 @@ def check_a_switch_that_measured_slower_is_undone():
     real), so after step 6 every rank goes back to the first plan and settles; the streams end,
     and step 7 is the mean over the ranks of gradient + the residual each rank's streams held
     after step 6 (carried into the dense step, not dropped)."""
-    from gradsync.sync import engine as engine_module
+    from gradsync.sync import replan as replan_module
 
     world = dist.get_world_size()
-    real = engine_module.refit
-    engine_module.refit = _forced_refits([_compress_all])
+    real = replan_module.refit
+    replan_module.refit = _forced_refits([_compress_all])
     failed: list[str] = []
 
     def expect(ok: bool, what: str) -> None:
@@ -416,7 +416,7 @@ def check_a_switch_that_measured_slower_is_undone():
             model.zero_grad(set_to_none=True)
             plans.append(sum(b.compress for b in engine.plan.buckets))
     finally:
-        engine_module.refit = real
+        replan_module.refit = real
     expect(plans == [0, 0, 0, 3, 3, 3, 0], f"compressed buckets per step: {plans}")
     expect(len(rounds) == 2 and all(r > 0 for r in rounds), f"measured spans {rounds}")
     last = engine.loop.history[-1] if engine.loop.history else {}
@@ -450,11 +450,11 @@ def closed_loop_world():
 
 
 def check_switches_carry_state_and_match_the_reference():
-    from gradsync.sync import engine as engine_module
+    from gradsync.sync import replan as replan_module
 
     world = dist.get_world_size()
-    real = engine_module.refit
-    engine_module.refit = _forced_refits([_compress_all, _compress_the_large_one])
+    real = replan_module.refit
+    replan_module.refit = _forced_refits([_compress_all, _compress_the_large_one])
     try:
         model = _wrap(_model())
         engine = model.engine
@@ -476,7 +476,7 @@ def check_switches_carry_state_and_match_the_reference():
             opt.zero_grad(set_to_none=True)
             plans.append([(b.compress, b.slots) for b in engine.plan.buckets])
     finally:
-        engine_module.refit = real
+        replan_module.refit = real
     names = [s.name for s in engine.slots]
     compressed = [[names[s] for c, slots in p if c for s in slots] for p in plans]
     failed: list[str] = []

@@ -54,17 +54,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.codecs.ops import Workspace
-from gradsync.collectives.compressed import codec_refusal, compressed_program
-from gradsync.collectives.dense import allreduce_program
+from gradsync.collectives.compressed import codec_refusal
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology, TopologyError
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
 from gradsync.integrate.hook_ledger import Iteration, Ledger
 from gradsync.integrate.wrap import build_config
+from gradsync.sync.bucket_sync import bucket_program
+from gradsync.sync.codec_set import build_codecs, sync_momentum
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
-from gradsync.sync.engine import build_codecs, sync_momentum
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import sequence_program
 from gradsync.sync.tasks import TaskManager
@@ -299,9 +299,7 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     scheme, topo = state.scheme, state.topo
     assert scheme is not None and topo is not None
     if not compress:
-        algo = scheme.algorithm if scheme.kind == "dense" else "hybrid"
-        comm_dtype = scheme.comm_dtype if scheme.kind == "dense" else None
-        return (yield from allreduce_program(buf, topo, algo, "mean", comm_dtype, None, ws))
+        return (yield from bucket_program(buf, topo, scheme, None, key, state.loss_scale, ws))
     codec = state.codec
     assert codec is not None
     apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
@@ -313,11 +311,8 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
             for i, (g, p, n) in enumerate(zip(bucket.gradients(), bucket.parameters(), names, strict=True))
         ]
     return (
-        yield from compressed_program(
-            buf, topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key,
-            state.loss_scale, 4, ws, parts,
-        )
-    )  # fmt: skip
+        yield from bucket_program(buf, topo, scheme, codec, key, state.loss_scale, ws, lowrank_parts=parts)
+    )
 
 
 def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradsync.codecs import Compressor
-from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
-from gradsync.sync.carry import Carry, Layouts, overlapping, owed_by_parameter
+from gradsync.sync.bucket_sync import add_owed, nonfinite_flag
+from gradsync.sync.carry import Carry, Layouts, give_back_unused, owed_by_parameter
+from gradsync.sync.flags import flags_program
 
 
 @dataclass
@@ -97,29 +97,18 @@ class Ledger:
         """Before a bucket is synchronized (compute thread): add what its parameters are owed and
         note whether it holds inf/NaN (a flag kept on the device)."""
         if self.carry.local and not it.joined:
-            at = 0
-            for name, numel in it.members[key]:
-                self.carry.inject(name, buf[at : at + numel], loss_scale)
-                at += numel
+            add_owed(buf, it.members[key], self.carry, loss_scale)
         if self.check_overflow:
-            it.nonfinite.append(torch.isfinite(buf).all().logical_not())
+            it.nonfinite.append(nonfinite_flag(buf))
 
     def flags_program(self, it: Iteration, topo: Topology) -> tuple[Program, torch.Tensor]:
         """After the last bucket: agree on overflow and on the parameters used (one all-reduce)."""
         names = self._tracked
-        host = torch.zeros(1 + len(names), dtype=torch.float32, device="cpu")
-        out = host.to(topo.comm_device)
 
-        def program() -> Program:
-            if names:
-                host[1:] = torch.tensor([float(n in self._used) for n in names])
-                out.copy_(host)
-            if it.nonfinite:
-                out[:1].copy_(torch.stack([f.to(out.device) for f in it.nonfinite]).any().reshape(1))
-            yield lambda: P.all_reduce(out, topo.world_group, "world", op=dist.ReduceOp.MAX)
-            return lambda: host.copy_(out)
+        def used() -> list[float]:
+            return [float(n in self._used) for n in names]
 
-        return program(), host
+        return flags_program(topo, it.nonfinite, used if names else None, len(names))
 
     def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
         """The iteration is over (compute thread): act on the agreed ``flags``, and carry what
@@ -133,10 +122,7 @@ class Ledger:
             if self.codec is not None:
                 self.codec.rollback_round()
         elif unused and self.codec is not None:  # DDP leaves them untouched: nothing sent reached them
-            layouts = Layouts(self.layouts.items())
-            for key, (offset, numel) in self.codec.homes().items():
-                for start, stop in overlapping(layouts.spans(key, offset, numel), unused):
-                    self.codec.rollback_elements(key, start, stop)
+            give_back_unused([self.codec], Layouts(self.layouts.items()), unused)
         if not overflow and not it.joined:
             self.carry.settle(n for members in it.members.values() for n, _ in members if n not in unused)
             self._warn_unplaced(it)

@@ -195,7 +195,7 @@ class GradSync(nn.Module, Joinable):
 
     def close(self) -> None:
         """Write a pending trace (collective), remove the hooks and stop the engine's threads."""
-        if self.tracer is not None and self.engine._error is None:
+        if self.tracer is not None and self.engine.failure.error is None:
             self.write_trace()
         elif self.tracer is not None:  # a failed engine's peers may be gone: nothing collective
             self.tracer.detach()

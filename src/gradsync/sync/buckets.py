@@ -102,7 +102,8 @@ class _Open:
 
 @dataclass
 class Bucket:
-    """A bucket's slots, its flat buffer and the bookkeeping of one step."""
+    """One bucket of the engine: its slots, how the plan synchronizes it, its flat buffer, and
+    the bookkeeping of one step."""
 
     index: int
     slots: list[Slot]
@@ -111,9 +112,15 @@ class Bucket:
     numel: int = 0
     workspaces: list[Workspace] = field(default_factory=list)
     _flat: torch.Tensor | None = None
+    # from the plan (before the first plan: dense, the hybrid algorithm)
+    compress: bool = False
+    parts: int = 1  # pipelined parts when compressed
+    codec_id: int = 0  # the codec that compresses it (an id of the engine's CodecSet)
+    dense_algorithm: str = "hybrid"  # when it is synchronized densely
     # per step
     pending: int = 0  # gradients not yet ready
     parts_left: int = 0
+    launched_at: float = 0.0
 
     def __post_init__(self) -> None:
         pos = 0

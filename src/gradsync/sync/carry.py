@@ -213,6 +213,15 @@ def gather_for_mean(
     return out
 
 
+def give_back_unused(codecs: Iterable[Compressor], layouts: Layouts, unused: set[str]) -> None:
+    """Parameters no rank used get no gradient, so what error feedback sent of them this step
+    never reaches the model: their elements get their residual back."""
+    for codec in codecs:
+        for key, (offset, numel) in codec.homes().items():
+            for start, stop in overlapping(layouts.spans(key, offset, numel), unused):
+                codec.rollback_elements(key, start, stop)
+
+
 def owed_by_parameter(
     codecs: Iterable[Compressor], layouts: Layouts, carry: Carry, world: int
 ) -> dict[str, torch.Tensor]:

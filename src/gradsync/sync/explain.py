@@ -11,6 +11,8 @@ rank reaches the same words.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,11 +20,15 @@ import torch
 
 from gradsync.codecs import Compressor
 from gradsync.codecs.lowrank import lowrank_codec
+from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
+from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.plan import Plan
 from gradsync.sync.planner import scheme_for
 from gradsync.sync.scheme import Scheme
+
+log = logging.getLogger("gradsync")
 
 # what to do about each reason, for the warning
 _HINTS = {
@@ -134,6 +140,34 @@ def explain_plan(
             report.warnings.append(
                 f"gradsync: plan='compress' asked to compress every tensor, but these go dense: {detail}"
             )
+    return report
+
+
+def report_plan(
+    plan: Plan,
+    slots: list[Slot],
+    codecs: CodecSet,
+    config: SyncConfig,
+    topo: Topology,
+    seconds: float,
+    table: Callable[[], str],
+) -> PlanReport:
+    """Say what the plan (made in ``seconds``) compresses and why the rest is not: one line on
+    rank 0 (logger ``gradsync``; ``table()`` at debug level) and, on every rank, a warning where
+    a compressed scheme compresses nothing or the user's ``plan="compress"`` cannot be honoured
+    for some tensors. Returns the report."""
+    report = explain_plan(
+        plan, slots, [codecs.codec_class(s) for s in slots], codecs.scheme, config, codecs.codecs,
+        topo.nodes, lambda cid, members, parts: codecs.rejects(slots, cid, members, parts), codecs.schemes,
+    )  # fmt: skip
+    if config.log_plan and topo.rank == 0:
+        log.info(
+            "gradsync plan (%s on %d x %d, made in %.2f s): %s", codecs.scheme.name, topo.nodes,
+            topo.per_node, seconds, report.summary,
+        )  # fmt: skip
+        log.debug("gradsync plan, bucket by bucket:\n%s", table())
+    for text in report.warnings:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
     return report
 
 

@@ -16,9 +16,9 @@ from gradsync.data.cache.config import CacheConfig
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.models import models_for
 from gradsync.sync import Scheme, SyncConfig
+from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
-from gradsync.sync.engine import build_candidates, build_codecs
 from gradsync.train.resize import parse_resize_schedule
 
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")

@@ -35,8 +35,8 @@ import torch
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
+from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.engine import build_candidates, build_codecs
 from gradsync.sync.planner import FirstStep, first_step_groups, make_plan, predict
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task

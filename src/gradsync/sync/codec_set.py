@@ -1,0 +1,197 @@
+"""The codecs one engine runs, built once from its configuration: the scheme's codec, the codec
+for large tensors, the candidates of ``auto:candidates=...``, the density schedule over them, and
+which of them may take which tensor.
+
+A codec is known by its id, an index into :attr:`CodecSet.codecs`: the plan names codecs by id
+(``BucketPlan.codec_id``), and ids are the same on every rank because every rank builds the set
+from the same (agreed) configuration. The first :attr:`CodecSet.class_count` ids are the codec
+classes a tensor belongs to by its size (:func:`~gradsync.sync.buckets.codec_class_for`); the
+candidates follow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from gradsync.codecs import Compressor, ErrorFeedback
+from gradsync.collectives.compressed import codec_refusal
+from gradsync.collectives.topology import Topology
+from gradsync.sync.buckets import Slot, codec_class_for
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.density_schedule import apply_schedule, schedule_for
+from gradsync.sync.momentum import SyncMomentum
+from gradsync.sync.scheme import Scheme
+
+log = logging.getLogger("gradsync")
+
+
+def build_codecs(config: SyncConfig, scheme: Scheme) -> list[Compressor]:
+    """The codecs an engine with ``config`` runs ``scheme`` with, error feedback included: the
+    scheme's, then the one for large tensors (none for a dense scheme)."""
+    codecs: list[Compressor] = []
+    main = scheme.build(config.error_feedback)
+    if main is not None:
+        codecs.append(main)
+        if config.large_codec is not None:
+            large = Scheme.parse(f"allgather/{config.large_codec}").build(config.error_feedback)
+            assert large is not None  # a compressed scheme always has a codec
+            codecs.append(large)
+    return codecs
+
+
+def build_candidates(
+    config: SyncConfig, scheme: Scheme, nodes: int, per_node: int
+) -> list[tuple[Scheme, Compressor]]:
+    """The other candidates of ``auto:candidates=...`` (none for other schemes): each resolved
+    for the topology, with its codec (error feedback as :func:`build_codecs` adds it)."""
+    out = []
+    for alt in scheme.alternatives(nodes, per_node):
+        codec = alt.build(config.error_feedback)
+        assert codec is not None  # a candidate is a compressed scheme
+        out.append((alt, codec))
+    return out
+
+
+def sync_momentum(codecs: list[Compressor]) -> SyncMomentum | None:
+    """The dense side of momentum correction when the codecs carry the optimizer's momentum
+    (``ef:momentum=M``), else None. Every codec must then carry the same momentum: a bucket
+    under a codec without it would get none."""
+    kinds = {
+        (c.config.momentum, c.config.nesterov) if isinstance(c, ErrorFeedback) else (0.0, False)
+        for c in codecs
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            "ef: momentum must be the same for every codec of the scheme (momentum correction moves "
+            "the optimizer's momentum into the synchronization, so every bucket needs it), got "
+            + ", ".join(sorted(c.spec() for c in codecs))
+        )
+    m, nesterov = kinds.pop() if kinds else (0.0, False)
+    return SyncMomentum(m, nesterov) if m > 0 else None
+
+
+class CodecSet:
+    """The codecs of one engine, by id, each with the scheme it runs under."""
+
+    def __init__(self, config: SyncConfig, scheme: Scheme, topology: Topology) -> None:
+        self.config = config
+        self.scheme = scheme
+        self.topo = topology
+        self.codecs: list[Compressor] = build_codecs(config, scheme)
+        self.class_count = len(self.codecs)
+        """The codecs a tensor belongs to by its size (the candidates are not among them)."""
+        self.schemes: list[Scheme] = [scheme] * len(self.codecs)
+        """The scheme each codec runs under (by id): the scheme's own, then the candidates'."""
+        for alt, codec in build_candidates(config, scheme, topology.nodes, topology.per_node):
+            self.schemes.append(alt)
+            self.codecs.append(codec)
+        self.candidates = list(range(self.class_count, len(self.codecs)))
+        self.density_schedule = schedule_for(config.density_schedule, self.codecs, config.scheme)
+        self.density: float | None = None
+        """What the last step ran at under the schedule (the largest density; None when every
+        sparsifier ran at its own)."""
+
+    def __len__(self) -> int:
+        return len(self.codecs)
+
+    @property
+    def lowrank(self) -> set[int]:
+        """The ids of the codecs that factor whole tensors (their streams are per tensor)."""
+        return {cid for cid, c in enumerate(self.codecs) if c.lowrank}
+
+    def codec_class(self, slot: Slot) -> int:
+        """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""
+        cfg = self.config
+        return codec_class_for(
+            slot.nbytes, slot.param.is_floating_point(), self.class_count, cfg.min_compress_bytes,
+            cfg.large_bytes,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ what a codec can take
+    def refusal(self, codec_id: int, numel: int, itemsize: int) -> str | None:
+        """Why codec ``codec_id`` cannot compress ``numel`` elements in one encode call of its
+        scheme (None when it can)."""
+        s, t = self.schemes[codec_id], self.topo
+        return codec_refusal(
+            self.codecs[codec_id], numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node,
+            itemsize,
+        )  # fmt: skip
+
+    def rejects(self, slots: Sequence[Slot], codec_id: int, members: list[int], parts: int) -> str | None:
+        """Why codec ``codec_id`` cannot compress a bucket of ``members`` (slot indices) in
+        ``parts`` parts (None when it can): the element counts its encode calls would see."""
+        numel = sum(slots[i].numel for i in members)
+        itemsize = slots[members[0]].param.element_size()
+        for part in range(parts):
+            why = self.refusal(codec_id, numel * (part + 1) // parts - numel * part // parts, itemsize)
+            if why is not None:
+                return why
+        return None
+
+    def check_fit(self, slots: Sequence[Slot]) -> None:
+        """Refuse, before anything communicates, a codec that could not compress even the
+        largest bucket this model can form (e.g. ``topk:k=100000`` on tensors that hold fewer
+        elements); smaller buckets it cannot take are left dense by the plan, which says so."""
+        for cid in range(len(self.codecs)):
+            kinds: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+            for s in slots:
+                c = self.codec_class(s)
+                if c == cid or (c >= 0 and cid in self.candidates):
+                    kinds.setdefault(s.group, []).append(s)
+            for members in kinds.values():
+                itemsize = members[0].param.element_size()
+                total = sum(s.numel for s in members)
+                # a bucket closes once it holds bucket_bytes, so none exceeds this
+                cap = (self.config.bucket_bytes - 1) // itemsize + max(s.numel for s in members)
+                largest = min(total, cap)
+                why = self.refusal(cid, largest, itemsize)
+                if why is not None:
+                    raise ValueError(
+                        f"{why}: the largest bucket of this model's compressible {members[0].param.dtype} "
+                        f"tensors ({len(members)} tensors, {largest} elements) is too small for it under "
+                        f"{self.schemes[cid].name} on {self.topo.nodes} x {self.topo.per_node}; use a "
+                        "density instead of k"
+                    )
+
+    # ------------------------------------------------------------------ the density schedule
+    def set_density(self, step: int, log_changes: bool) -> None:
+        """Set each sparsifier's density for ``step`` from the schedule (kept in
+        :attr:`density`); logged when it changes."""
+        schedule = self.density_schedule
+        if schedule is None:
+            return
+        density = apply_schedule(schedule, self.codecs, step)
+        if density != self.density and log_changes:
+            if density is None:
+                log.info(
+                    "gradsync: step %d: density schedule %s over; every sparsifier at its own density",
+                    step, schedule.text,
+                )  # fmt: skip
+            else:
+                stage = step // schedule.stage_steps + 1
+                log.info(
+                    "gradsync: step %d: density schedule %s, stage %d: sparsifiers send %.4g %% of "
+                    "each tensor (until step %d)", step, schedule.text, stage, 100 * density,
+                    stage * schedule.stage_steps,
+                )  # fmt: skip
+        self.density = density
+
+    def own_density(self, step: int) -> None:
+        """Back to the codecs' own densities (what the planner and its timings assume)."""
+        apply_schedule(None, self.codecs, step)
+
+    # ------------------------------------------------------------------ state
+    def begin_round(self) -> None:
+        for codec in self.codecs:
+            codec.begin_round()
+
+    def rollback_round(self) -> None:
+        for codec in self.codecs:
+            codec.rollback_round()
+
+    def reset_state(self) -> None:
+        for codec in self.codecs:
+            codec.reset_state()

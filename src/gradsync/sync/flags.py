@@ -1,0 +1,108 @@
+"""The flags a synchronized step ends with, agreed by every rank in one tiny all-reduce: whether
+any rank's gradients overflowed (inf/NaN), and which parameters some rank used. The engine and
+the DDP hook both issue it after their last bucket and act on the result the same way:
+
+- an overflow on any rank makes every rank's gradients NaN, so that every rank's GradScaler skips
+  the step, and undoes what the step did to error feedback's residuals (and momentum);
+- a parameter that no rank used gets no gradient (as DDP leaves it), so what error feedback sent
+  of it never reached the model: its elements get their residual back
+  (:func:`~gradsync.sync.carry.give_back_unused`).
+
+Also here: the rescaling under ``Join(divide_by_initial_world_size=False)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives import primitives as P
+from gradsync.collectives.program import Program
+from gradsync.collectives.topology import Topology
+from gradsync.sync.buckets import Slot
+from gradsync.sync.carry import Layouts, give_back_unused
+from gradsync.sync.codec_set import CodecSet
+from gradsync.sync.momentum import SyncMomentum
+
+
+def flags_program(
+    topo: Topology,
+    nonfinite: list[torch.Tensor],
+    used: Callable[[], list[float]] | None,
+    count: int = 0,
+) -> tuple[Program, torch.Tensor]:
+    """The flag all-reduce as a step program, and the host tensor that holds the agreed flags
+    once it ran: ``[overflow, used_0, ..., used_{count-1}]`` (maxima over the ranks).
+
+    ``nonfinite``: the buckets' device flags (:func:`~gradsync.sync.bucket_sync.nonfinite_flag`),
+    read when the program runs, after every bucket was packed (the task manager runs the tasks'
+    first segments in order); ``used()`` gives ``count`` values, 1.0 for each parameter this rank
+    used (None: the use is not agreed)."""
+    host = torch.zeros(1 + count, dtype=torch.float32, device="cpu")
+    out = host.to(topo.comm_device)
+
+    def program() -> Program:
+        if used is not None:
+            host[1:] = torch.tensor(used(), dtype=torch.float32, device=host.device)
+            out.copy_(host)
+        if nonfinite:  # device flags: no host synchronization per bucket
+            out[:1].copy_(torch.stack([f.to(out.device) for f in nonfinite]).any().reshape(1))
+        yield lambda: P.all_reduce(out, topo.world_group, "world", op=dist.ReduceOp.MAX)
+        return lambda: host.copy_(out)
+
+    return program(), host
+
+
+def apply_flags(
+    values: list[float],
+    slots: Sequence[Slot],
+    codecs: CodecSet,
+    momentum: SyncMomentum | None,
+    find_unused: bool,
+    layouts: Callable[[], Layouts],
+) -> tuple[bool, set[str]]:
+    """Act on the agreed flags (``values``, read once from the host tensor): an overflow on any
+    rank skips the step everywhere; a parameter no rank used gets no gradient. Returns the
+    overflow and those parameters' names. ``layouts``: the buckets as they ran (made only when
+    some parameter went unused)."""
+    overflow = values[0] > 0
+    if overflow:
+        # some rank overflowed: every rank skips the step (its GradScaler sees NaN) and undoes
+        # what this step did to the residuals
+        for s in slots:
+            if s.param.grad is not None:
+                s.param.grad.fill_(float("nan"))
+        codecs.rollback_round()
+        if momentum is not None:
+            momentum.rollback_round()
+    unused: set[str] = set()
+    if find_unused:
+        unused = {s.name for i, s in enumerate(slots) if values[1 + i] == 0}
+        for s in slots:
+            if s.name in unused:
+                s.param.grad = None  # no rank used it: leave it as DDP would
+        if unused and not overflow:
+            # SGD skips a parameter without a gradient, so its momentum does not move either
+            give_back_unused(codecs.codecs, layouts(), unused)
+            if momentum is not None:
+                momentum.rollback_round(unused)
+    return overflow, unused
+
+
+def rescale_for_join(
+    work: Any, divide_by_world: bool, shadow: bool, slots: Sequence[Slot], world: int
+) -> None:
+    """Under ``Join(..., divide_by_initial_world_size=False)``: a mean over the ranks that still
+    train, not over the whole world (the joined ranks contributed zeros). ``work``: Join's
+    all-reduce of the ranks still training, this step."""
+    work.wait()
+    if divide_by_world or shadow:
+        return
+    active = int(work.result()[0].item())
+    if 0 < active < world:
+        for s in slots:
+            if s.param.grad is not None:
+                s.param.grad.mul_(world / active)

@@ -1,0 +1,221 @@
+"""The engine's plans over a run: the first plan after the first (dense) step, and the rounds of
+the closed loop that re-plan from what the buckets cost in the running engine
+(:mod:`gradsync.sync.closed_loop` has the measurements and the refit, :mod:`gradsync.sync.planner`
+the decisions).
+
+:class:`Replanner` decides; it never touches gradients or compression state. A round that
+changes the plan hands the new plan to the engine's switch (which installs it and carries what
+the ended streams owed, :mod:`gradsync.sync.carry`), and logs what the switch did.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
+from gradsync.collectives.topology import Topology
+from gradsync.sync.buckets import Slot
+from gradsync.sync.closed_loop import ClosedLoop, plan_seconds, refit, same_plan, samples_of
+from gradsync.sync.codec_set import CodecSet
+from gradsync.sync.config import SyncConfig
+from gradsync.sync.plan import Plan
+from gradsync.sync.planner import (
+    FirstStep,
+    first_step_groups,
+    make_plan,
+    plan_after_first_step,
+    share_plan,
+    time_codecs,
+)
+from gradsync.sync.scheme import Scheme
+from gradsync.sync.stats import StepStats
+
+log = logging.getLogger("gradsync")
+
+Switch = Callable[[Plan], list[str]]
+"""Installs a plan on this rank and returns the keys of the compression streams it ended."""
+
+
+class Replanner:
+    """The first plan and the closed loop of one engine (``slots``: its parameters)."""
+
+    def __init__(
+        self, topology: Topology, config: SyncConfig, scheme: Scheme, codecs: CodecSet, slots: Sequence[Slot]
+    ) -> None:
+        self.topo = topology
+        self.config = config
+        self.scheme = scheme
+        self.codecs = codecs
+        self.slots = slots
+        loop_on = config.plan == "auto" and scheme.kind != "dense" and bool(codecs.codecs)
+        self.loop = ClosedLoop(
+            config.replan if loop_on else 0, config.replan_steps, config.replan_gain,
+            revert_above=1.0 + config.replan_gain,
+        )  # fmt: skip
+        """The closed loop's state: re-plans done, settled, what each round decided."""
+        self.params: CostParams | None = None  # the links as calibrated after the first step
+        self.first: FirstStep | None = None  # the first step's gradient order and ready times
+        self.codec_costs: dict[int, CodecCost] = {}  # rank 0: the codecs as timed for the plan
+
+    @property
+    def _log(self) -> bool:
+        return self.config.log_plan and self.topo.rank == 0
+
+    def rejects(self, codec_id: int, members: list[int], parts: int) -> str | None:
+        return self.codecs.rejects(self.slots, codec_id, members, parts)
+
+    def _classes(self) -> list[int]:
+        return [self.codecs.codec_class(s) for s in self.slots]
+
+    # ------------------------------------------------------------------ the first plan
+    def first_plan(self, first: FirstStep) -> Plan:
+        """After the first step: calibrate the links, time the codecs, decide on rank 0 and give
+        every rank that plan (collectives on every rank)."""
+        c = self.codecs
+        plan, params, costs = plan_after_first_step(
+            self.topo, self.config, self.scheme, list(self.slots), c.codecs, first, self._classes(),
+            self.rejects, c.schemes, c.candidates,
+        )  # fmt: skip
+        self.params, self.first, self.codec_costs = params, first, costs
+        self.loop.restart()
+        return plan
+
+    # ------------------------------------------------------------------ the closed loop
+    def due(self, stats: StepStats, valid: bool) -> bool:
+        """Count a step of the current plan; True when a round of the loop is due (the same
+        step on every rank). Dense steps and density warm-up steps do not count: they cost what
+        later steps will not."""
+        return (
+            self.loop.active
+            and not stats.dense
+            and stats.density is None
+            and self.first is not None
+            and self.loop.observe(stats, valid=valid)
+        )
+
+    def round(self, plan: Plan, buckets: int, step: int, switch: Switch) -> bool:
+        """The closed loop's round: agree on the measured bucket costs, refit and re-plan on
+        rank 0, and switch every rank to the new plan (through ``switch``), or settle on the
+        current one. The guard goes back to the plan before the last switch when that switch
+        measured slower. True when the plan changed."""
+        assert self.first is not None and self.params is not None
+        t0 = time.perf_counter()
+        cfg, loop = self.config, self.loop
+        measured, span = loop.agreed(self.topo, buckets)
+        record: dict[str, Any] = {"step": step, "measured_ms": span * 1e3}
+        if loop.worse_than_before(span):
+            self._revert(record, t0, switch, step)
+            return True
+        if loop.replans >= loop.replan:  # the last switch measured no slower: keep it
+            loop.settled, loop.before = True, None
+            record.update(switched=False, verified=True, seconds=time.perf_counter() - t0)
+            loop.history.append(record)
+            if self._log:
+                log.info(
+                    "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step, no "
+                    "slower than before it; the plan stays", step, span * 1e3,
+                )  # fmt: skip
+            return False
+        new = share_plan(self.topo, lambda: self._decide(plan, measured, record))
+        record["switched"] = new is not None
+        record["seconds"] = time.perf_counter() - t0
+        loop.history.append(record)
+        if new is None:
+            loop.settled = True
+            if self._log:
+                log.info(
+                    "gradsync closed loop at step %d: the plan stays (%s; predicted %.1f -> %.1f ms "
+                    "of synchronization per step, a switch needs %.0f %%)", step, record.get("refit"),
+                    *record.get("predicted_ms", [0.0, 0.0]), 100 * cfg.replan_gain,
+                )  # fmt: skip
+            return False
+        loop.replans += 1
+        carried = switch(new)
+        # every switch is measured once more before the loop settles: the guard compares the
+        # new plan's span with this one (or, after the last allowed switch, only that)
+        loop.before = (plan, span)
+        if self._log:
+            log.info(
+                "gradsync closed loop at step %d: re-plan %d of at most %d (%s; predicted %.1f -> %.1f ms "
+                "of synchronization per step; %d compression streams of changed buckets end, what they "
+                "owed is carried to the next step)", step, loop.replans, loop.replan,
+                record.get("refit"), *record.get("predicted_ms", [0.0, 0.0]), len(carried),
+            )  # fmt: skip
+        return True
+
+    def _decide(
+        self, old: Plan, measured: list[tuple[float, float, float] | None], record: dict[str, Any]
+    ) -> Plan | None:
+        """Rank 0: refit the model on the measured buckets and make a plan over the first step's
+        buckets; None when it is the same plan or not predicted ``replan_gain`` faster."""
+        assert self.first is not None and self.params is not None
+        cfg, c, t = self.config, self.codecs, self.topo
+        nbytes = [s.nbytes for s in self.slots]
+        timeout = cfg.bucket_timeout_ms / 1e3
+        groups = first_step_groups(list(self.slots), self.first, self._classes(), cfg.bucket_bytes, timeout)
+        if not self.codec_costs:  # a run resumed from a checkpoint: time the codecs now
+            self.codec_costs = time_codecs(
+                t, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
+            )
+        samples = samples_of(old, nbytes, measured)
+        fit = refit(samples, self.scheme, self.params, t.nodes, t.per_node, self.codec_costs, c.schemes)
+        model = CostModel(fit.params, t.nodes, t.per_node)
+        candidate = make_plan(
+            groups, nbytes, self.scheme, model, fit.codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
+            fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.rejects,
+            margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead, schemes=c.schemes,
+            candidates=c.candidates,
+        )  # fmt: skip
+        before, after = (
+            plan_seconds(p, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead, c.schemes)
+            for p in (old, candidate)
+        )
+        record.update(refit=fit.describe(), predicted_ms=[before * 1e3, after * 1e3])
+        if same_plan(candidate, old) or after > (1.0 - cfg.replan_gain) * before:
+            return None
+        return candidate
+
+    def _revert(self, record: dict[str, Any], t0: float, switch: Switch, step: int) -> None:
+        """The guard of the closed loop: the last switch measured slower than the plan before
+        it (the refitted model was wrong), so go back to that plan, on every rank, and settle."""
+        loop = self.loop
+        assert loop.before is not None
+        old, old_span = loop.before
+        loop.before = None
+        loop.settled = True
+        carried = switch(old)
+        record.update(switched=True, reverted=True, seconds=time.perf_counter() - t0)
+        loop.history.append(record)
+        if self._log:
+            log.info(
+                "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step against "
+                "%.1f ms before it; going back to the previous plan and settling (%d compression "
+                "streams end, what they owed is carried)", step, record["measured_ms"], old_span * 1e3,
+                len(carried),
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The closed loop's progress and what a resumed run needs to go on re-planning: the
+        calibrated links and the first step's order and ready times (plain values)."""
+        state = self.loop.state_dict()
+        if self.params is not None and self.first is not None:
+            p = self.params
+            state["links"] = [p.intra.alpha, p.intra.beta, p.inter.alpha, p.inter.beta, p.gamma]
+            state["first_order"] = list(self.first.order)
+            state["first_ready"] = [-1.0 if t is None else float(t) for t in self.first.ready_at]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.loop.load_state_dict(state)
+        state = state or {}
+        links, order, ready = state.get("links"), state.get("first_order"), state.get("first_ready")
+        if links is None or order is None or ready is None or len(ready) != len(self.slots):
+            self.loop.settled = True  # saved before the closed loop existed: keep the plan as it is
+            return
+        ai, bi, ao, bo, g = (float(v) for v in links)
+        self.params = CostParams(Link(ai, bi), Link(ao, bo), g)
+        self.first = FirstStep([int(i) for i in order], [None if t < 0 else float(t) for t in ready])
