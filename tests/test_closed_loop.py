@@ -215,6 +215,27 @@ def test_the_loop_counts_the_same_steps_on_every_rank():
     assert again.settled and not again.active
 
 
+def test_the_ready_profile_is_the_median_of_the_measured_steps():
+    """Per parameter the median over the measured steps of its ready time after each step's first
+    gradient; a parameter never ready has none; the order follows the medians."""
+    from gradsync.sync.stats import StepStats
+
+    loop = ClosedLoop(replan=1, steps=3, gain=0.05)
+    empty = StepStats(step=0, dense=False, buckets=0, compressed_buckets=0, launched_in_backward=0)
+    assert loop.ready_profile() is None
+    loop.observe(empty, True, [100.0, 100.5, None])  # the first step of a plan is not measured
+    for row in ([10.0, 10.9, None], [20.0, 20.1, None], [30.5, 30.0, None]):
+        loop.observe(empty, True, row)
+    loop.observe(empty, False, [0.0, 9.0, 1.0])  # an overflowed step: not kept
+    profile = loop.ready_profile()
+    assert profile is not None
+    assert profile.ready_at[0] == pytest.approx(0.0) and profile.ready_at[1] == pytest.approx(0.1)
+    assert profile.ready_at[2] is None
+    assert profile.order == [0, 1]
+    loop.restart()
+    assert loop.ready_profile() is None
+
+
 @pytest.mark.parametrize(
     "option, value, allowed",
     [("replan", -1, "[0, 20]"), ("replan_steps", 0, "[1, 1000]"), ("replan_gain", 0.95, "[0, 0.9]")],
@@ -441,11 +462,64 @@ def check_a_switch_that_measured_slower_is_undone():
     model.close()
 
 
+def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
+    """The first step is made slow between the last layer's gradients and the others' (a hook
+    sleeps 0.2 s), so the fusion timeout cuts its weights into two buckets; the measured steps
+    have no such gap. The forced refit makes compression nearly free and every collective's
+    start-up the main cost, so one bucket is cheaper: the re-plan merges the weights into one
+    compressed bucket when ``replan_recut`` (the default), and keeps the first step's cut when
+    not. Gradients after the switch equal a plain mean of the ranks' top-k (checked by the world
+    above for switches in general; here: every rank has the same plan)."""
+    import time
+
+    from gradsync.sync import replan as replan_module
+
+    real = replan_module.refit
+    replan_module.refit = _forced_refits([_compress_all])
+    failed: list[str] = []
+    try:
+        module = _model()
+        model = gradsync.wrap(
+            module, topology=Topology(nodes=2, per_node=1), scheme="allgather/topk:density=0.05",
+            calibrate=False, bucket_bytes=64 << 20, bucket_timeout_ms=50, partitions=1, replan=1,
+            replan_steps=2, log_plan=False, replan_recut=recut,
+        )  # fmt: skip
+        engine = model.engine
+        slow = [True]
+
+        def delay(layer: nn.Module, inputs: object, out: torch.Tensor) -> None:
+            if slow[0]:  # its gradient comes after the last layer's weight gradient, before the others'
+                out.register_hook(lambda g: time.sleep(0.2))
+
+        module[1].register_forward_hook(delay)
+        for step in range(5):
+            slow[0] = step == 0
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+    finally:
+        replan_module.refit = real
+    weights = {"0.weight", "1.weight", "2.weight"}
+    compressed = [sorted(engine.slots[i].name for i in b.slots) for b in engine.plan.buckets if b.compress]
+    if recut and [set(b) for b in compressed] != [weights]:
+        failed.append(f"re-cut: the compressed buckets are {compressed}, not one with every weight")
+    if not recut and [set(b) for b in compressed] != [{"2.weight"}, {"0.weight", "1.weight"}]:
+        failed.append(f"replan_recut=False: the compressed buckets are {compressed}, not the first cut")
+    plans = torch.tensor([len(engine.plan.buckets)])
+    dist.all_reduce(plans, op=dist.ReduceOp.MAX)
+    if int(plans) != len(engine.plan.buckets):
+        failed.append("the ranks hold different plans")
+    assert not failed, "\n".join(failed)
+    model.close()
+
+
 def closed_loop_world():
     run_checks(
         named_check(check_switches_carry_state_and_match_the_reference),
         named_check(check_a_switch_that_measured_slower_is_undone),
         named_check(check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone),
+        named_check(check_a_replan_cuts_the_buckets_from_the_measured_ready_times, True, label="recut"),
+        named_check(check_a_replan_cuts_the_buckets_from_the_measured_ready_times, False, label="no recut"),
     )
 
 

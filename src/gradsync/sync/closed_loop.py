@@ -49,7 +49,7 @@ import torch.distributed as dist
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.collectives.topology import Topology
 from gradsync.sync.plan import Plan
-from gradsync.sync.planner import best_partitions, encode_sizes, predict, scheme_for
+from gradsync.sync.planner import FirstStep, best_partitions, encode_sizes, predict, scheme_for
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 
@@ -361,6 +361,7 @@ class ClosedLoop:
     """The plan before the last switch and its measured seconds per step (see :meth:`span`)."""
     _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _spans: list[float] = field(default_factory=list)
+    _ready: list[list[float | None]] = field(default_factory=list)  # per measured step: per slot
 
     @property
     def active(self) -> bool:
@@ -371,18 +372,40 @@ class ClosedLoop:
         self.counted = 0
         self._rows = []
         self._spans = []
+        self._ready = []
 
-    def observe(self, stats: StepStats, valid: bool) -> bool:
-        """Count a step that ran with the current plan; keep its buckets' costs when ``valid`` (no
-        overflow, not a joined rank's shadow step). True when a re-plan is due (the same step on
-        every rank)."""
+    def observe(self, stats: StepStats, valid: bool, ready_at: Sequence[float | None] | None = None) -> bool:
+        """Count a step that ran with the current plan; keep its buckets' costs (and, given
+        ``ready_at``, when each gradient became ready) when ``valid`` (no overflow, not a joined
+        rank's shadow step). True when a re-plan is due (the same step on every rank)."""
         self.counted += 1
         if self.counted == 1:
             return False
         if valid:
             self._rows.append([(b.comm_s, b.compute_s, b.decode_s) for b in stats.bucket_stats])
             self._spans.append(stats.backward_s + stats.exposed_s)
+            if ready_at is not None:
+                self._ready.append(list(ready_at))
         return self.counted >= self.steps + 1
+
+    def ready_profile(self) -> FirstStep | None:
+        """When each gradient became ready in the measured steps, as the first step's order and
+        times are kept: per parameter the median over the steps of its time after the step's
+        first ready gradient (None: never ready), the order by that median. None before any
+        measured step. This rank's: the plan is decided on rank 0."""
+        if not self._ready:
+            return None
+        times: list[float | None] = []
+        for i in range(len(self._ready[0])):
+            seen = [
+                t - first
+                for row in self._ready
+                if (t := row[i]) is not None
+                for first in [min(r for r in row if r is not None)]
+            ]
+            times.append(statistics.median(seen) if seen else None)
+        order = sorted((i for i, t in enumerate(times) if t is not None), key=lambda i: (times[i], i))
+        return FirstStep(order, times)
 
     def agreed(self, topo: Topology, buckets: int) -> tuple[list[tuple[float, float, float] | None], float]:
         """Per bucket, the medians of this rank's measured steps, maximum over the ranks (None for

@@ -56,6 +56,10 @@ class SyncConfig(OptionsConfig):
     replan_gain: float = 0.05
     """A re-plan replaces the plan only when the refitted model predicts it at least this
     fraction faster (hysteresis), and compresses a bucket for a predicted win of this much."""
+    replan_recut: bool = True
+    """A re-plan also cuts the buckets anew, from when the gradients became ready in the measured
+    steps (the first plan cuts them from the first step, a single cold measurement); False keeps
+    the first step's cuts."""
     clip_local: float | None = None
     """Local gradient clipping (:mod:`gradsync.sync.clipping`, paper 04): clip each rank's own
     gradient to ``clip_local / sqrt(world)`` before it is added to the error-feedback residual

@@ -258,7 +258,7 @@ class SyncEngine:
             shadow, self.cur.shadow = self.cur.shadow, False
             if self.plan is None:
                 self._make_plan()
-            elif self.replanner.due(stats, valid=not overflow and not shadow):
+            elif self.replanner.due(stats, not overflow and not shadow, self.cur.ready_at):
                 t0 = time.perf_counter()
                 if self.replanner.round(self.plan, len(self._buckets), self.step, self._switch_plan):
                     self._report_plan(time.perf_counter() - t0)

@@ -84,16 +84,16 @@ class Replanner:
         return plan
 
     # ------------------------------------------------------------------ the closed loop
-    def due(self, stats: StepStats, valid: bool) -> bool:
-        """Count a step of the current plan; True when a round of the loop is due (the same
-        step on every rank). Dense steps and density warm-up steps do not count: they cost what
-        later steps will not."""
+    def due(self, stats: StepStats, valid: bool, ready_at: Sequence[float | None]) -> bool:
+        """Count a step of the current plan (``ready_at``: when each gradient became ready); True
+        when a round of the loop is due (the same step on every rank). Dense steps and density
+        warm-up steps do not count: they cost what later steps will not."""
         return (
             self.loop.active
             and not stats.dense
             and stats.density is None
             and self.first is not None
-            and self.loop.observe(stats, valid=valid)
+            and self.loop.observe(stats, valid, ready_at if self.config.replan_recut else None)
         )
 
     def round(self, plan: Plan, buckets: int, step: int, switch: Switch) -> bool:
@@ -155,7 +155,9 @@ class Replanner:
         cfg, c, t = self.config, self.codecs, self.topo
         nbytes = [s.nbytes for s in self.slots]
         timeout = cfg.bucket_timeout_ms / 1e3
-        groups = first_step_groups(list(self.slots), self.first, self._classes(), cfg.bucket_bytes, timeout)
+        # the buckets are cut from the measured steps' ready times (the first step's are cold)
+        ready = self.loop.ready_profile() or self.first
+        groups = first_step_groups(list(self.slots), ready, self._classes(), cfg.bucket_bytes, timeout)
         if not self.codec_costs:  # a run resumed from a checkpoint: time the codecs now
             self.codec_costs = time_codecs(
                 t, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
@@ -176,6 +178,7 @@ class Replanner:
         record.update(refit=fit.describe(), predicted_ms=[before * 1e3, after * 1e3])
         if same_plan(candidate, old) or after > (1.0 - cfg.replan_gain) * before:
             return None
+        self.first = ready  # what a later round (or a resumed run) cuts from
         return candidate
 
     def _revert(self, record: dict[str, Any], t0: float, switch: Switch, step: int) -> None:
