@@ -32,18 +32,19 @@ does). Each rank writes its own file (``trace.rank1.json`` next to ``trace.json`
 gathers every rank's events (bytes of JSON over the control group) into the merged file.
 :func:`merge_traces` (``gradsync trace merge``) merges per-rank files later, e.g. after a crash.
 :func:`check_trace` (``gradsync trace check``) verifies the rules above on any trace file.
+
+The event builders and the file writing live in :mod:`gradsync.observe.trace_events`, the clock
+alignment in :mod:`gradsync.observe.trace_clock`, and the reading, merging and checking in
+:mod:`gradsync.observe.trace_read`; their public names are importable from here as well.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import statistics
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,27 +52,26 @@ import torch
 
 from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
+from gradsync.observe.trace_clock import align_clocks
+from gradsync.observe.trace_events import (
+    COMM,
+    COMPUTE,
+    THREAD_NAMES,
+    TRACE_FORMAT,
+    TRAINING,
+    _flow,
+    _metadata,
+    _slice,
+    _us,
+    rank_file,
+    write_json,
+)
+from gradsync.observe.trace_read import check_trace, iter_slices, load_trace, merge_traces
 from gradsync.sync.stats import StepStats
 from gradsync.sync.tasks import Task
 
-TRACE_FORMAT = "gradsync.trace/1"
-
-TRAINING, COMPUTE, COMM = 1, 2, 3
-THREAD_NAMES = {TRAINING: "training thread", COMPUTE: "compute thread", COMM: "communication thread"}
 DEFAULT_MAX_EVENTS = 2_000_000
 """Per rank; later events are counted as dropped (``otherData.dropped_events``), not kept."""
-
-
-def _us(t: float) -> float:
-    """Seconds -> microseconds rounded to the nanosecond (both ends of a slice round alike)."""
-    return round(t * 1e6, 3)
-
-
-def rank_file(path: str | os.PathLike[str], rank: int) -> Path:
-    """Where rank ``rank`` writes its own part of the trace ``path``: ``trace.rank1.json``."""
-    p = Path(path)
-    suffix = p.suffix or ".json"
-    return p.with_name(f"{p.name[: -len(p.suffix)] if p.suffix else p.name}.rank{rank}{suffix}")
 
 
 class TraceRecorder:
@@ -421,221 +421,19 @@ class TraceRecorder:
         }
 
 
-def _slice(name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": name,
-        "cat": cat,
-        "ph": "X",
-        "tid": tid,
-        "ts": start,
-        "dur": max(end - start, 0.0),
-        "args": args,
-    }
-
-
-def _flow(ph: str, flow: int, name: str, tid: int, ts: float) -> dict[str, Any]:
-    e: dict[str, Any] = {"name": name, "cat": "flow", "ph": ph, "id": flow, "tid": tid, "ts": ts}
-    if ph == "f":
-        e["bp"] = "e"  # bind to the slice that encloses it (the decode), not the next one
-    return e
-
-
-def _metadata(pid: int, rank: int, node: int) -> list[dict[str, Any]]:
-    ev: list[dict[str, Any]] = [
-        {
-            "name": "process_name",
-            "ph": "M",
-            "pid": pid,
-            "tid": 0,
-            "args": {"name": f"rank {rank} (node {node})"},
-        },
-        {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
-    ]
-    for tid, name in THREAD_NAMES.items():
-        ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-        ev.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
-        )
-    return ev
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` as compact JSON, atomically (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, separators=(",", ":"))
-    os.replace(tmp, path)
-
-
-def align_clocks(topo: Topology, started_at: float, rounds: int = 9) -> tuple[float, float, float, str]:
-    """This rank's clock minus rank 0's (seconds), the spread of the rounds, rank 0's start time
-    on rank 0's clock, and a run id shared by every rank. Collective over the control group."""
-    if topo.world == 1 or not topo.is_bound:
-        return 0.0, 0.0, started_at, uuid.uuid4().hex[:12]
-    dev, group = topo.comm_device, topo.control_group
-    diffs: list[list[float]] = []
-    for _ in range(rounds):
-        P.all_reduce(torch.zeros(1, device=dev), group, "world")  # leave together
-        now = time.perf_counter()
-        table = torch.empty(topo.world, dtype=torch.float64, device=dev)
-        P.all_gather(table, torch.tensor([now], dtype=torch.float64, device=dev), group, "world")
-        times = table.tolist()
-        diffs.append([t - times[0] for t in times])
-    mine = [d[topo.rank] for d in diffs]
-    offset = statistics.median(mine)
-    spread = max(
-        max(abs(d[r] - statistics.median(x[r] for x in diffs)) for d in diffs) for r in range(topo.world)
-    )
-    # rank 0's start and a run id: 64-bit words from rank 0
-    run = int(uuid.uuid4().int & ((1 << 62) - 1))
-    word = torch.tensor([started_at, float(run)], dtype=torch.float64, device=dev)
-    P.broadcast(word, 0, group, "world")
-    origin0, run_f = word.tolist()
-    return offset, spread, origin0, f"{int(run_f):x}"[:12]
-
-
-# ---------------------------------------------------------------------- reading
-def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A trace file as a dict (``{"traceEvents": [...]}``; a bare event list is accepted)."""
-    with open(path) as fh:
-        doc = json.load(fh)
-    if isinstance(doc, list):
-        doc = {"traceEvents": doc}
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
-    return doc
-
-
-def merge_traces(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One trace from the per-rank traces of one run (each rank once, same run id)."""
-    if not docs:
-        raise ValueError("trace merge: no traces given")
-    ranks, runs = [], set()
-    for d in docs:
-        other = d.get("otherData", {})
-        if other.get("format") != TRACE_FORMAT:
-            raise ValueError(
-                f"trace merge: not a gradsync trace (format {other.get('format')!r}, "
-                f"expected {TRACE_FORMAT!r})"
-            )
-        if other.get("rank") is None:
-            raise ValueError("trace merge: give the per-rank files (trace.rankR.json), not a merged trace")
-        ranks.append(other["rank"])
-        runs.add(other.get("run_id"))
-    if len(runs) > 1:
-        raise ValueError(
-            f"trace merge: the files come from different runs (run ids {sorted(map(str, runs))})"
-        )
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"trace merge: a rank appears twice ({sorted(ranks)})")
-    events: list[dict[str, Any]] = []
-    for d in sorted(docs, key=lambda d: d["otherData"]["rank"]):
-        events += d["traceEvents"]
-    other = {**docs[0]["otherData"], "rank": None, "ranks": sorted(ranks)}
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
-
-
-_REQUIRED = {
-    "X": ("name", "ts", "dur", "pid", "tid"),
-    "i": ("name", "ts", "pid", "tid"),
-    "b": ("name", "cat", "ts", "pid"),
-    "e": ("name", "cat", "ts", "pid"),
-    "s": ("name", "cat", "id", "ts", "pid", "tid"),
-    "t": ("name", "cat", "id", "ts", "pid", "tid"),
-    "f": ("name", "cat", "id", "ts", "pid", "tid"),
-    "C": ("name", "ts", "pid", "args"),
-    "M": ("name", "pid", "args"),
-}
-
-
-def check_trace(doc: dict[str, Any]) -> list[str]:
-    """Problems with a trace against the trace-event format's rules, as gradsync writes it
-    (empty: fine): known phases with their fields and finite times; slices on one thread
-    nest (a partial overlap would land on an overflow track); every async begin has its end,
-    later, with the same name; every flow starts once, ends once, in time order; counters
-    carry numbers."""
-    problems: list[str] = []
-    events = doc.get("traceEvents")
-    if not isinstance(events, list):
-        return ["no traceEvents list"]
-    slices: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
-    asyncs: dict[tuple[Any, Any, str], list[tuple[str, float]]] = {}
-    flows: dict[Any, list[tuple[str, float]]] = {}
-    for i, e in enumerate(events):
-        ph = e.get("ph")
-        if ph not in _REQUIRED:
-            problems.append(f"event {i}: unknown phase {ph!r}")
-            continue
-        missing = [k for k in _REQUIRED[ph] if k not in e]
-        if missing:
-            problems.append(f"event {i} ({ph} {e.get('name')!r}): missing {missing}")
-            continue
-        if ph != "M" and not _finite(e["ts"]):
-            problems.append(f"event {i} ({e['name']!r}): ts {e['ts']!r} is not a finite number")
-            continue
-        if ph == "X":
-            if not _finite(e["dur"]) or e["dur"] < 0:
-                problems.append(f"event {i} ({e['name']!r}): dur {e['dur']!r} is not a duration")
-                continue
-            # ends to the nanosecond, the format's precision (ts + dur may carry float noise)
-            slices.setdefault((e["pid"], e["tid"]), []).append(
-                (e["ts"], round(e["ts"] + e["dur"], 3), e["name"])
-            )
-        elif ph in ("b", "e"):
-            ident = e.get("id2", {}).get("local") if isinstance(e.get("id2"), dict) else e.get("id")
-            if ident is None:
-                problems.append(f"event {i} ({ph} {e['name']!r}): async event without id or id2")
-                continue
-            asyncs.setdefault((e["pid"], ident, e["cat"]), []).append((ph + e["name"], e["ts"]))
-        elif ph in ("s", "t", "f"):
-            flows.setdefault((e["cat"], e["id"]), []).append((ph, e["ts"]))
-        elif ph == "C" and (not e["args"] or not all(_finite(v) for v in e["args"].values())):
-            problems.append(f"event {i} (counter {e['name']!r}): args must be numbers")
-    for (pid, tid), spans in slices.items():
-        problems += _check_nesting(pid, tid, spans)
-    for (pid, ident, cat), marks in asyncs.items():
-        if len(marks) != 2 or marks[0][0][0] != "b" or marks[1][0][0] != "e":
-            problems.append(
-                f"pid {pid}: async {cat} {ident!r} is not one begin then one end ({len(marks)} events)"
-            )
-        elif marks[0][0][1:] != marks[1][0][1:] or marks[1][1] < marks[0][1]:
-            problems.append(f"pid {pid}: async {cat} {ident!r} ends before it begins or under another name")
-    for (cat, ident), marks in flows.items():
-        kinds = [k for k, _ in marks]
-        if kinds.count("s") != 1 or kinds.count("f") != 1 or kinds[0] != "s" or kinds[-1] != "f":
-            problems.append(f"flow {cat} {ident}: expected one start first and one end last, got {kinds}")
-        elif any(b[1] < a[1] for a, b in itertools.pairwise(marks)):
-            problems.append(f"flow {cat} {ident}: its steps go back in time")
-    return problems
-
-
-def _check_nesting(pid: Any, tid: Any, spans: list[tuple[float, float, str]]) -> list[str]:
-    """Slices of one thread must nest: each one inside the slice still open, or after it."""
-    out = []
-    stack: list[tuple[float, float, str]] = []
-    for s in sorted(spans, key=lambda x: (x[0], -x[1])):
-        while stack and stack[-1][1] <= s[0]:
-            stack.pop()
-        if stack and s[1] > stack[-1][1]:
-            top = stack[-1]
-            out.append(
-                f"pid {pid} tid {tid}: {s[2]!r} [{s[0]}, {s[1]}] overlaps {top[2]!r} [{top[0]}, {top[1]}] "
-                "without nesting"
-            )
-            if len(out) > 5:
-                break
-            continue
-        stack.append(s)
-    return out
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-
-
-def iter_slices(doc: dict[str, Any], tid: int | None = None) -> Iterator[dict[str, Any]]:
-    """The complete (``X``) events of a trace, optionally of one thread."""
-    for e in doc["traceEvents"]:
-        if e.get("ph") == "X" and (tid is None or e.get("tid") == tid):
-            yield e
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "DEFAULT_MAX_EVENTS",
+    "THREAD_NAMES",
+    "TRACE_FORMAT",
+    "TRAINING",
+    "TraceRecorder",
+    "align_clocks",
+    "check_trace",
+    "iter_slices",
+    "load_trace",
+    "merge_traces",
+    "rank_file",
+    "write_json",
+]
