@@ -16,7 +16,7 @@ import torch
 from gradsync.codecs.ops import Workspace
 from gradsync.collectives import primitives as P
 from gradsync.collectives.pieces import Piece, trimmed
-from gradsync.collectives.strategies import Coder, Pieces
+from gradsync.collectives.strategies import Coder, Pieces, fixed_capacity
 from gradsync.collectives.topology import Topology
 
 _MIN_CHUNK_BYTES = 4 << 20
@@ -48,8 +48,8 @@ def pipelined_allgather(
         yield partial(P.reduce_scatter, shard, chunk, topo.intra_group, "intra", scratch)
         offset = start + topo.local_rank * sub
         payload = coder.encode(shard, f"allgather@{start}", at=offset)
-        capacity = codec.max_nbytes(sub, (sub,), padded.dtype)
-        if capacity > 2 * max(codec.estimate_nbytes(sub, (sub,), padded.dtype), 1024):
+        capacity = fixed_capacity(codec, sub, padded.dtype)
+        if capacity is None:
             # a variable-size codec with a loose bound: exchange the sizes instead (no overlap)
             bufs = yield partial(P.all_gather_bytes, payload.data, topo.inter_group, "inter")
             pending.append((offset, sub, None, bufs))
