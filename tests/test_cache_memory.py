@@ -38,14 +38,21 @@ def expected(i, shape=SHAPE):
     return ((np.arange(n, dtype=np.int64) * (2 * i + 1) + i) % 251).astype(np.uint8).reshape(shape)
 
 
-# the start of every child: argv = [-c, memory.py, root, name, *args]
+# the start of every child: argv = [-c, memory.py, root, name, *args]; memory.py's one gradsync
+# import, memory_files.py, is loaded by its path first, under its own name (no package, no torch)
 PRELUDE = f"""
 import importlib.util, json, os, signal, sys, time
 import numpy as np
-spec = importlib.util.spec_from_file_location("gradsync_memory_child", sys.argv[1])
-memory = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = memory
-spec.loader.exec_module(memory)
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+load("gradsync.data.cache.memory_files", os.path.join(os.path.dirname(sys.argv[1]), "memory_files.py"))
+memory = load("gradsync_memory_child", sys.argv[1])
 root, name, args = sys.argv[2], sys.argv[3], sys.argv[4:]
 SHAPE = {SHAPE!r}
 

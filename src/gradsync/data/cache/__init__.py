@@ -16,8 +16,9 @@ From any training loop::
 
 or ``gradsync train --data imagefolder:URL --cache DIR``. The modules: :mod:`.source` (fsspec
 listing and fetching), :mod:`.disk` (verified, atomic, size-limited file tier), :mod:`.memory`
-(the shared-memory store and its crash clean-up), :mod:`.tiers` (how the three combine),
-:mod:`.images` and :mod:`.tokens` (the cached datasets), :mod:`.partition` (the sampler).
+(the shared-memory store) and :mod:`.memory_files` (its files' home, users and crash clean-up),
+:mod:`.tiers` (how the three combine), :mod:`.images` and :mod:`.tokens` (the cached datasets),
+:mod:`.partition` (the sampler).
 """
 
 from gradsync.data.cache.config import CacheConfig, node_index
