@@ -489,3 +489,31 @@ def test_result_pieces_round_trip_and_reject_corruption():
     bad[:8] = torch.tensor([1000], dtype=torch.int64).view(torch.uint8)
     with pytest.raises(ValueError, match="count 1000"):
         _unpack(bad, 16, torch.float32, codec)
+
+
+def test_packed_pieces_in_a_fixed_slot_are_found_and_checked():
+    """A pack in a zero-padded fixed slot (the intra-node all-gather without a size exchange):
+    its length comes from its header, within the bound computed from the pieces' sizes alone;
+    a header that claims more than the slot holds is refused."""
+    from gradsync.collectives.pieces import Piece as _Piece
+    from gradsync.collectives.pieces import pack_pieces as _pack
+    from gradsync.collectives.pieces import packed_capacity, packed_length
+    from gradsync.collectives.pieces import unpack_pieces as _unpack
+
+    codec = gradsync.build_codec("topk:k=3+ef")
+    a, b = codec.encode(torch.randn(10)), codec.encode(torch.randn(6), gradsync.codecs.EncodeContext("b"))
+    blob = _pack([_Piece(0, a), _Piece(10, b)])
+    capacity = packed_capacity([10, 6], codec, torch.float32)
+    assert capacity is not None and capacity >= blob.numel()
+    slot = torch.zeros(capacity, dtype=torch.uint8)
+    slot[: blob.numel()] = blob
+    assert packed_length(slot) == blob.numel()
+    pieces = _unpack(slot[: packed_length(slot)], 16, torch.float32, codec)
+    assert [(q.offset, q.payload.numel) for q in pieces] == [(0, 10), (10, 6)]
+    lying = slot.clone()
+    head = lying[:56].view(torch.int64)
+    head[6] = capacity  # the second piece claims the whole slot
+    with pytest.raises(ValueError, match=r"corrupt result pieces from a peer: .* bytes of pieces in a"):
+        packed_length(lying)
+    with pytest.raises(ValueError, match="corrupt result pieces from a peer: 3 bytes"):
+        packed_length(slot[:3])

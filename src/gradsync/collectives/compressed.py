@@ -34,7 +34,14 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.dense import shard_buffers
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks, pipelined_allgather
 from gradsync.collectives.lowrank_rounds import lowrank_program
-from gradsync.collectives.pieces import Piece, apply_pieces, pack_pieces, unpack_pieces
+from gradsync.collectives.pieces import (
+    Piece,
+    apply_pieces,
+    pack_pieces,
+    packed_capacity,
+    packed_length,
+    unpack_pieces,
+)
 from gradsync.collectives.program import Program, chain, run, scaled
 from gradsync.collectives.strategies import STRATEGIES, Coder, run_strategy
 from gradsync.collectives.topology import Topology, default_topology
@@ -174,8 +181,16 @@ def _locally_aggregated(
         )
         pieces = [Piece(base + q.offset, q.payload) for q in inner]
     # forward what crossed the nodes to the other ranks of the node (not the dense shard:
-    # paper 01's sparse intra-node all-gather), then everybody decodes all of it
-    blobs = yield partial(P.all_gather_bytes, pack_pieces(pieces), topo.intra_group, "intra")
+    # paper 01's sparse intra-node all-gather), then everybody decodes all of it. The ranks of
+    # a node hold pieces of the same sizes, so a bounded codec's pack fits a fixed slot: one
+    # all-gather, no size exchange
+    packed = pack_pieces(pieces)
+    capacity = packed_capacity([q.payload.numel for q in pieces], coder.codec, flat.dtype)
+    if capacity is None:
+        blobs = yield partial(P.all_gather_bytes, packed, topo.intra_group, "intra")
+    else:
+        gather = yield partial(P.start_all_gather_fixed, packed, capacity, topo.intra_group, "intra")
+        blobs = [b[: packed_length(b)] for b in (yield gather.wait)]
 
     def finish() -> None:
         everything = [

@@ -15,8 +15,8 @@ import torch
 
 from gradsync.codecs.ops import Workspace
 from gradsync.collectives import primitives as P
-from gradsync.collectives.pieces import Piece, trimmed
-from gradsync.collectives.strategies import Coder, Pieces, fixed_capacity
+from gradsync.collectives.pieces import Piece, fixed_capacity, trimmed
+from gradsync.collectives.strategies import Coder, Pieces
 from gradsync.collectives.topology import Topology
 
 _MIN_CHUNK_BYTES = 4 << 20

@@ -57,6 +57,47 @@ def pack_pieces(pieces: list[Piece]) -> torch.Tensor:
     return torch.cat([head_t, *(q.payload.data for q in pieces)])
 
 
+def fixed_capacity(codec: Compressor, numel: int, dtype: torch.dtype) -> int | None:
+    """The bytes every rank's payload of ``numel`` elements fits in, when that bound is tight
+    enough to gather payloads in fixed slots (one collective, no size exchange first): at most
+    twice the codec's estimate (every codec of the papers has an exact bound). None otherwise."""
+    capacity = codec.max_nbytes(numel, (numel,), dtype)
+    return capacity if capacity <= 2 * max(codec.estimate_nbytes(numel, (numel,), dtype), 1024) else None
+
+
+def packed_capacity(numels: list[int], codec: Compressor, dtype: torch.dtype) -> int | None:
+    """The bytes :func:`pack_pieces` needs at most for pieces of these element counts, when every
+    piece's payload size is bounded tightly enough for fixed slots (see
+    :func:`fixed_capacity`); None otherwise."""
+    total = 8 * (1 + _PIECE_HEADER * len(numels))
+    for n in numels:
+        capacity = fixed_capacity(codec.plain, n, dtype)
+        if capacity is None:
+            return None
+        total += capacity
+    return total
+
+
+def packed_length(blob: torch.Tensor) -> int:
+    """How many bytes at the start of a fixed slot from a peer its packed pieces take (from the
+    header, checked against the slot): :func:`unpack_pieces` then checks every field."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"corrupt result pieces from a peer: {why}")
+
+    if blob.numel() < 8:
+        raise bad(f"{blob.numel()} bytes")
+    count = int(blob[:8].view(torch.int64))
+    head_bytes = 8 * (1 + _PIECE_HEADER * count)
+    if count < 0 or blob.numel() < head_bytes:
+        raise bad(f"count {count} in {blob.numel()} bytes")
+    sizes = blob[:head_bytes].view(torch.int64)[1:].view(count, _PIECE_HEADER)[:, 2].tolist()
+    length = head_bytes + sum(sizes)
+    if any(n < 0 for n in sizes) or length > blob.numel():
+        raise bad(f"{length} bytes of pieces in a {blob.numel()}-byte slot")
+    return length
+
+
 def unpack_pieces(blob: torch.Tensor, length: int, dtype: torch.dtype, codec: Compressor) -> list[Piece]:
     """Inverse of :func:`pack_pieces` for bytes from a peer: every field is checked before use."""
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradsync.codecs import Codec, Compressor, EncodeContext, Payload
 from gradsync.codecs.ops import abs_max
 from gradsync.collectives import primitives as P
-from gradsync.collectives.pieces import Piece, trimmed
+from gradsync.collectives.pieces import Piece, fixed_capacity, trimmed
 from gradsync.collectives.program import Step
 
 STRATEGIES = ("allgather", "ring", "ps")
@@ -100,14 +100,6 @@ def _agreed(
         yield partial(P.all_reduce, t, group, level, op=dist.ReduceOp.MAX)
         amax = float(t)
     return EncodeContext(rank=rank, summands=p, amax=amax)
-
-
-def fixed_capacity(codec: Codec, numel: int, dtype: torch.dtype) -> int | None:
-    """The bytes every rank's payload of ``numel`` elements fits in, when that bound is tight
-    enough to gather payloads in fixed slots (one collective, no size exchange first): at most
-    twice the codec's estimate (every codec of the papers has an exact bound). None otherwise."""
-    capacity = codec.max_nbytes(numel, (numel,), dtype)
-    return capacity if capacity <= 2 * max(codec.estimate_nbytes(numel, (numel,), dtype), 1024) else None
 
 
 def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder) -> Pieces:
