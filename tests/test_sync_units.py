@@ -267,13 +267,26 @@ def test_planner_fuses_neighbouring_dense_buckets_again():
                       fuse_bytes=128 << 20, kinds=kinds)  # fmt: skip
     assert [b.slots for b in dense.buckets] == [[0, 1, 2, 3, 4], [5]]
     assert {b.dense_algorithm for b in dense.buckets} == {"hierarchical"}
-    # a slow network: the compressed buckets split the dense ones apart
+    # a slow network: the compressed buckets split the dense ones apart, and the small dense
+    # buckets between them, whose predicted time is mostly start-up, join the next dense bucket
+    # of their dtype (one set of collectives instead of three); the f16 one stays apart
     slow = make_plan(groups, nbytes, scheme, _model(1e9, 12.5e6), {0: _codec()}, "auto", "auto", 0,
                      fuse_bytes=32 << 20, kinds=kinds)  # fmt: skip
     assert [(b.slots, b.compress) for b in slow.buckets] == [
-        ([0], False),
         ([1], True),
-        ([2], False),
+        ([3], True),
+        ([0, 2, 4], False),
+        ([5], False),
+    ]
+    # a dense bucket whose transfer outweighs its start-up keeps its place (it overlaps the
+    # backward pass there; 64 kB at 12.5 MB/s against 0.1 ms start-ups), and the small one
+    # before it joins it
+    big = [1024, 256 << 10, 64 << 10, 64 << 20, 2048, 4096]
+    kept = make_plan(groups, big, scheme, _model(1e9, 12.5e6), {0: _codec()}, "auto", "auto", 0,
+                     fuse_bytes=32 << 20, kinds=kinds)  # fmt: skip
+    assert [(b.slots, b.compress) for b in kept.buckets] == [
+        ([1], True),
+        ([0, 2], False),
         ([3], True),
         ([4], False),
         ([5], False),

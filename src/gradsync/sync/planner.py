@@ -189,7 +189,50 @@ def make_plan(
             return algo, t + extra
 
         plan = _fuse_dense(plan, nbytes, dense_cost, fuse_bytes, kinds or [None] * len(nbytes))
+        plan = _gather_latency_bound(plan, nbytes, dense_cost, fuse_bytes, kinds or [None] * len(nbytes))
     return plan
+
+
+def _gather_latency_bound(
+    plan: Plan,
+    nbytes: list[int],
+    dense_cost: Callable[[float], tuple[str, float]],
+    fuse_bytes: int,
+    kinds: list[object],
+) -> Plan:
+    """Move each dense bucket whose predicted time is mostly fixed costs (more start-up than
+    transfer: the biases and norms between the large compressed weights) into the next dense
+    bucket of its kind, across compressed buckets. Each such bucket cost a set of collectives of
+    its own (three for torus2d) and held the communication thread in order; in the later bucket
+    it adds a few bytes. It launches later, with that bucket, which costs little: it was mostly
+    start-up."""
+    fixed = dense_cost(0.0)[1]
+    buckets = list(plan.buckets)
+    for i in range(len(buckets) - 2, -1, -1):
+        b = buckets[i]
+        size = float(sum(nbytes[s] for s in b.slots))
+        if b.compress or dense_cost(size)[1] - fixed > fixed:
+            continue
+        j = next(
+            (j for j in range(i + 1, len(buckets)) if not buckets[j].compress
+             and kinds[buckets[j].slots[0]] == kinds[b.slots[0]]),
+            None,
+        )  # fmt: skip
+        if j is None or j == i + 1:  # none, or a neighbour (already fused by size where it fits)
+            continue
+        later = buckets[j]
+        slots = b.slots + later.slots
+        total = float(sum(nbytes[s] for s in slots))
+        reasons = {r for r in (b.dense_reason, later.dense_reason) if r}
+        if total > fuse_bytes or len(reasons) > 1:  # one reason per bucket, for the plan's report
+            continue
+        algo, t = dense_cost(total)
+        codec_id = max(b.codec_id, later.codec_id)
+        buckets[j] = BucketPlan(
+            slots, codec_id, False, 1, algo, t * 1e3, dense_reason=reasons.pop() if reasons else ""
+        )
+        del buckets[i]
+    return Plan(buckets)
 
 
 def _fuse_dense(
