@@ -67,19 +67,38 @@ def test_the_refit_recovers_known_links(spec):
     fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: codec}, prior=1e-9)
     assert before > 0.2 and after < 1e-4
     for got, want in [(fitted.intra, TRUE.intra), (fitted.inter, TRUE.inter)]:
-        assert got.alpha == pytest.approx(want.alpha, rel=1e-2)
+        # the intra start-up comes with a call in nearly every bucket of these schemes, so the
+        # two trade about a microsecond (the call cost is an unknown too: it should come out 0)
+        assert got.alpha == pytest.approx(want.alpha, rel=5e-2)
         assert got.beta == pytest.approx(want.beta, rel=1e-3)
+    assert fitted.call < 2e-6
+
+
+def test_the_refit_recovers_the_cost_of_a_call():
+    """Times made with a known cost per collective call on top of known links: the refit,
+    started from links calibrated without it (call 0), finds the call cost and the links; a ring
+    pays one call for 2(p-1) start-ups, torus2d three for four, which tells them apart."""
+    scheme = Scheme.parse("hitopk:density=0.01").resolve(2, 2)
+    true = replace(TRUE, call=1.5e-3)
+    samples = _samples(scheme, true, 2, 2)
+    fitted, before, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {0: CODEC}, prior=1e-9)
+    assert before > 0.2 and after < 1e-3
+    assert fitted.call == pytest.approx(true.call, rel=2e-2)
+    assert fitted.inter.alpha == pytest.approx(true.inter.alpha, rel=5e-2)
+    assert fitted.inter.beta == pytest.approx(true.inter.beta, rel=1e-2)
+    assert "1.50 ms per call" in Refit(fitted, {}, None, before, after).describe()
 
 
 def test_a_dense_scheme_is_explained_where_it_cannot_be_identified():
-    """torus2d on 2 x 2 costs 2 alpha_i + S beta_i + 2 alpha_o + S beta_o: only the sums are
-    measurable. The refit explains the times exactly and does not invent a split."""
+    """torus2d on 2 x 2 costs 2 alpha_i + S beta_i + 2 alpha_o + S beta_o + 3 calls: only the
+    sums are measurable. The refit explains the times exactly and keeps the measurable sums."""
     scheme = Scheme.parse("torus2d").resolve(2, 2)
     samples = [s for s in _samples(scheme, TRUE, 2, 2) if not s.compressed]
     fitted, _, after = refit_links(samples, scheme, CALIBRATED, 2, 2, {}, prior=1e-9)
     assert after < 1e-3
     alphas, betas = (fitted.intra.alpha, fitted.inter.alpha), (fitted.intra.beta, fitted.inter.beta)
-    assert sum(alphas) == pytest.approx(TRUE.intra.alpha + TRUE.inter.alpha, rel=1e-2)
+    start_up = 2 * sum(alphas) + 3 * fitted.call
+    assert start_up == pytest.approx(2 * (TRUE.intra.alpha + TRUE.inter.alpha) + 3 * TRUE.call, rel=1e-2)
     assert sum(betas) == pytest.approx(TRUE.intra.beta + TRUE.inter.beta, rel=1e-2)
 
 
@@ -509,6 +528,21 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     dist.all_reduce(plans, op=dist.ReduceOp.MAX)
     if int(plans) != len(engine.plan.buckets):
         failed.append("the ranks hold different plans")
+    # what the round refitted is rank 0's (it decides), as a document whatif reads
+    from gradsync.sync.engine_costs import EngineCosts
+
+    costs = engine.costs()
+    if dist.get_rank() == 0:
+        if costs is None:
+            failed.append("rank 0 has no refitted costs after a round")
+        else:
+            again = EngineCosts.from_dict(costs.to_dict(), "the engine's costs")
+            if again.params != engine.replanner.last_refit.params or set(again.codecs) != {
+                engine.codecs[0].spec()
+            }:
+                failed.append(f"the costs document does not hold the refit: {costs.to_dict()}")
+    elif costs is not None:
+        failed.append(f"rank {dist.get_rank()} has costs, but only rank 0 refits")
     assert not failed, "\n".join(failed)
     model.close()
 

@@ -10,8 +10,8 @@ PARAMS = CostParams(INTRA, INTER)
 S = 64 * 2**20
 
 
-def codec(ratio=0.02, enc=1e-9, dec=1e-10, summable=False, lowrank=False):
-    return CodecCost(Linear(0.0, enc), Linear(0.0, dec), Linear(0.0, ratio), summable, lowrank)
+def codec(ratio=0.02, enc=1e-9, dec=1e-10, summable=False, lowrank=False, bounded=True):
+    return CodecCost(Linear(0.0, enc), Linear(0.0, dec), Linear(0.0, ratio), summable, lowrank, bounded)
 
 
 def test_linear_fit_recovers_a_line():
@@ -52,16 +52,42 @@ def test_sparse_formulas():
     c = codec()
     # paper 01 Eq. 3 with B-byte payloads
     assert m.allgather(1000, 4, INTER) == pytest.approx(INTER.alpha * 2 + 3 * 1000 * INTER.beta)
-    # naive: sizes then payloads (two start-ups per step), then four decodes
-    naive = c.encode(S) + 2 * INTER.alpha * 2 + 3 * c.payload(S) * INTER.beta + 4 * c.decode(S)
+    # naive: payloads of a bounded size in fixed slots (one start-up per step), four decodes
+    naive = c.encode(S) + INTER.alpha * 2 + 3 * c.payload(S) * INTER.beta + 4 * c.decode(S)
     assert m.naive(S, c) == pytest.approx(naive)
+    # a codec without a bound sends the sizes first: two start-ups per step
+    loose = codec(bounded=False)
+    assert m.naive(S, loose) == pytest.approx(naive + INTER.alpha * 2)
     # Eq. 7-10: two local indices share the cable, each gathering one shard payload from 1 peer;
     # then each rank forwards its 2 payloads to the other local rank (Eq. 10's sparse all-gather)
     t1 = INTRA.alpha + S / 2 * INTRA.beta
-    t3 = 2 * INTER.alpha + c.payload(S / 2) * INTER.beta * 2
-    t4 = 2 * INTRA.alpha + 2 * c.payload(S / 2) * INTRA.beta
+    t3 = INTER.alpha + c.payload(S / 2) * INTER.beta * 2
+    t4 = INTRA.alpha + 2 * c.payload(S / 2) * INTRA.beta
     assert m.hitopk(S, c) == pytest.approx(t1 + c.encode(S / 2) + t3 + t4 + 4 * c.decode(S / 2))
+    assert m.hitopk(S, loose) == pytest.approx(m.hitopk(S, c) + INTER.alpha + INTRA.alpha)
     assert m.hitopk(S, c) < m.naive(S, c) < m.flat(S)
+
+
+def test_every_collective_call_pays_the_call_cost():
+    """The cost of one call (the engine's software, a busy host's scheduling) is paid once per
+    collective: one for a flat ring, three for torus2d and hierarchical on 2 x 2 (intra, inter,
+    intra), three for hitopk in one chunk (reduce-scatter, inter all-gather, intra all-gather),
+    one more per chunk's pair, two for an unbounded codec's every all-gather."""
+    call = 2e-3
+    bare = CostModel(PARAMS, nodes=2, per_node=2)
+    paid = CostModel(CostParams(INTRA, INTER, call=call), nodes=2, per_node=2)
+    c, loose = codec(), codec(bounded=False)
+    for name, calls in (("flat", 1), ("torus2d", 3), ("hierarchical", 3)):
+        assert getattr(paid, name)(S) == pytest.approx(getattr(bare, name)(S) + calls * call), name
+    assert paid.hitopk(S, c) == pytest.approx(bare.hitopk(S, c) + 3 * call)
+    assert paid.naive(S, c) == pytest.approx(bare.naive(S, c) + call)
+    assert paid.naive(S, loose) == pytest.approx(bare.naive(S, loose) + 2 * call)
+    # four chunks: the chunks' transfers dominate the pipeline (c + 3 max(c, x) + x: 4 transfer
+    # calls, 1 compute call), plus the intra all-gather
+    c4 = codec(enc=1e-12, dec=1e-12)
+    assert paid.hitopk(S, c4, chunks=4) == pytest.approx(bare.hitopk(S, c4, chunks=4) + 6 * call)
+    one = CostModel(CostParams(INTRA, INTER, call=call), nodes=1, per_node=1)
+    assert one.flat(S) == 0.0 and one.torus2d(S) == 0.0  # nothing to call on one rank
 
 
 def test_casync_table_3():
@@ -89,6 +115,6 @@ def test_pipelined_hitopk_overlaps_compute_and_transfer():
     assert four < one
     part = S / 4
     compute = INTRA.alpha + part / 2 * INTRA.beta + c.encode(part / 2)
-    transfer = 2 * INTER.alpha + c.payload(part / 2) * INTER.beta * 2
-    tail = 2 * INTRA.alpha + 2 * 4 * c.payload(part / 2) * INTRA.beta + 16 * c.decode(part / 2)
+    transfer = INTER.alpha + c.payload(part / 2) * INTER.beta * 2  # fixed slots: one start-up
+    tail = INTRA.alpha + 2 * 4 * c.payload(part / 2) * INTRA.beta + 16 * c.decode(part / 2)
     assert four == pytest.approx(compute + 3 * max(compute, transfer) + transfer + tail)

@@ -356,6 +356,7 @@ def test_a_fresh_run_is_refused_where_a_run_left_checkpoints(tmp_path, capsys, m
         (["--checkpoint-every", "0"], "--checkpoint-every must be a positive"),
         (["--checkpoint-dir", __file__], "--checkpoint-dir must be a folder"),
         (["--json", "no-such-folder/x.json"], "--json must be a file path in an existing folder"),
+        (["--save-costs", "no-such-folder/c.json"], "--save-costs must be a file path in an existing folder"),
         (["--seq-len", "0"], "--seq-len must be a number >= 1"),
         (["--batch-size", "-4"], "--batch-size must be a number >= 1"),
         (["--nproc", "0"], "--nproc must be a number >= 1"),
@@ -368,6 +369,28 @@ def test_option_errors_come_before_any_process(extra, message, capsys, monkeypat
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_engines_refitted_costs_are_saved_for_whatif(tmp_path, monkeypatch, capfd):
+    """``--save-costs``: with the closed loop on, rank 0 writes what its last round refitted (a
+    document ``gradsync whatif --costs`` reads); where no round runs it says so and writes none."""
+    from gradsync.sync.engine_costs import EngineCosts
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["train", "--nproc", "2", "--nodes", "2", "--per-node", "1", "--model", "vgg-small",
+            "--epochs", "1", "--scheme", "topk:density=0.05", "--sync-option", "min_compress_bytes=0",
+            "--quiet"]  # fmt: skip
+    path = tmp_path / "costs.json"
+    assert main([*base, "--plan", "auto", "--save-costs", str(path)]) == 0
+    costs = EngineCosts.load(str(path))
+    assert (costs.nodes, costs.per_node) == (2, 1) and costs.source == "allgather/topk:density=0.05"
+    assert set(costs.codecs) == {"topk:density=0.05+ef"} and costs.params.inter.beta > 0
+    capfd.readouterr()
+    none = tmp_path / "none.json"
+    assert main([*base, "--plan", "compress", "--save-costs", str(none)]) == 0
+    assert "nothing written: the closed loop never refitted" in capfd.readouterr().err
+    assert not none.exists()
 
 
 def test_language_model_with_bf16_autocast_and_powersgd(tmp_path, monkeypatch):

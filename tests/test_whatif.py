@@ -6,6 +6,7 @@ paper 02's ring formula; the command line (outputs, trace format, errors naming 
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -309,3 +310,58 @@ def test_validation_and_calibration_commands_name_the_option(argv, message, monk
     monkeypatch.delenv("RANK", raising=False)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the engine's refitted costs
+def _engine_costs(call: float = 2e-3):
+    from gradsync.sync.engine_costs import EngineCosts
+
+    params = CostParams(Link(1e-4, 2e-10), Link(9e-4, 8e-8), 3e-10, call=call)
+    codec = CodecCost(Linear(1e-3, 2e-9), Linear(1e-4, 5e-10), Linear(40.0, 0.02), bounded=True)
+    return EngineCosts(params, {"mstopk:density=0.01+ef": codec}, Linear(0.0, 6e-10), 2, 2, "hitopk")
+
+
+def test_engine_costs_round_trip_and_refusals(tmp_path):
+    from gradsync.sync.engine_costs import EngineCosts
+
+    costs = _engine_costs()
+    path = tmp_path / "costs.json"
+    costs.save(str(path))
+    again = EngineCosts.load(str(path))
+    assert again.params == costs.params and again.codecs == costs.codecs and again.pack == costs.pack
+    assert (again.nodes, again.per_node) == (2, 2)
+    doc = costs.to_dict()
+    for field, value, message in [
+        ("format", "gradsync.links/1", "not a gradsync.engine-costs/1 document"),
+        ("nodes", 0, "nodes and per_node must be positive integers"),
+        ("links", {"intra": [1, 2], "inter": [1, 2], "gamma": 0.0, "call": -1.0}, "links.call"),
+        ("links", {"intra": [1], "inter": [1, 2], "gamma": 0.0, "call": 0.0}, "links.intra must be a pair"),
+        ("codecs", {"topk": {"encode": [0, 0], "decode": [0, 0], "payload": [0, 0]}}, "summable, lowrank"),
+        ("pack", "fast", "pack must be a pair"),
+    ]:
+        bad = {**doc, field: value}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            EngineCosts.from_dict(bad, "here")
+
+
+def test_whatif_predicts_with_the_engines_costs(files, tmp_path, capsys):
+    """``--costs``: the links and the call cost the engine measured, its codecs' costs; the call
+    cost makes a scheme of many collectives slower than the same links without it."""
+    path, free = tmp_path / "costs.json", tmp_path / "free.json"
+    _engine_costs().save(str(path))
+    _engine_costs(call=0.0).save(str(free))
+    base = ["whatif", "--profile", str(files / "profile.json"), "--scheme", "ddp,hitopk:density=0.01"]
+    steps = {}
+    for name, p in (("call", path), ("free", free)):
+        out = tmp_path / f"{name}.json"
+        assert main([*base, "--costs", str(p), "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        steps[name] = {r["contender"]: r["step_ms"] for r in rows}
+        assert json.loads(out.read_text())["network"]["call_s"] == (2e-3 if name == "call" else 0.0)
+    assert steps["call"]["hitopk:density=0.01"] > steps["free"]["hitopk:density=0.01"]
+    capsys.readouterr()
+    assert main([*base, "--costs", str(path), "--links", str(path)]) == 2
+    assert "give --costs or --links" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    assert main([*base, "--costs", str(tmp_path / "bad.json")]) == 2
+    assert "--costs" in capsys.readouterr().err

@@ -85,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     scale.add_argument(
         "--step-time", help="one worker's step alone on the target device, e.g. 90ms: sets the scale"
     )
+    p.add_argument(
+        "--costs",
+        metavar="PATH.json",
+        help="what synchronization cost in a running engine, as its closed loop refitted it "
+        "(gradsync train --save-costs): its links (instead of --links or the rates; --sweep inter=... "
+        "changes them), its cost per collective call and its codecs' encode and decode as they ran",
+    )
     p.add_argument("--codec-costs", metavar="PATH.json", help="codec costs measured on the target device")
     p.add_argument(
         "--codec-scale", type=float, help="codec time ratio target/this machine (default: the compute scale)"
@@ -114,6 +121,12 @@ def check(args: argparse.Namespace) -> None:
     from gradsync.whatif.predict import check_contenders, parse_sweep
 
     parse_cluster(args.cluster)
+    if args.costs and args.links:
+        raise ValueError("--costs holds the engine's links: give --costs or --links, not both")
+    if args.costs:
+        from gradsync.sync.engine_costs import EngineCosts
+
+        EngineCosts.load(args.costs)
     parse_rate(args.inter, "--inter")
     parse_rate(args.intra, "--intra")
     parse_rate(args.add_rate, "--add-rate")
@@ -146,8 +159,9 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.observe.profiler import Profile
     from gradsync.sync.config import parse_options
+    from gradsync.sync.engine_costs import EngineCosts
     from gradsync.whatif.codec_costs import CodecTable
-    from gradsync.whatif.network import from_rates, load_links, rate_text
+    from gradsync.whatif.network import Network, from_rates, load_links, rate_text
     from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
     from gradsync.whatif.simulate import Cpu
     from gradsync.whatif.workload import Workload
@@ -158,13 +172,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.compute_scale is not None:
         workload = workload.scaled(args.compute_scale)
     nodes, per_node = parse_cluster(args.cluster)
-    if args.links:
+    engine = EngineCosts.load(args.costs) if args.costs else None
+    if engine is not None:
+        network = Network(engine.params, f"engine costs {args.costs}")
+    elif args.links:
         network = load_links(args.links)
     else:
         network = from_rates(args.inter, args.intra, args.inter_latency, args.intra_latency,
                              1.0 / parse_rate(args.add_rate, "--add-rate"))  # fmt: skip
     codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
     costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
+    if engine is not None:  # the engine's own codec costs come first
+        costs.entries.update(engine.codecs)
     cpu = Cpu(args.ranks_per_host or per_node, args.host_cores) if args.host_cores else Cpu()
     sweeps = [parse_sweep(s) for s in args.sweep or []]
     schemes = _schemes(args)
@@ -175,7 +194,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets)
     title = (
         f"{workload.model}, {args.cluster}, "
-        + (f"links {args.links}" if args.links else f"inter {rate_text(network.inter_bytes_per_s)}")
+        + (
+            f"links {args.links or args.costs}"
+            if args.links or args.costs
+            else f"inter {rate_text(network.inter_bytes_per_s)}"
+        )
         + f", one worker's step {workload.step * 1e3:.1f} ms"
     )
     result: dict[str, Any] = {

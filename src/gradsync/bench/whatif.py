@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
         "model": args.model, "parameters": parameter_count(base), "batch_size": args.batch_size,
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
-        "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma},
+        "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
+                  "call": params.call},
         "contention": {**cont, "ranks_per_host": ranks_per_host},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
@@ -181,7 +182,9 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
 
     workload = Workload.from_profile(Profile.from_dict(result["profile"]))
     links = result["links"]
-    params = CostParams(Link(**links["intra"]), Link(**links["inter"]), links["gamma"])
+    params = CostParams(
+        Link(**links["intra"]), Link(**links["inter"]), links["gamma"], call=links.get("call", 0.0)
+    )
     costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
     cont = result["contention"]
     cpu = Cpu(cont["ranks_per_host"], cont["effective_cores"])

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
+from gradsync.collectives.pieces import fixed_capacity
 from gradsync.collectives.topology import Topology
 
 
@@ -64,6 +65,10 @@ class CostParams:
     # measured, and alpha log2 p of the world link stands in). A small all-gather on gloo is a
     # ring of p - 1 steps, each with its software start-up, which the all-reduce fits understate.
     gather_start: float | None = None
+    # seconds each collective call costs besides its links' start-ups: the calling software (the
+    # engine's threads handing steps over, Python, staging) and the peers' scheduling on a busy
+    # host. A step of many small collectives pays it once per call (see :func:`calibrate`).
+    call: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,14 @@ class CodecCost:
     payload: Linear
     summable: bool = False
     lowrank: bool = False
+    bounded: bool = True
+    """Its payloads fit a bound known in advance (:func:`~gradsync.collectives.pieces.fixed_capacity`):
+    they are gathered in fixed slots, one collective, instead of a size exchange and a gather."""
+
+    @property
+    def messages(self) -> int:
+        """Collectives per all-gather of its payloads: 1 in fixed slots, else 2 (sizes first)."""
+        return 1 if self.bounded else 2
 
 
 def log2(p: int) -> float:
@@ -113,10 +126,16 @@ class CostModel:
         return self.params.inter if self.m > 1 else self.params.intra
 
     # ------------------------------------------------------------------ dense
+    def calls(self, count: float) -> float:
+        """What ``count`` collective calls cost besides their links (:attr:`CostParams.call`)."""
+        return count * self.params.call
+
     def ring_allreduce(self, nbytes: float, p: int, link: Link) -> float:
+        """One ring all-reduce call over ``p`` ranks."""
         if p <= 1:
             return 0.0
-        return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * (link.beta + self.params.gamma / 2)
+        ring = 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * (link.beta + self.params.gamma / 2)
+        return ring + self.calls(1)
 
     def flat(self, nbytes: float) -> float:
         """One ring over the world; on several nodes each node cable carries 2(p-1)/p S."""
@@ -131,32 +150,46 @@ class CostModel:
 
     def hierarchical(self, nbytes: float) -> float:
         """Paper 03: intra reduce and broadcast (binomial trees), ring all-reduce among leaders."""
+        return 2 * self._tree(nbytes) + self.ring_allreduce(nbytes, self.m, self.params.inter)
+
+    def _tree(self, nbytes: float) -> float:
+        """One intra-node binomial tree (a reduce, or a broadcast) of S bytes: one call."""
         i = self.params.intra
-        tree = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
-        return 2 * tree + self.ring_allreduce(nbytes, self.m, self.params.inter)
+        if self.n <= 1:
+            return 0.0
+        return math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta) + self.calls(1)
 
     def torus2d(self, nbytes: float) -> float:
         """Paper 01's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the cable, intra AG."""
-        i, o = self.params.intra, self.params.inter
-        rs = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
+        o = self.params.inter
+        rs = self._intra_shard_step(nbytes)
         inter = 0.0
         if self.m > 1:
-            inter = 2 * (self.m - 1) * o.alpha + 2 * (self.m - 1) / self.m * nbytes * o.beta
+            inter = 2 * (self.m - 1) * o.alpha + 2 * (self.m - 1) / self.m * nbytes * o.beta + self.calls(1)
         return 2 * rs + inter
+
+    def _intra_shard_step(self, nbytes: float) -> float:
+        """One intra-node reduce-scatter (or all-gather) of S bytes: one call."""
+        i = self.params.intra
+        if self.n <= 1:
+            return 0.0
+        return (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta + self.calls(1)
 
     # ------------------------------------------------------------------ sparse (papers 01, 04)
     def allgather(
         self, payload_bytes: float, p: int, link: Link, streams: int = 1, messages: int = 1
     ) -> float:
         """Paper 01 Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share the link.
-        ``messages``: start-ups per step (gradsync sends the payload sizes first: 2)."""
+        ``messages``: collectives per step, each with its start-up and call (a codec whose
+        payloads are not bounded in advance sends their sizes first: 2)."""
         if p <= 1:
             return 0.0
-        return messages * link.alpha * log2(p) + (p - 1) * payload_bytes * link.beta * streams
+        start = messages * (link.alpha * log2(p) + self.params.call)
+        return start + (p - 1) * payload_bytes * link.beta * streams
 
     def naive(self, nbytes: float, c: CodecCost) -> float:
         """Every rank's payload all-gathered over the world (sizes first), decoded p times."""
-        gather = self.allgather(c.payload(nbytes), self.p, self._world_link, messages=2)
+        gather = self.allgather(c.payload(nbytes), self.p, self._world_link, messages=c.messages)
         return c.encode(nbytes) + gather + self.p * c.decode(nbytes)
 
     def hitopk(self, nbytes: float, c: CodecCost, chunks: int = 1) -> float:
@@ -169,11 +202,10 @@ class CostModel:
         i, o = self.params.intra, self.params.inter
         part = nbytes / chunks
         shard = part / self.n
-        t1 = (self.n - 1) * i.alpha + (self.n - 1) / self.n * part * i.beta if self.n > 1 else 0.0
-        compute = t1 + c.encode(shard)
-        transfer = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=2)
+        compute = self._intra_shard_step(part) + c.encode(shard)
+        transfer = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=c.messages)
         pipeline = compute + (chunks - 1) * max(compute, transfer) + transfer
-        t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=2)
+        t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=c.messages)
         return pipeline + t4 + self.m * self.n * chunks * c.decode(shard)
 
     # ------------------------------------------------------------------ CaSync (paper 05)
@@ -194,7 +226,7 @@ class CostModel:
         link = link or self._world_link
         a, b, g = self.casync_steps(strategy, c, n, k)
         part = nbytes / k
-        send = messages * link.alpha + c.payload(part) * link.beta
+        send = messages * (link.alpha + self.params.call) + c.payload(part) * link.beta
         return a * send + b * c.encode(part) + g * c.decode(part)
 
     def lowrank(self, nbytes: float, c: CodecCost, p: int | None = None, link: Link | None = None) -> float:
@@ -220,15 +252,14 @@ class CostModel:
         share the cable), the compressed results forwarded inside the node, all of them decoded."""
         i, o = self.params.intra, self.params.inter
         if c.lowrank:  # intra reduce and broadcast around the leaders' low-rank rounds
-            tree = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
-            return 2 * tree + self.lowrank(nbytes, c, self.m, o)
+            return 2 * self._tree(nbytes) + self.lowrank(nbytes, c, self.m, o)
         if strategy == "allgather":
             return self.hitopk(nbytes, c)
-        rs = (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta if self.n > 1 else 0.0
+        rs = self._intra_shard_step(nbytes)
         shard = nbytes / self.n
         shared = Link(o.alpha, o.beta * self.n)
         across = self.casync(strategy, shard, c, n=self.m, link=shared, messages=2)
-        forward = self.allgather(c.payload(shard), self.n, i, messages=2)
+        forward = self.allgather(c.payload(shard), self.n, i, messages=c.messages)
         return rs + across + forward + c.decode(nbytes)
 
 
@@ -249,12 +280,33 @@ def time_slowest(topo: Topology, fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+LATENCY_CALLS = 10
+"""Back-to-back calls per timing of a level's start-up (see :func:`_latency`)."""
+
+
+def _latency(topo: Topology, group: dist.ProcessGroup | None, reps: int) -> float:
+    """Seconds of one 4-byte all-reduce on ``group`` while every group of its level runs the same
+    at once, :data:`LATENCY_CALLS` calls back to back: how a step's small collectives run, every
+    rank busy. (One call alone after a barrier, with only one group of the level active, measured
+    a quarter to a third of that on the emulated 2 x 2 cluster at 100 Mbit/s: it misses the
+    other ranks' scheduling.)"""
+    buf = torch.zeros(1, device=topo.comm_device)
+
+    def burst() -> None:
+        for _ in range(LATENCY_CALLS):
+            P.all_reduce(buf, group, "calibrate")
+
+    return time_slowest(topo, burst, reps) / LATENCY_CALLS
+
+
 def _fit_ring(
     topo: Topology, group: dist.ProcessGroup | None, p: int, active: bool, sizes: list[int], reps: int
 ) -> Link:
-    """alpha from the smallest all-reduce (latency: every software and network start-up cost of one
-    step), beta from the slope between the smallest and the largest (two points are robust on a
-    noisy machine where a least-squares intercept is not)."""
+    """alpha from small all-reduces with every rank busy (:func:`_latency`: every software and
+    network start-up cost of one step), beta from the slope between the smallest and the largest
+    size on the ``active`` group alone (its cable to itself; two points are robust on a noisy
+    machine where a least-squares intercept is not)."""
+    latency = _latency(topo, group, reps)
     times = []
     for s in sizes:
         buf = torch.zeros(max(s // 4, 1), device=topo.comm_device)
@@ -264,7 +316,7 @@ def _fit_ring(
                 P.all_reduce(b, group, "calibrate")
 
         times.append(time_slowest(topo, step, reps))
-    alpha = times[0] / (2 * (p - 1))
+    alpha = latency / (2 * (p - 1))
     span = sizes[-1] - sizes[0]
     slope = (times[-1] - times[0]) / span if span > 0 else 0.0
     if slope <= 0:  # latency-dominated even at the largest size: bound beta by that size
@@ -288,8 +340,10 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
 
     Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
     inter-node group (local index 0, so its stream has the node cable to itself), read as
-    ``2(p-1) alpha + 2(p-1)/p S beta``; gamma from timing local adds; the start-up of a small
-    world all-gather (:func:`measure_gather_start`). Every
+    ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from small ones with every group of the level busy;
+    gamma from timing local adds; the start-up of a small world all-gather
+    (:func:`measure_gather_start`). The per-call cost is left at zero: the closed loop fits it
+    from the running engine (:func:`gradsync.sync.closed_loop.refit_links`). Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """
@@ -367,7 +421,8 @@ def measure_codec(
         dec.append(statistics.median(td))
         pay.append(float(payload.nbytes))
     xs = [float(s) for s in sizes]
+    bounded = all(fixed_capacity(plain, max(s // itemsize, 1), dtype) is not None for s in sizes)
     return CodecCost(
         Linear.fit(xs, enc), Linear.fit(xs, dec), Linear.fit(xs, pay), summable=plain.summable,
-        lowrank=plain.lowrank,
+        lowrank=plain.lowrank, bounded=bounded,
     )  # fmt: skip

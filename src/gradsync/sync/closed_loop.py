@@ -90,7 +90,7 @@ class Refit:
             return f"{name} alpha {link.alpha * 1e6:.0f} us, {rate}"
 
         p = self.params
-        parts = [level("intra", p.intra), level("inter", p.inter)]
+        parts = [level("intra", p.intra), level("inter", p.inter), f"{p.call * 1e3:.2f} ms per call"]
         parts += [f"codec {c} encode x{k:.2f}" for c, k in sorted(self.encode_scale.items())]
         before, after = 100 * self.comm_error_before, 100 * self.comm_error_after
         parts.append(f"communication error {before:.0f} % -> {after:.0f} %")
@@ -121,11 +121,17 @@ def comm_seconds(
     return s.parts * predict(mine, model, s.nbytes / s.parts, _no_compute(codec))
 
 
+CALL_UNIT = 1e-4
+"""The per-call cost's unknown counts in these seconds (it may be calibrated as zero, so it is
+not a multiplier of the calibrated value like the links' unknowns)."""
+
+
 def _params(base: CostParams, u: list[float]) -> CostParams:
-    return CostParams(
-        Link(base.intra.alpha * u[0], base.intra.beta * u[1]),
-        Link(base.inter.alpha * u[2], base.inter.beta * u[3]),
-        base.gamma,
+    return replace(
+        base,
+        intra=Link(base.intra.alpha * u[0], base.intra.beta * u[1]),
+        inter=Link(base.inter.alpha * u[2], base.inter.beta * u[3]),
+        call=u[4] * CALL_UNIT,
     )
 
 
@@ -140,22 +146,29 @@ def refit_links(
     iterations: int = 8,
     schemes: Sequence[Scheme] | None = None,
 ) -> tuple[CostParams, float, float]:
-    """alpha and beta of both levels that best explain the measured communication times, and the
-    model's error before and after: sqrt(sum (predicted - measured)^2 / measured / sum measured),
-    the root of the fitted objective as a share of the measured communication time.
+    """alpha and beta of both levels and the cost of one collective call that best explain the
+    measured communication times, and the model's error before and after: sqrt(sum (predicted -
+    measured)^2 / measured / sum measured), the root of the fitted objective as a share of the
+    measured communication time.
 
-    Unknowns are the calibrated values' multipliers u. The objective weighs each bucket's squared
-    error by 1 / its time (large buckets count more than tiny ones, whose times are mostly the
-    wait for the slowest rank, but not in proportion to their size), plus ``prior`` (u - 1)^2 per
-    parameter times the total measured time, so a parameter no measurement depends on stays as
-    calibrated and a few noisy buckets cannot move the links by orders of magnitude (the default
-    was chosen after loopback runs with 3-4 buckets fitted an intra-node alpha of 28 ms). Each Gauss-Newton
-    round linearizes every bucket's formula around the current u (the formulas are piecewise
-    linear in alpha and beta); a round is taken only as far as it lowers the objective."""
+    Unknowns u are the calibrated links' multipliers and the call cost in units of
+    :data:`CALL_UNIT`. A call is paid once per collective, a link's alpha once per step of its
+    algorithm (2(p-1) in a ring), which is what tells them apart. The objective weighs each
+    bucket's squared error by 1 / its time (large buckets count more than tiny ones, whose times
+    are mostly the wait for the slowest rank, but not in proportion to their size), plus
+    ``prior`` (u - u0)^2 per unknown times the total measured time (u0: the calibrated values),
+    so an unknown no measurement depends on stays as calibrated and a few noisy buckets cannot
+    move the links by orders of magnitude (the default was chosen after loopback runs with 3-4
+    buckets fitted an intra-node alpha of 28 ms). Each Gauss-Newton round linearizes every
+    bucket's formula around the current u (the formulas are piecewise linear in the unknowns);
+    a round is taken only as far as it lowers the objective."""
     data = [s for s in samples if s.comm_s > 0]
     if not data:
         return params, 0.0, 0.0
-    base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta]
+    base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta, CALL_UNIT]
+    start = [1.0, 1.0, 1.0, 1.0, params.call / CALL_UNIT]
+    low = [1e-2, 1e-2, 1e-2, 1e-2, 0.0]
+    unknowns = len(start)
     total = sum(s.comm_s for s in data)
 
     def predictions(u: list[float]) -> list[float]:
@@ -164,41 +177,40 @@ def refit_links(
 
     def objective(u: list[float]) -> float:
         fit = sum((p - s.comm_s) ** 2 / s.comm_s for p, s in zip(predictions(u), data, strict=True))
-        return fit + prior * total * sum((x - 1.0) ** 2 for x in u)
+        return fit + prior * total * sum((x - x0) ** 2 for x, x0 in zip(u, start, strict=True))
 
     def mispredicted(u: list[float]) -> float:  # the fitted error, as a share of the time
         return math.sqrt(
             sum((p - s.comm_s) ** 2 / s.comm_s for p, s in zip(predictions(u), data, strict=True)) / total
         )
 
-    u = [1.0] * 4
+    u = list(start)
     best = objective(u)
     for _ in range(iterations):
         f0 = predictions(u)
         cols = []
-        for k in range(4):
+        for k in range(unknowns):
             if base[k] <= 0:
                 cols.append([0.0] * len(data))
                 continue
-            h = 1e-3 * u[k]
+            h = 1e-3 * max(u[k], 1.0 if k == unknowns - 1 else 0.0)
             bumped = list(u)
             bumped[k] += h
             cols.append([(fb - fa) / h for fa, fb in zip(f0, predictions(bumped), strict=True)])
-        # rows (m - f0 - J (v - u)) / sqrt(m) for the new v; prior rows sqrt(prior * total) (v - 1)
-        a = torch.zeros(len(data) + 4, 4, dtype=torch.float64)
-        b = torch.zeros(len(data) + 4, dtype=torch.float64)
+        # rows (m - f0 - J (v - u)) / sqrt(m) for the new v; prior rows sqrt(prior * total) (v - u0)
+        a = torch.zeros(len(data) + unknowns, unknowns, dtype=torch.float64)
+        b = torch.zeros(len(data) + unknowns, dtype=torch.float64)
         for j, s in enumerate(data):
             w = 1.0 / math.sqrt(s.comm_s)
-            for k in range(4):
+            for k in range(unknowns):
                 a[j, k] = cols[k][j] * w
-            b[j] = (s.comm_s - f0[j] + sum(cols[k][j] * u[k] for k in range(4))) * w
+            b[j] = (s.comm_s - f0[j] + sum(cols[k][j] * u[k] for k in range(unknowns))) * w
         w = math.sqrt(prior * total)
-        for k in range(4):
+        for k in range(unknowns):
             a[len(data) + k, k] = w
-            b[len(data) + k] = w
-        v = [
-            min(max(x, 1e-2), 1e3) for x in torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
-        ]
+            b[len(data) + k] = w * start[k]
+        solved = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
+        v = [min(max(x, lo), 1e3) for x, lo in zip(solved, low, strict=True)]
         step = 1.0
         while step > 1e-3:  # backtrack until the objective goes down
             trial = [x + step * (y - x) for x, y in zip(u, v, strict=True)]
@@ -208,11 +220,11 @@ def refit_links(
             step /= 2
         else:
             break
-        moved = max(abs(x - y) / y for x, y in zip(trial, u, strict=True))
+        moved = max(abs(x - y) / max(y, 1.0) for x, y in zip(trial, u, strict=True))
         u, best = trial, value
         if moved < 1e-9:
             break
-    return _params(params, u), mispredicted([1.0] * 4), mispredicted(u)
+    return _params(params, u), mispredicted(start), mispredicted(u)
 
 
 def refit(

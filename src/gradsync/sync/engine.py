@@ -43,6 +43,7 @@ from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import ClosedLoop, kept_streams
 from gradsync.sync.codec_set import CodecSet, sync_momentum
 from gradsync.sync.config import SyncConfig
+from gradsync.sync.engine_costs import EngineCosts
 from gradsync.sync.engine_state import engine_state, load_engine_state, must_reset, signature
 from gradsync.sync.explain import PlanReport, report_plan
 from gradsync.sync.failure import Failure, SyncError
@@ -432,6 +433,17 @@ class SyncEngine:
 
     def _bucket_stats(self) -> list[BucketStats]:
         return bucket_stats(self._buckets, self.cur)
+
+    def costs(self) -> EngineCosts | None:
+        """What synchronization cost in this engine, as the closed loop's last round refitted it
+        (:mod:`gradsync.sync.engine_costs`; ``gradsync whatif --costs`` reads it); None where no
+        round ran, and on every rank but 0 (rank 0 refits)."""
+        fit, t = self.replanner.last_refit, self.topo
+        if fit is None:
+            return None
+        return EngineCosts.from_refit(
+            fit, [c.spec() for c in self.codecs], t.nodes, t.per_node, self.scheme.name
+        )
 
     def owed_gradients(self) -> dict[str, torch.Tensor]:
         """What this rank still owes the synchronized (mean) gradient, per parameter name, flat

@@ -18,7 +18,7 @@ from typing import Any
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
-from gradsync.sync.closed_loop import ClosedLoop, plan_seconds, refit, same_plan, samples_of
+from gradsync.sync.closed_loop import ClosedLoop, Refit, plan_seconds, refit, same_plan, samples_of
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.plan import Plan
@@ -59,6 +59,8 @@ class Replanner:
         self.params: CostParams | None = None  # the links as calibrated after the first step
         self.first: FirstStep | None = None  # the first step's gradient order and ready times
         self.codec_costs: dict[int, CodecCost] = {}  # rank 0: the codecs as timed for the plan
+        self.last_refit: Refit | None = None
+        """Rank 0: the costs the last round refitted from the running engine."""
 
     @property
     def _log(self) -> bool:
@@ -164,6 +166,7 @@ class Replanner:
             )
         samples = samples_of(old, nbytes, measured)
         fit = refit(samples, self.scheme, self.params, t.nodes, t.per_node, self.codec_costs, c.schemes)
+        self.last_refit = fit
         model = CostModel(fit.params, t.nodes, t.per_node)
         candidate = make_plan(
             groups, nbytes, self.scheme, model, fit.codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
@@ -207,7 +210,7 @@ class Replanner:
         state = self.loop.state_dict()
         if self.params is not None and self.first is not None:
             p = self.params
-            state["links"] = [p.intra.alpha, p.intra.beta, p.inter.alpha, p.inter.beta, p.gamma]
+            state["links"] = [p.intra.alpha, p.intra.beta, p.inter.alpha, p.inter.beta, p.gamma, p.call]
             state["first_order"] = list(self.first.order)
             state["first_ready"] = [-1.0 if t is None else float(t) for t in self.first.ready_at]
         return state
@@ -219,6 +222,6 @@ class Replanner:
         if links is None or order is None or ready is None or len(ready) != len(self.slots):
             self.loop.settled = True  # saved before the closed loop existed: keep the plan as it is
             return
-        ai, bi, ao, bo, g = (float(v) for v in links)
-        self.params = CostParams(Link(ai, bi), Link(ao, bo), g)
+        ai, bi, ao, bo, g, *rest = (float(v) for v in links)  # saved before the call cost: 5 values
+        self.params = CostParams(Link(ai, bi), Link(ao, bo), g, call=rest[0] if rest else 0.0)
         self.first = FirstStep([int(i) for i in order], [None if t < 0 else float(t) for t in ready])

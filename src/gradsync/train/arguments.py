@@ -227,6 +227,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir"
     )
     g.add_argument("--json", default=None, metavar="PATH", help="write the run's summary as JSON")
+    g.add_argument(
+        "--save-costs",
+        default=None,
+        metavar="PATH",
+        help="write what synchronization cost in the engine, as the closed loop's last round refitted it "
+        "(gradsync.engine-costs/1, for gradsync whatif --costs); needs --plan auto and a compressed scheme",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument(
         "--trace",

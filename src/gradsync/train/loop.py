@@ -325,6 +325,25 @@ def _epoch_line(r: dict[str, Any]) -> str:
     )
 
 
+def save_costs(trainer: Trainer, path: str) -> None:
+    """Rank 0: write the engine's refitted costs to ``path`` (atomically), or say why there are
+    none (no closed-loop round ran: the plan was not ``auto``, the scheme dense, or the run too
+    short for a round)."""
+    costs = trainer.model.engine.costs()
+    if costs is None:
+        print(
+            f"gradsync train: --save-costs {path}: nothing written: the closed loop never refitted the "
+            "costs (it runs with --plan auto and a compressed scheme, after replan_steps + 2 compressed "
+            "steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    costs.save(tmp)
+    os.replace(tmp, path)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """The worker's entry point: train, print the summary on rank 0, write ``--json``. A run
     whose loss diverged returns 1 on every rank (the message is printed once per machine)."""
@@ -346,6 +365,8 @@ def run_worker(args: argparse.Namespace) -> int:
                 with open(tmp, "w") as fh:
                     json.dump(summary, fh, indent=1)
                 os.replace(tmp, args.json)
+            if args.save_costs:
+                save_costs(trainer, args.save_costs)
         if dist.is_initialized():
             dist.barrier()
     finally:

@@ -215,12 +215,13 @@ def validate(args: argparse.Namespace) -> None:
             f"{_read_pointer(pointer)}); pass --resume to continue it, or give another (or empty) folder "
             "to start afresh"
         )
-    if args.json and os.environ.get("RANK", "0") == "0":
-        # checked now rather than when the summary is written after the whole run (by rank 0,
-        # whose machine is the one that needs the folder)
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(folder):
-            raise ValueError(f"--json must be a file path in an existing folder, got {args.json!r}")
+    for option, path in (("--json", args.json), ("--save-costs", args.save_costs)):
+        if path and os.environ.get("RANK", "0") == "0":
+            # checked now rather than when the file is written after the whole run (by rank 0,
+            # whose machine is the one that needs the folder)
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path) or not os.path.isdir(folder):
+                raise ValueError(f"{option} must be a file path in an existing folder, got {path!r}")
     if args.log_every is not None and args.log_every < 1:
         raise ValueError(f"--log-every must be a positive number of steps, got {args.log_every}")
     trace_steps(args.trace_steps)

@@ -74,6 +74,7 @@ class CodecTable:
                     "payload": [c.payload.a, c.payload.b],
                     "summable": c.summable,
                     "lowrank": c.lowrank,
+                    "bounded": c.bounded,
                 }
                 for spec, c in sorted(self.entries.items())
             },
@@ -106,10 +107,12 @@ class CodecTable:
             build_codec(spec)
             try:
                 lines = [Linear(float(d[k][0]), float(d[k][1])) for k in ("encode", "decode", "payload")]
-                flags = bool(d["summable"]), bool(d["lowrank"])
+                flags = bool(d["summable"]), bool(d["lowrank"]), bool(d.get("bounded", True))
             except (KeyError, TypeError, ValueError, IndexError):
                 raise ValueError(
                     f"{where}: codecs[{spec!r}] needs encode, decode, payload as [a, b] and summable, lowrank"
                 ) from None
-            entries[spec] = CodecCost(lines[0], lines[1], lines[2], summable=flags[0], lowrank=flags[1])
+            entries[spec] = CodecCost(
+                lines[0], lines[1], lines[2], summable=flags[0], lowrank=flags[1], bounded=flags[2]
+            )
         return cls(scale, entries=entries, measured_on=str(doc.get("device", "")))

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gradsync.collectives.cost import CostParams, Link
@@ -86,7 +86,7 @@ class Network:
         inter = Link(
             o.alpha if latency_s is None else latency_s, o.beta if bytes_per_s is None else 1 / bytes_per_s
         )
-        return Network(CostParams(self.params.intra, inter, self.params.gamma), self.source)
+        return Network(replace(self.params, inter=inter), self.source)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.params
@@ -95,6 +95,7 @@ class Network:
             "intra": {"alpha_s": p.intra.alpha, "beta_s_per_byte": p.intra.beta},
             "inter": {"alpha_s": p.inter.alpha, "beta_s_per_byte": p.inter.beta},
             "gamma_s_per_byte": p.gamma,
+            "call_s": p.call,
         }
 
 
@@ -122,6 +123,7 @@ def links_document(params: CostParams, nodes: int, per_node: int, command: str =
         "intra": {"alpha_s": params.intra.alpha, "beta_s_per_byte": params.intra.beta},
         "inter": {"alpha_s": params.inter.alpha, "beta_s_per_byte": params.inter.beta},
         "gamma_s_per_byte": params.gamma,
+        "call_s": params.call,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": command,
     }
@@ -149,7 +151,8 @@ def parse_links(doc: Any, where: str) -> Network:
                 _number(d, "alpha_s", f"{where}: {level}"), _number(d, "beta_s_per_byte", f"{where}: {level}")
             )
         )
-    return Network(CostParams(links[0], links[1], _number(doc, "gamma_s_per_byte", where)), where)
+    call = _number(doc, "call_s", where) if "call_s" in doc else 0.0  # files before the call cost have none
+    return Network(CostParams(links[0], links[1], _number(doc, "gamma_s_per_byte", where), call=call), where)
 
 
 def load_links(path: str) -> Network:
