@@ -112,6 +112,7 @@ class Bucket:
     numel: int = 0
     workspaces: list[Workspace] = field(default_factory=list)
     _flat: torch.Tensor | None = None
+    _lent: torch.Tensor | None = None  # this step: the one gradient that serves as the flat buffer
     # from the plan (before the first plan: dense, the hybrid algorithm)
     compress: bool = False
     parts: int = 1  # pipelined parts when compressed
@@ -144,6 +145,10 @@ class Bucket:
 
     @property
     def flat(self) -> torch.Tensor:
+        """The bucket's flat buffer: its own, or for this step the gradient of its one tensor
+        (see :meth:`pack`)."""
+        if self._lent is not None:
+            return self._lent
         if self._flat is None:
             self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return self._flat
@@ -166,9 +171,22 @@ class Bucket:
         start = self._flat.data_ptr() + self.offsets[j] * g.element_size()
         return g.data_ptr() == start and g.is_contiguous()
 
+    def _lendable(self, g: torch.Tensor) -> bool:
+        """Whether a one-tensor bucket can work in its gradient ``g`` itself this step."""
+        return (
+            len(self.slots) == 1
+            and g.layout == torch.strided
+            and g.is_contiguous()
+            and g.dtype == self.dtype
+            and g.device == self.device
+            and g.numel() == self.numel
+            and not self.holds(0, g)
+        )
+
     def attach(self) -> None:
         """Point every slot's ``.grad`` at its region of the flat buffer: a missing gradient
         becomes zeros there, an existing one is copied in once (zero-copy buckets)."""
+        self._lent = None
         for j, s in enumerate(self.slots):
             g = s.param.grad
             if g is not None and self.holds(j, g):
@@ -183,13 +201,24 @@ class Bucket:
     def detach(self) -> None:
         """Give every gradient that is a view into the flat buffer its own copy (before the
         buffer is used for something else than this rank's gradients)."""
+        self._lent = None
         for j, s in enumerate(self.slots):
             g = s.param.grad
             if g is not None and self.holds(j, g):
                 s.param.grad = g.clone()
 
     def pack(self) -> None:
-        """Copy the gradients in (any memory layout); a missing gradient counts as zero."""
+        """Copy the gradients in (any memory layout); a missing gradient counts as zero.
+
+        A bucket of one tensor whose gradient is contiguous works in that gradient itself this
+        step (it is final: its hook fired): nothing is copied in, and the synchronized result is
+        already in place for :meth:`unpack` (for the large layers that are a bucket each, two
+        passes over their gradient saved every step)."""
+        self._lent = None
+        g = self.slots[0].param.grad
+        if g is not None and self._lendable(g):
+            self._lent = g.view(-1)
+            return
         for j, s in enumerate(self.slots):
             g = s.param.grad
             if g is not None and self.holds(j, g):
@@ -206,6 +235,9 @@ class Bucket:
 
     def unpack(self) -> None:
         """Write the synchronized values back into the gradients (creating missing ones)."""
+        if self._lent is not None:  # the gradient was the buffer: the result is in it
+            self._lent = None
+            return
         for j, s in enumerate(self.slots):
             g = s.param.grad
             if g is None:
