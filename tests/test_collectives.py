@@ -403,8 +403,35 @@ def check_calibration(topo):
     assert torch.equal(mine, same)  # every rank got the same numbers
 
 
+def check_gathers_between_two_ranks_in_slices(topo):
+    """Between two gloo ranks a large all-gather runs as concurrent gathers of slices: the
+    result is each rank's buffer in rank order, as one all-gather gives (sizes around the slice
+    threshold, blocking and in flight; groups of more ranks take one all-gather)."""
+    from gradsync.collectives import primitives as P
+    from gradsync.collectives.primitives import PAIR_CHUNK_MIN
+
+    group, rank, p = topo.world_group, dist.get_rank(), dist.get_world_size()
+    failed = []
+    for n in (100, 2 * PAIR_CHUNK_MIN - 1, 2 * PAIR_CHUNK_MIN, 5 * PAIR_CHUNK_MIN + 3):
+        mine = torch.arange(n, dtype=torch.int32).to(torch.uint8) + rank
+        want = torch.cat([torch.arange(n, dtype=torch.int32).to(torch.uint8) + r for r in range(p)])
+        out = torch.empty(p * n, dtype=torch.uint8)
+        P.all_gather(out, mine, group, "world")
+        if not torch.equal(out, want):
+            failed.append(f"all_gather of {n} bytes")
+        pending = P.start_all_gather_fixed(mine[: n - 1], n, group, "world")
+        got = torch.cat(pending.wait())
+        want_fixed = torch.cat(
+            [torch.cat([w[: n - 1], torch.zeros(1, dtype=torch.uint8)]) for w in want.view(p, n)]
+        )
+        if not torch.equal(got, want_fixed):
+            failed.append(f"a fixed all-gather in flight of {n} bytes")
+    assert not failed, failed
+
+
 PER_TOPOLOGY = (
     check_dense,
+    check_gathers_between_two_ranks_in_slices,
     check_traffic,
     check_sparse_allgather,
     check_bad_peer_index,

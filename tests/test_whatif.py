@@ -300,6 +300,7 @@ def test_the_published_profile_replays(files):
     "argv, message",
     [
         (["bench", "whatif", "--replay", "/nonexistent/result.json"], "--replay"),
+        (["bench", "whatif", "--costs", "/nonexistent/c.json"], "--costs /nonexistent/c.json: cannot read"),
         (["calibrate", "--out", "links.json", "--reps", "0"], "--reps"),
         (["calibrate", "--out", "links.json", "--nodes", "2"], "--nodes and --per-node"),
         (["calibrate", "--out", "links.json", "--emulate", "2by2"], "--emulate"),

@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "measured steps); nothing runs",
     )
     p.add_argument(
+        "--costs",
+        metavar="PATH.json",
+        help="predict with what synchronization cost in a running engine (gradsync train --save-costs, "
+        "gradsync.engine-costs/1) instead of the links calibrated here and the codecs timed alone",
+    )
+    p.add_argument(
         "--ranks-per-host",
         type=int,
         help="ranks sharing this machine's cores (default: the world on the emulated cluster, else per node)",
@@ -76,6 +82,10 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--profile-steps must be at least 1, got {args.profile_steps}")
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise ValueError(f"--ranks-per-host must be at least 1, got {args.ranks_per_host}")
+    if args.costs is not None:
+        from gradsync.sync.engine_costs import EngineCosts
+
+        EngineCosts.load(args.costs)
 
 
 def _train_steps(
@@ -115,6 +125,7 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from gradsync.collectives.cost import calibrate
     from gradsync.observe.profiler import profile_step
+    from gradsync.sync.engine_costs import EngineCosts
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.contenders import codec_spec_of
 
@@ -133,8 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     say(f"gradsync bench whatif: {args.model} ({size}), batch {args.batch_size} per worker, "
         f"{topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}")  # fmt: skip
     t0 = time.perf_counter()
-    params = calibrate(topo, reps=5)
-    say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
+    engine = EngineCosts.load(args.costs) if args.costs else None
+    if engine is not None:
+        params = engine.params
+        say(f"  links and codecs from the engine's refitted costs {args.costs}: {params}")
+    else:
+        params = calibrate(topo, reps=5)
+        say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
     profile = None
     if rank0:
         profile = profile_step(copy.deepcopy(base), (x, y), steps=args.profile_steps, warmup=3,
@@ -144,6 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
         f"{ranks_per_host} at once: {cont['effective_cores']:.2f} effective cores")  # fmt: skip
     costs = CodecTable()
+    if engine is not None:  # the codecs as they ran in the engine; others are timed here
+        costs.entries.update(engine.codecs)
     if rank0:
         for c in contenders:
             for spec in codec_spec_of(c, options):
@@ -164,9 +182,22 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
         "sync_options": options,
+        "engine_costs": args.costs,
         "measured": rows, "details": details,
     }  # fmt: skip
     return compare(result)
+
+
+def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+    """The effective cores from the ``local`` contender (no synchronization: every worker's step
+    at once), measured in the same interleaved rounds as the other contenders: ranks x one
+    worker's step alone / local's step. The contention measurement before the rounds is one
+    pass at another moment, and this machine's speed drifts by 10-30 % between such moments, so
+    it is only the fallback (no ``local`` among the contenders). None without ``local``."""
+    local = [r for r in rows if r["contender"] == "local" and r.get("step_ms")]
+    if not local or not cont.get("alone_ms"):
+        return None
+    return float(cont["ranks_per_host"] * cont["alone_ms"] / local[0]["step_ms"])
 
 
 def compare(result: dict[str, Any]) -> dict[str, Any]:
@@ -187,9 +218,10 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     )
     costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
     cont = result["contention"]
-    cpu = Cpu(cont["ranks_per_host"], cont["effective_cores"])
-    point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     rows = result["measured"]
+    cores = cores_from_local(cont, rows)
+    cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"])
+    point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
     gpu = torch.cuda.is_available()
@@ -207,8 +239,9 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
             "measured_plan": meas["compressed_buckets"], "predicted_plan": pred["notes"],
         })  # fmt: skip
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
+    used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention"}
     return {
-        **result, "rows": table, "predicted": predicted,
+        **result, "rows": table, "predicted": predicted, "contention_used": used,
         "summary": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
     }  # fmt: skip
 

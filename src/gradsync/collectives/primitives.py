@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,48 @@ from gradsync.collectives.topology import backend_device
 
 # all_gather_single is the new name (torch >= 2.13); all_gather_into_tensor exists since 2.0
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+PAIR_CHUNKS = 4
+PAIR_CHUNK_MIN = 64 << 10
+"""An all-gather between exactly two gloo ranks of at least 2 x ``PAIR_CHUNK_MIN`` bytes per
+rank runs as up to ``PAIR_CHUNKS`` concurrent all-gathers of slices (see :func:`_gather`)."""
+
+
+class _Works:
+    """Several collectives in flight, waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def _gather(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> Any:
+    """``all_gather_into_tensor(out, inp)``, with one exception: between exactly two gloo ranks
+    a large buffer travels as concurrent all-gathers of its slices. Gloo's two-rank all-gather
+    sends and receives on the same connection at once and reached 64 % of the emulated cable's
+    rate (2 nodes at 200 Mbit/s, 0.25 to 4 MB per rank), four concurrent slices 86 %; with more
+    ranks each rank sends to one neighbour and receives from another, and one all-gather already
+    reached 87-92 % (4 nodes at 250 Mbit/s). Returns the work when ``async_op``."""
+    p, nbytes = size(group), _nbytes(inp)
+    if p != 2 or not _is_gloo(group) or nbytes < 2 * PAIR_CHUNK_MIN:
+        return _all_gather_single(out, inp, group=group, async_op=async_op)
+    k, n = min(PAIR_CHUNKS, nbytes // PAIR_CHUNK_MIN), inp.numel()
+    cuts = [n * i // k for i in range(k + 1)]
+    works = []
+    for lo, hi in itertools.pairwise(cuts):
+        slots = [out[r * n + lo : r * n + hi] for r in range(p)]
+        works.append(dist.all_gather(slots, inp[lo:hi], group=group, async_op=True))
+    done = _Works(works)
+    if async_op:
+        return done
+    done.wait()
+    return None
 
 
 @dataclass
@@ -223,7 +267,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | 
     if level == "intra" and _is_gloo(group):
         dist.all_to_all_single(out, inp.repeat(p), group=group)
     else:
-        _all_gather_single(out, inp, group=group)
+        _gather(out, inp, group)
     if out is not result:
         result.copy_(out)
     _account(level, (p - 1) * _nbytes(inp), "all_gather")
@@ -264,7 +308,7 @@ def all_gather_bytes(
 class PendingGather:
     """An all-gather of fixed-capacity byte buffers in flight (see :func:`start_all_gather_fixed`)."""
 
-    work: dist.Work | None
+    work: Any
     out: torch.Tensor
     capacity: int
     ranks: int
@@ -298,7 +342,7 @@ def start_all_gather_fixed(
     if p == 1:
         return PendingGather(None, buf.to(data.device), capacity, 1)
     out = torch.empty(p * capacity, dtype=data.dtype, device=dev)
-    work = _all_gather_single(out, buf, group=group, async_op=True)
+    work = _gather(out, buf, group, async_op=True)
     _account(level, (p - 1) * capacity, "all_gather_start")
     return PendingGather(work, out, capacity, p, buf, None if dev == data.device else data.device)
 
