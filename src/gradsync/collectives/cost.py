@@ -35,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,35 @@ class CodecCost:
     def messages(self) -> int:
         """Collectives per all-gather of its payloads: 1 in fixed slots, else 2 (sizes first)."""
         return 1 if self.bounded else 2
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: each line as ``[a, b]``, and the traits."""
+        return {
+            "encode": [self.encode.a, self.encode.b],
+            "decode": [self.decode.a, self.decode.b],
+            "payload": [self.payload.a, self.payload.b],
+            "summable": self.summable,
+            "lowrank": self.lowrank,
+            "bounded": self.bounded,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> CodecCost:
+        """:meth:`to_dict`'s values (``bounded`` may be missing: tables written before it have
+        none, and every codec they hold is bounded); ``ValueError`` naming ``where``."""
+        try:
+            enc, dec, pay = (Linear(float(d[k][0]), float(d[k][1])) for k in ("encode", "decode", "payload"))
+            summable, lowrank, bounded = d["summable"], d["lowrank"], d.get("bounded", True)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            raise ValueError(
+                f"{where} needs encode, decode, payload as [a, b] and summable, lowrank (true or false)"
+            ) from None
+        numbers = [x for line in (enc, dec, pay) for x in (line.a, line.b)]
+        if not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise ValueError(f"{where}: encode, decode and payload must be non-negative numbers")
+        if not (isinstance(summable, bool) and isinstance(lowrank, bool) and isinstance(bounded, bool)):
+            raise ValueError(f"{where}: summable, lowrank and bounded must be true or false")
+        return cls(enc, dec, pay, summable=summable, lowrank=lowrank, bounded=bounded)
 
 
 def log2(p: int) -> float:

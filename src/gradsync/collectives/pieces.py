@@ -78,47 +78,44 @@ def packed_capacity(numels: list[int], codec: Compressor, dtype: torch.dtype) ->
     return total
 
 
-def packed_length(blob: torch.Tensor) -> int:
-    """How many bytes at the start of a fixed slot from a peer its packed pieces take (from the
-    header, checked against the slot): :func:`unpack_pieces` then checks every field."""
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"corrupt result pieces from a peer: {why}")
-
+def _header(blob: torch.Tensor) -> tuple[int, list[list[int]]]:
+    """A pack's header from a peer, checked against the blob's size: its length in bytes and one
+    ``[offset, numel, nbytes]`` row per piece."""
     if blob.numel() < 8:
-        raise bad(f"{blob.numel()} bytes")
+        raise _corrupt(f"{blob.numel()} bytes")
     count = int(blob[:8].view(torch.int64))
     head_bytes = 8 * (1 + _PIECE_HEADER * count)
     if count < 0 or blob.numel() < head_bytes:
-        raise bad(f"count {count} in {blob.numel()} bytes")
-    sizes = blob[:head_bytes].view(torch.int64)[1:].view(count, _PIECE_HEADER)[:, 2].tolist()
+        raise _corrupt(f"count {count} in {blob.numel()} bytes")
+    return head_bytes, blob[:head_bytes].view(torch.int64)[1:].view(count, _PIECE_HEADER).tolist()
+
+
+def _corrupt(why: str) -> ValueError:
+    return ValueError(f"corrupt result pieces from a peer: {why}")
+
+
+def packed_length(blob: torch.Tensor) -> int:
+    """How many bytes at the start of a fixed slot from a peer its packed pieces take (from the
+    header, checked against the slot): :func:`unpack_pieces` then checks every field."""
+    head_bytes, head = _header(blob)
+    sizes = [row[2] for row in head]
     length = head_bytes + sum(sizes)
     if any(n < 0 for n in sizes) or length > blob.numel():
-        raise bad(f"{length} bytes of pieces in a {blob.numel()}-byte slot")
+        raise _corrupt(f"{length} bytes of pieces in a {blob.numel()}-byte slot")
     return length
 
 
 def unpack_pieces(blob: torch.Tensor, length: int, dtype: torch.dtype, codec: Compressor) -> list[Piece]:
     """Inverse of :func:`pack_pieces` for bytes from a peer: every field is checked before use."""
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"corrupt result pieces from a peer: {why}")
-
-    if blob.numel() < 8:
-        raise bad(f"{blob.numel()} bytes")
-    count = int(blob[:8].view(torch.int64))
-    head_bytes = 8 * (1 + _PIECE_HEADER * count)
-    if count < 0 or blob.numel() < head_bytes:
-        raise bad(f"count {count} in {blob.numel()} bytes")
-    head = blob[:head_bytes].view(torch.int64)[1:].view(count, _PIECE_HEADER).tolist()
+    head_bytes, head = _header(blob)
     pieces, pos = [], head_bytes
     for offset, numel, nbytes in head:
         if offset < 0 or numel < 0 or offset + numel > length or nbytes < 0 or pos + nbytes > blob.numel():
-            raise bad(f"piece at {offset} of {numel} elements and {nbytes} bytes (shard {length})")
+            raise _corrupt(f"piece at {offset} of {numel} elements and {nbytes} bytes (shard {length})")
         pieces.append(Piece(offset, codec.payload_from_bytes(blob[pos : pos + nbytes], (numel,), dtype)))
         pos += nbytes
     if pos != blob.numel():
-        raise bad(f"{blob.numel() - pos} trailing bytes")
+        raise _corrupt(f"{blob.numel() - pos} trailing bytes")
     return pieces
 
 

@@ -58,17 +58,7 @@ class EngineCosts:
                 "gamma": p.gamma,
                 "call": p.call,
             },
-            "codecs": {
-                spec: {
-                    "encode": [c.encode.a, c.encode.b],
-                    "decode": [c.decode.a, c.decode.b],
-                    "payload": [c.payload.a, c.payload.b],
-                    "summable": c.summable,
-                    "lowrank": c.lowrank,
-                    "bounded": c.bounded,
-                }
-                for spec, c in sorted(self.codecs.items())
-            },
+            "codecs": {spec: c.to_dict() for spec, c in sorted(self.codecs.items())},
             "pack": None if self.pack is None else [self.pack.a, self.pack.b],
         }
 
@@ -103,14 +93,7 @@ class EngineCosts:
         if not isinstance(table, dict):
             raise ValueError(f"{where}: codecs must be an object of codec spec -> costs")
         for spec, d in table.items():
-            at = f"{where}: codecs[{spec!r}]"
-            if not isinstance(d, dict):
-                raise ValueError(f"{at} must be an object")
-            enc, dec, pay = (Linear(*_pair(d.get(k), f"{at}.{k}")) for k in ("encode", "decode", "payload"))
-            summable, lowrank, bounded = (d.get(k) for k in ("summable", "lowrank", "bounded"))
-            if not (isinstance(summable, bool) and isinstance(lowrank, bool) and isinstance(bounded, bool)):
-                raise ValueError(f"{at}: summable, lowrank and bounded must be true or false")
-            codecs[str(spec)] = CodecCost(enc, dec, pay, summable=summable, lowrank=lowrank, bounded=bounded)
+            codecs[str(spec)] = CodecCost.from_dict(d, f"{where}: codecs[{spec!r}]")
         pack = doc.get("pack")
         nodes, per_node = doc.get("nodes"), doc.get("per_node")
         if not (_positive_int(nodes) and _positive_int(per_node)):

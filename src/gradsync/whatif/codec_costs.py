@@ -67,17 +67,7 @@ class CodecTable:
             "format": CODEC_COSTS_FORMAT,
             "device": self.measured_on,
             "sizes": list(self.sizes),
-            "codecs": {
-                spec: {
-                    "encode": [c.encode.a, c.encode.b],
-                    "decode": [c.decode.a, c.decode.b],
-                    "payload": [c.payload.a, c.payload.b],
-                    "summable": c.summable,
-                    "lowrank": c.lowrank,
-                    "bounded": c.bounded,
-                }
-                for spec, c in sorted(self.entries.items())
-            },
+            "codecs": {spec: c.to_dict() for spec, c in sorted(self.entries.items())},
         }
 
     def save(self, path: str) -> None:
@@ -105,14 +95,5 @@ class CodecTable:
             raise ValueError(f"{where}: codecs must be an object of codec spec -> costs")
         for spec, d in codecs.items():
             build_codec(spec)
-            try:
-                lines = [Linear(float(d[k][0]), float(d[k][1])) for k in ("encode", "decode", "payload")]
-                flags = bool(d["summable"]), bool(d["lowrank"]), bool(d.get("bounded", True))
-            except (KeyError, TypeError, ValueError, IndexError):
-                raise ValueError(
-                    f"{where}: codecs[{spec!r}] needs encode, decode, payload as [a, b] and summable, lowrank"
-                ) from None
-            entries[spec] = CodecCost(
-                lines[0], lines[1], lines[2], summable=flags[0], lowrank=flags[1], bounded=flags[2]
-            )
+            entries[spec] = CodecCost.from_dict(d, f"{where}: codecs[{spec!r}]")
         return cls(scale, entries=entries, measured_on=str(doc.get("device", "")))
