@@ -66,6 +66,10 @@ def test_bad_clipping_options_name_the_option(options, message):
     [
         ({"clip_local": 1.0}, "clip_local: local gradient clipping needs gradsync.wrap"),
         ({"scheme": "auto:candidates=topk|powersgd"}, "candidates need gradsync.wrap"),
+        (
+            {"scheme": "topk:density=0.01", "large_codec": "powersgd:rank=1"},
+            "large_codec='powersgd:rank=1': a codec",
+        ),
     ],
 )
 def test_the_ddp_hook_refuses_what_it_cannot_do(options, message):

@@ -380,6 +380,12 @@ def hook_config(config: SyncConfig) -> SyncConfig:
             "clip_local: local gradient clipping needs gradsync.wrap (the DDP hook sees one bucket "
             "at a time, after DDP started it); clip with wrap, or clip the synchronized gradient"
         )
+    if config.large_codec is not None:
+        raise ValueError(
+            f"large_codec={config.large_codec!r}: a codec for large tensors needs gradsync.wrap (its "
+            "buckets hold one size class; DDP's mix large and small tensors, and the hook runs one "
+            "codec); pass it as the scheme, or use wrap"
+        )
     scheme = Scheme.parse(config.scheme)
     if scheme.kind != "dense" and sync_momentum(build_codecs(config, scheme)) is not None:
         raise ValueError(
