@@ -407,13 +407,11 @@ class ClosedLoop:
         measured step. This rank's: the plan is decided on rank 0."""
         if not self._ready:
             return None
+        firsts = [min((t for t in row if t is not None), default=0.0) for row in self._ready]
         times: list[float | None] = []
         for i in range(len(self._ready[0])):
             seen = [
-                t - first
-                for row in self._ready
-                if (t := row[i]) is not None
-                for first in [min(r for r in row if r is not None)]
+                t - first for row, first in zip(self._ready, firsts, strict=True) if (t := row[i]) is not None
             ]
             times.append(statistics.median(seen) if seen else None)
         order = sorted((i for i, t in enumerate(times) if t is not None), key=lambda i: (times[i], i))
