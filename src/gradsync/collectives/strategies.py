@@ -14,6 +14,9 @@ Each runs on the flat tensor of one rank over a group of p ranks and returns the
 - ``ps`` (paper 05's CaSync-PS, aggregators co-located on the workers): the tensor is cut into p
   partitions, partition j owned by group rank j. Every partition is encoded and sent to its owner
   (all-to-all); owners decode and sum (or add values), encode the aggregate, and all-gather it.
+
+:func:`reduce_scatter_pieces` is ``ps``'s first phase alone, a compressed reduce-scatter (what
+FSDP needs: :mod:`gradsync.integrate.fsdp`).
 """
 
 from __future__ import annotations
@@ -155,18 +158,43 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
     return pieces
 
 
-def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+def _to_owners(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    level: str,
+    coder: Coder,
+    ctx: EncodeContext | None,
+) -> Generator[Step, Any, tuple[list[torch.Tensor], list[int], list[Payload]]]:
+    """CaSync-PS's first phase: cut ``x`` into p partitions, encode each and send it to its owner
+    (group rank j owns partition j). Returns the partitions, where each starts, and the p
+    payloads of this rank's own partition, in group-rank order."""
     p, g = P.size(group), P.group_rank(group)
     parts = list(torch.tensor_split(x, p))
     starts = [0]
     for part in parts[:-1]:
         starts.append(starts[-1] + part.numel())
+    payloads = [coder.encode(part, f"ps{j}", ctx, starts[j]) for j, part in enumerate(parts)]
+    datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
+    return parts, starts, [coder.received(d, parts[g]) for d in datas]
+
+
+def reduce_scatter_pieces(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder
+) -> Pieces:
+    """A compressed reduce-scatter: the owner phase of CaSync-PS alone. Returns the pieces of this
+    rank's partition of the sum (offsets within the partition; every one covers all of it):
+    group rank j's partition is ``torch.tensor_split(x, p)[j]``. Each rank sends one payload of
+    each partition, (p-1)/p of what the all-reduce strategies send."""
+    _, _, received = yield from _to_owners(x, group, level, coder, None)
+    return [Piece(0, q) for q in received]
+
+
+def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+    g = P.group_rank(group)
     codec = coder.plain
     summable = codec.summable
     ctx = (yield from _agreed(x, group, level, coder, rank)) if summable else None
-    payloads = [coder.encode(part, f"ps{j}", ctx, starts[j]) for j, part in enumerate(parts)]
-    datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
-    received = [coder.received(d, parts[g]) for d in datas]
+    parts, starts, received = yield from _to_owners(x, group, level, coder, ctx)
     if summable:
         agg = received[0]
         total = _values(codec, agg).clone()

@@ -1,0 +1,352 @@
+"""gradsync inside FSDP2: fully_shard's reduce-scatter, HSDP's replicate all-reduce, replicate().
+
+One world of 4 gloo ranks (a 2 x 2 mesh: replicate x shard) runs every check. References are
+independent: PyTorch's own FSDP2 / HSDP / replicate() for the scheme "none" (bit for bit), and
+a float64 top-k with error feedback written out here for the compressed collectives.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from gradsync.fsdp import compress_fsdp, replicate
+from worlds import expect_all, run_checks, run_world, same_on_every_rank
+
+
+class Block(nn.Module):
+    """A layer with a side branch that only odd steps use: a parameter unused in some steps,
+    inside one FSDP module."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.side = nn.Linear(width, width)
+        self.use_side = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        return h + self.side(h) if self.use_side else h
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(16, width), nn.Tanh())
+        self.b = Block(width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+def make(seed: int = 0, width: int = 32) -> Net:
+    torch.manual_seed(seed)
+    return Net(width)
+
+
+def blocks(m: Net) -> list[nn.Module]:
+    return [m.a, m.b, m.head]
+
+
+def shard(m: Net, mesh: object, **kw: object) -> Net:
+    for block in blocks(m):
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(m, mesh=mesh, **kw)
+    return m
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    x = torch.randn(16, 16, generator=g)
+    teacher = torch.linspace(-1.0, 1.0, 64).view(16, 4)
+    return x, torch.tanh(x @ teacher)
+
+
+def train(m: Net, steps: int, start: int = 0, opt: torch.optim.Optimizer | None = None) -> list[float]:
+    opt = opt or torch.optim.SGD(m.parameters(), lr=0.2)
+    losses = []
+    for s in range(start, start + steps):
+        m.b.use_side = s % 2 == 1
+        x, y = batch(s)
+        loss = (m(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def full(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().detach().float().reshape(-1) for p in m.parameters()])
+
+
+def meshes() -> object:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+# ---------------------------------------------------------------------- "none" is plain FSDP2
+def check_none_is_plain() -> None:
+    mesh = meshes()
+    with expect_all() as expect:
+        native = shard(make(), mesh)  # PyTorch's HSDP (2-D mesh)
+        train(native, 4)
+        ours = shard(make(), mesh["shard"])
+        compress_fsdp(ours, "none", replicate_group=mesh["replicate"].get_group())
+        train(ours, 4)
+        with expect("HSDP: none == native HSDP, bit for bit"):
+            assert torch.equal(full(native), full(ours))
+        plain = shard(make(), None)  # 1-D over the world
+        train(plain, 4)
+        ours = shard(make(), None)
+        compress_fsdp(ours, "none")
+        train(ours, 4)
+        with expect("fully_shard: none == plain, bit for bit"):
+            assert torch.equal(full(plain), full(ours))
+        ref = make()
+        for block in blocks(ref):
+            torch_replicate(block)
+        torch_replicate(ref)
+        train(ref, 4)
+        ours = make()
+        replicate(ours, "none", blocks=blocks(ours))
+        train(ours, 4)
+        with expect("replicate: none == torch replicate(), bit for bit"):
+            assert torch.equal(full(ref), full(ours))
+        warm = shard(make(), mesh["shard"])
+        compress_fsdp(warm, "topk:density=0.1", replicate_group=mesh["replicate"].get_group(),
+                      dense_warmup_steps=3, min_compress_bytes=0)  # fmt: skip
+        train(warm, 3)
+        ref3 = shard(make(), mesh)
+        train(ref3, 3)
+        with expect("3 warm-up steps == 3 native HSDP steps"):
+            assert torch.equal(full(ref3), full(warm))
+
+
+# ---------------------------------------------------------------------- the compressed collectives
+def _topk_ef_reference(inputs: list[list[torch.Tensor]], parts: int, k: int) -> list[list[torch.Tensor]]:
+    """float64: per call, per rank, per partition j: v = r + g_j; send the k largest |v|; keep the
+    rest; partition j's result is the sum over ranks of what was sent."""
+    ranks = len(inputs[0])
+    residual = [torch.zeros_like(inputs[0][0], dtype=torch.float64) for _ in range(ranks)]
+    out = []
+    for call in inputs:
+        sums = [torch.zeros(call[0].numel() // parts, dtype=torch.float64) for _ in range(parts)]
+        for r in range(ranks):
+            v = residual[r] + call[r].double()
+            for j, chunk in enumerate(v.chunk(parts)):
+                keep = chunk.abs().topk(k).indices
+                sent = torch.zeros_like(chunk)
+                sent[keep] = chunk[keep]
+                sums[j] += sent
+                chunk -= sent  # a view of v: what is left is the residual
+            residual[r] = v
+        out.append(sums)
+    return out
+
+
+def _gathered(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, t, group=group)
+    return every
+
+
+def check_compressed_reduce_scatter_matches_reference() -> None:
+    m = shard(make(), None)
+    comp = compress_fsdp(m, "topk:k=5", min_compress_bytes=0)
+    world, me = dist.get_world_size(), dist.get_rank()
+    calls = []
+    results = []
+    # FSDP's three reduce ops: mean, sum, and a sum scaled by set_gradient_divide_factor's factor
+    ops = (
+        (dist.ReduceOp.AVG, None, 1 / world),
+        (dist.ReduceOp.SUM, None, 1.0),
+        (dist.ReduceOp.PREMUL_SUM, 8.0, 1 / 8),
+    )
+    for call, (op, factor, scale) in enumerate(ops):
+        g = torch.Generator().manual_seed(7 * call + me)
+        inp = torch.randn(world * 24, generator=g)
+        out = torch.empty(24)
+        comp.reduce_scatter("probe", out, inp.clone(), dist.group.WORLD, op, factor)
+        calls.append(_gathered(inp))
+        results.append((out, scale))
+    ref = _topk_ef_reference(calls, world, 5)
+    with expect_all() as expect:
+        for c, (out, scale) in enumerate(results):
+            with expect(f"call {c}: my shard of the mean of what top-k with error feedback sent"):
+                torch.testing.assert_close(out.double(), ref[c][me] * scale, rtol=1e-6, atol=1e-6)
+        with expect("every call was compressed"):
+            assert comp.calls["probe/rs"] == 3
+            assert comp.traffic.sent["shard"] < 3 * (world - 1) * 24 * 4
+
+
+def check_compressed_all_reduce_matches_reference() -> None:
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    m = shard(make(), mesh["shard"])
+    comp = compress_fsdp(m, "allgather/topk:k=4", replicate_group=group, min_compress_bytes=0)
+    calls, results = [], []
+    for call in range(3):
+        g = torch.Generator().manual_seed(11 * call + dist.get_rank())
+        shard_grad = torch.randn(40, generator=g)
+        calls.append(_gathered(shard_grad, group))
+        work = shard_grad.clone()
+        comp.all_reduce("probe", work)
+        results.append(work)
+    ref = _topk_ef_reference(calls, 1, 4)
+    with expect_all() as expect:
+        for c, out in enumerate(results):
+            with expect(f"call {c}: the mean over the replicas of what top-k with error feedback sent"):
+                torch.testing.assert_close(out.double(), ref[c][0] / 2, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- training
+def check_compressed_trains() -> None:
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    dense = shard(make(width=64), mesh)
+    dense_losses = train(dense, 40)
+    runs = {
+        "hsdp replicate topk": (mesh["shard"], {"replicate_group": group}, "topk:density=0.05"),
+        "hsdp both onebit": (mesh["shard"], {"replicate_group": group, "where": "both"}, "onebit"),
+        "fully_shard topk": (None, {}, "topk:density=0.05"),
+    }
+    with expect_all() as expect:
+        for label, (sub, kw, scheme) in runs.items():
+            m = shard(make(width=64), sub)
+            comp = compress_fsdp(m, scheme, min_compress_bytes=0, **kw)  # type: ignore[arg-type]
+            losses = train(m, 40)
+            with expect(f"{label}: trains like dense"):
+                assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+                assert sum(losses[-5:]) / 5 < 1.5 * sum(dense_losses[-5:]) / 5 + 0.02, (losses, dense_losses)
+                assert comp.residual_norm() > 0
+            same_on_every_rank([full(m)], f"{label}: every rank holds the same parameters")
+        rep = make(width=64)
+        comp = replicate(rep, "topk:density=0.05", blocks=blocks(rep), min_compress_bytes=0)
+        losses = train(rep, 40)
+        with expect("replicate topk trains like dense"):
+            assert sum(losses[-5:]) / 5 < 1.5 * sum(dense_losses[-5:]) / 5 + 0.02, (losses, dense_losses)
+        same_on_every_rank([full(rep)], "replicate: every rank holds the same parameters")
+
+
+def check_unused_parameters_get_what_is_owed() -> None:
+    """A parameter unused in a step still gets the gradient error feedback owes it (FSDP reduces
+    zeros for it, so the module's layout stays fixed); plain FSDP leaves it alone."""
+    mesh = meshes()
+    with expect_all() as expect:
+        for scheme, moves in (("none", False), ("onebit", True)):  # onebit sends every element
+            m = shard(make(), mesh["shard"])
+            compress_fsdp(m, scheme, replicate_group=mesh["replicate"].get_group(), min_compress_bytes=0)
+            opt = torch.optim.SGD(m.parameters(), lr=0.2)
+            train(m, 2, opt=opt)  # step 1 used the side branch
+            before = m.b.side.weight.full_tensor().detach().clone()
+            train(m, 1, start=2, opt=opt)  # step 2 does not
+            after = m.b.side.weight.full_tensor().detach().clone()
+            with expect(f"{scheme}: the unused side branch {'moves' if moves else 'stays'}"):
+                assert (not torch.equal(before, after)) == moves
+
+
+def check_bf16_and_fp16() -> None:
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    with expect_all() as expect:
+        m = shard(make(width=64), mesh["shard"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        compress_fsdp(m, "topk:density=0.05", replicate_group=group, min_compress_bytes=0)
+        losses = train(m, 30)
+        with expect("bf16 compute and reduction: compressed trains"):
+            assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
+        same_on_every_rank([full(m)], "bf16: every rank holds the same parameters")
+        half = shard(make(), mesh["shard"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+        refused = pytest.raises(ValueError, match=r"float16.*bfloat16")
+        with expect("fp16 reduction is refused, naming the dtype and what to use"), refused:
+            compress_fsdp(half, "topk", replicate_group=group)
+        compress_fsdp(half, "none", replicate_group=group)  # dense is fine in fp16
+        train(half, 2)
+
+
+def check_state_round_trip() -> None:
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+
+    def build() -> tuple[Net, object, torch.optim.Optimizer]:
+        m = shard(make(), mesh["shard"])
+        comp = compress_fsdp(m, "topk:density=0.1", replicate_group=group, min_compress_bytes=0)
+        return m, comp, torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
+
+    m, comp, opt = build()
+    train(m, 3, opt=opt)
+    saved = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    saved_comp = copy.deepcopy(comp.state_dict())
+    train(m, 3, start=3, opt=opt)
+    m2, comp2, opt2 = build()
+    m2.load_state_dict(saved[0])
+    comp2.load_state_dict(saved_comp)
+    opt2.load_state_dict(saved[1])
+    train(m2, 3, start=3, opt=opt2)
+    with expect_all() as expect:
+        with expect("resuming from the saved residuals continues bit for bit"):
+            assert torch.equal(full(m), full(m2))
+        with expect("a state saved with another scheme is refused"):
+            other = compress_fsdp(shard(make(), mesh["shard"]), "onebit", replicate_group=group)
+            with pytest.raises(ValueError, match="scheme="):
+                other.load_state_dict(saved_comp)
+    dist.barrier()
+
+
+def check_bad_input() -> None:
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    native = shard(make(), mesh)
+    sub = shard(make(), mesh["shard"])
+    cases = [
+        (nn.Linear(2, 2), {"scheme": "topk"}, "no FSDP module"),
+        (sub, {"scheme": "nosuchcodec", "replicate_group": group}, "nosuchcodec"),
+        (sub, {"scheme": "topk", "where": "middle"}, "where must be one of shard, replicate, both"),
+        (sub, {"scheme": "topk", "where": "replicate"}, "needs replicate_group"),
+        (sub, {"scheme": "topk", "replicate_group": group, "where": "shard"}, "replicas would drift"),
+        (sub, {"scheme": "topk", "replicate_group": mesh}, "replicate_group must be a torch.distributed"),
+        (sub, {"scheme": "hitopk:density=0.01", "replicate_group": group}, "hierarchical"),
+        (sub, {"scheme": "powersgd:rank=2", "replicate_group": group}, "low-rank"),
+        (sub, {"scheme": "auto", "replicate_group": group}, "auto"),
+        (sub, {"scheme": "hierarchical", "replicate_group": group}, "dense schemes FSDP takes"),
+        (sub, {"scheme": "topk", "dense_warmup_steps": -1}, "dense_warmup_steps must be an integer >= 0"),
+        (sub, {"scheme": "topk", "min_compress_bytes": 1.5}, "min_compress_bytes must be an integer >= 0"),
+        (sub, {"scheme": "topk", "error_feedback": "yes"}, "error_feedback must be None, True or False"),
+        (native, {"scheme": "topk", "replicate_group": group}, "HSDP or replicate"),
+    ]
+    with expect_all() as expect:
+        for module, kw, words in cases:
+            with expect(f"{kw} -> {words}"), pytest.raises(ValueError, match=words):
+                compress_fsdp(module, **kw)  # type: ignore[arg-type]
+        early = pytest.raises(ValueError, match="hierarchical")
+        with expect("replicate() checks its scheme before building the mesh"), early:
+            replicate(make(), "hitopk")
+    apart = shard(make(seed=dist.get_rank() // 2), mesh["shard"])  # replicas {0, 2} and {1, 3} differ
+    refused = pytest.raises(ValueError, match="hold different parameters")
+    with expect_all() as expect, expect("replicas holding different parameters are refused"), refused:
+        compress_fsdp(apart, "topk", replicate_group=group)
+
+
+def fsdp_world() -> None:
+    torch.set_num_threads(1)
+    run_checks(
+        check_none_is_plain,
+        check_compressed_reduce_scatter_matches_reference,
+        check_compressed_all_reduce_matches_reference,
+        check_compressed_trains,
+        check_unused_parameters_get_what_is_owed,
+        check_bf16_and_fp16,
+        check_state_round_trip,
+        check_bad_input,
+    )
+
+
+def test_fsdp_world() -> None:
+    run_world(4, fsdp_world)
