@@ -136,6 +136,13 @@ def set_traffic(traffic: Traffic | None) -> None:
     _traffic.set(traffic)
 
 
+def current_traffic() -> Traffic | None:
+    """The :class:`Traffic` this thread's collectives count into now (None outside any
+    :func:`record_traffic` block): a component that counts its own bytes in a block of its own
+    passes them on to it, so an enclosing count misses nothing."""
+    return _traffic.get()
+
+
 def _account(level: str, nbytes: float, op: str) -> None:
     t = _traffic.get()
     if t is not None:

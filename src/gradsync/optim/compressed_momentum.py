@@ -1,0 +1,415 @@
+"""What 1-bit Adam, 0/1 Adam and 1-bit LAMB share: the optimizer owns the communication.
+
+These optimizers synchronize the ranks themselves, so the model must NOT also be synchronized by
+DDP, :func:`gradsync.wrap` (use its ``no_sync()`` for the whole run) or any other hook: each rank
+calls ``backward()`` on its own batch and hands ``step()`` its LOCAL gradient.
+
+- A dense warm-up: the gradients are averaged with a plain all-reduce (float32) and the optimizer
+  is ordinary Adam/AdamW (LAMB for 1-bit LAMB), so that the second moment ``v`` gets estimated.
+- Then ``v`` stops changing (it is "frozen"; 0/1 Adam still refreshes it at growing intervals),
+  which makes Adam's update linear in the momentum. Each rank then updates its momentum with its
+  own gradient and the ranks average the momentum (or, 0/1 Adam, the update accumulated over
+  local steps) through a compressed all-reduce with error feedback: by default CaSync-PS
+  (:mod:`gradsync.collectives.strategies`) with ``onebit`` (a sign bit per element and one mean
+  value per sign), whose two stages -- every rank compresses each partition for its owner, the
+  owner sums and compresses the aggregate for everyone -- each keep their own residual
+  (:class:`~gradsync.codecs.ErrorFeedback`: the worker side and the "server" side). Every rank
+  decodes the same payloads, so the ranks end every synchronized step with bit-identical momentum
+  and parameters.
+
+:class:`FlatState` keeps the moments as flat float32 buffers whatever the parameters' dtype
+(bf16/fp16 parameters are updated in float32 and rounded back), on the parameters' device.
+:class:`MomentumExchange` owns the codec, its error-feedback state, the topology and the byte
+count (:attr:`MomentumExchange.traffic`, a :class:`~gradsync.collectives.Traffic`: what this rank
+put into collectives, per level, since it was made; also passed on to an enclosing
+:func:`~gradsync.collectives.record_traffic` block).
+
+Limits: no GradScaler (a rank that skips a step for an overflow would leave the others waiting in
+a collective; bf16 autocast needs none); parameters without a gradient count as a zero gradient
+(the ranks must agree on every element); all parameters on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.codecs import Compressor, ErrorFeedback, build_codec, codec_names
+from gradsync.collectives import STRATEGIES, Topology, Traffic, compressed_allreduce
+from gradsync.collectives import primitives as P
+from gradsync.collectives.topology import default_topology
+
+DEFAULT_CODEC = "onebit"
+
+
+def check_number(
+    name: str, value: object, low: float, high: float | None = None, *, high_open: bool = True
+) -> float:
+    """``value`` as a float, or ``ValueError`` naming ``name`` and the allowed range."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    bad_high = high is not None and (value >= high if high_open else value > high)
+    if value < low or bad_high:
+        top = "" if high is None else f" and {'<' if high_open else '<='} {high}"
+        raise ValueError(f"{name} must be >= {low}{top}, got {value!r}")
+    return float(value)
+
+
+def check_steps(name: str, value: object, low: int) -> int:
+    """``value`` as an int >= ``low``, or ``ValueError`` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_betas(betas: object) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {betas!r}")
+    return check_number("betas[0]", betas[0], 0.0, 1.0), check_number("betas[1]", betas[1], 0.0, 1.0)
+
+
+def build_exchange_codec(spec: object) -> Compressor:
+    """The codec of the momentum exchange with error feedback around it (``spec``: a codec spec
+    string such as ``"onebit"`` or ``"onebit:scales=1"``; ``+ef`` is implied)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"codec must be a codec spec string such as 'onebit', got {spec!r}")
+    try:
+        codec = build_codec(spec)
+    except ValueError as e:
+        raise ValueError(f"codec: {e} (allowed: {', '.join(codec_names())}, optionally +ef)") from None
+    if codec.lowrank:
+        raise ValueError(
+            f"codec {spec!r} is low-rank; the momentum exchange takes element-wise codecs "
+            f"(e.g. onebit, terngrad, topk:density=0.01, none)"
+        )
+    return codec if isinstance(codec, ErrorFeedback) else ErrorFeedback(codec.plain)
+
+
+class MomentumExchange:
+    """Averages flat float32 tensors over the ranks: densely (a plain all-reduce) or through the
+    codec with error feedback; counts every byte this rank sends.
+
+    Args:
+        codec: codec spec (see :func:`build_exchange_codec`).
+        strategy: ``ps`` (two-stage: reduce-scatter to owners, all-gather; the default),
+            ``ring`` or ``allgather`` (:mod:`gradsync.collectives.strategies`).
+        topology: the ranks (default: torchrun's layout of the current process group); its
+            ``world_group`` carries the exchange, never the default group.
+    """
+
+    def __init__(self, codec: str, strategy: str, topology: Topology | None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        self.spec = codec
+        self.codec = build_exchange_codec(codec)
+        self.strategy = strategy
+        self._topology = topology
+        self.traffic = Traffic()
+        """Bytes this rank sent through the exchange (per level) since it was made; ``take()``
+        gives those since the last take."""
+
+    # the topology is bound lazily: optimizers are often made before init_process_group in tests
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            self._topology = default_topology()
+        return self._topology.bind()
+
+    @property
+    def world(self) -> int:
+        return self.topology.world if dist.is_available() and dist.is_initialized() else 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the collectives of the block into :attr:`traffic` (and the enclosing count)."""
+        outer = P.current_traffic()
+        with P.record_traffic() as t:
+            yield
+        for level, n in t.take().items():
+            self._count(level, n, outer)
+
+    def _count(self, level: str, nbytes: int, outer: Traffic | None) -> None:
+        self.traffic.add(level, nbytes, "optimizer")
+        if outer is not None:
+            outer.add(level, nbytes, "optimizer")
+
+    def agree(self, what: str, **fields: int | str) -> None:
+        """Raise on every rank unless every rank has the same optimizer configuration."""
+        topo = self.topology
+        if topo.world > 1:
+            P.check_same(topo.control_group, what, None, **fields)
+            # check_same does not count its all-gather: count it here, every byte is the run's
+            self._count("world", (topo.world - 1) * 8 * P.AGREEMENT_WORDS, P.current_traffic())
+
+    def dense_mean(self, flat: torch.Tensor) -> None:
+        """``flat`` becomes the mean over the ranks (a float32 all-reduce)."""
+        topo = self.topology
+        if topo.world == 1:
+            return
+        with self.counting():
+            P.all_reduce(flat, topo.world_group, topo.level_of(topo.world_group))
+        flat.div_(topo.world)
+
+    def compressed_mean(self, flat: torch.Tensor, key: str) -> None:
+        """``flat`` becomes the compressed mean over the ranks, the same on every rank; ``key``
+        names the error-feedback streams (one per stage and partition)."""
+        topo = self.topology
+        if topo.world == 1:
+            return
+        with self.counting():
+            compressed_allreduce(flat, topo, self.codec, self.strategy, op="mean", key=key, check=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.spec, "strategy": self.strategy, "feedback": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        for name in ("codec", "strategy"):
+            if state[name] != getattr(self, "spec" if name == "codec" else name):
+                raise ValueError(
+                    f"the checkpoint's momentum exchange has {name} {state[name]!r}, this optimizer "
+                    f"{getattr(self, 'spec' if name == 'codec' else name)!r}: its residuals do not apply"
+                )
+        self.codec.load_state_dict(_to(state["feedback"], device))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A state's tensors on ``device`` (nested dicts and lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    return value
+
+
+class FlatState:
+    """The parameters of an optimizer laid end to end: per parameter a slice of flat float32
+    buffers, param groups contiguous (``segments[i]``: group ``i``'s slice)."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.params: list[torch.Tensor] = [p for g in groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("params: the optimizer got no parameters")
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = self.params[0].device
+        for p in self.params:
+            if not p.is_floating_point():
+                raise ValueError(f"params: floating-point parameters only, got {p.dtype}")
+        self.slices: list[slice] = []
+        self.segments: list[slice] = []
+        at = 0
+        for g in groups:
+            start = at
+            for p in g["params"]:
+                self.slices.append(slice(at, at + p.numel()))
+                at += p.numel()
+            self.segments.append(slice(start, at))
+        self.numel = at
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def read_grads(self, out: torch.Tensor) -> None:
+        """The parameters' gradients into ``out`` (float32; a missing gradient is zero)."""
+        for p, s in zip(self.params, self.slices, strict=True):
+            if p.grad is None:
+                out[s].zero_()
+            else:
+                out[s].copy_(p.grad.reshape(-1))
+
+    def read_params(self, out: torch.Tensor) -> None:
+        for p, s in zip(self.params, self.slices, strict=True):
+            out[s].copy_(p.detach().reshape(-1))
+
+    def write_params(self, x: torch.Tensor) -> None:
+        """The flat float32 ``x`` back into the parameters (rounded to their dtype)."""
+        for p, s in zip(self.params, self.slices, strict=True):
+            p.detach().copy_(x[s].view(p.shape))
+
+    def norms(self, x: torch.Tensor) -> torch.Tensor:
+        """The L2 norm of each parameter's slice of ``x`` (float32, one per parameter)."""
+        return torch.stack(torch._foreach_norm([x[s] for s in self.slices]))
+
+
+class CompressedMomentumOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers that own their synchronization (see the module).
+
+    Subclasses implement :meth:`_update` (one step on the flat buffers) and may add state with
+    :meth:`_extra_state` / :meth:`_load_extra_state`. ``betas`` and ``eps`` are the same for
+    every param group (the moments are one flat buffer); ``lr`` and ``weight_decay`` may differ.
+    """
+
+    kind = "compressed-momentum"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        freeze_step: int,
+        codec: str,
+        strategy: str,
+        topology: Topology | None,
+    ) -> None:
+        # every check is local: each rank raises the same error before anything is communicated
+        check_number("lr", lr, 0.0)
+        b1, b2 = check_betas(betas)
+        check_number("eps", eps, 0.0)
+        check_number("weight_decay", weight_decay, 0.0)
+        self.freeze_step = check_steps("freeze_step", freeze_step, 1)
+        defaults = dict(lr=float(lr), betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay))
+        super().__init__(params, defaults)
+        for i, g in enumerate(self.param_groups):
+            check_number(f"param_groups[{i}]['lr']", g["lr"], 0.0)
+            check_number(f"param_groups[{i}]['weight_decay']", g["weight_decay"], 0.0)
+            if tuple(g["betas"]) != (b1, b2) or g["eps"] != eps:
+                raise ValueError(
+                    f"param_groups[{i}]: betas and eps must be the same in every group "
+                    f"(the moments are one flat buffer), got {g['betas']} and {g['eps']}"
+                )
+        self.flat = FlatState(self.param_groups)
+        self.exchange = MomentumExchange(codec, strategy, topology)
+        self.step_count = 0
+        self.exp_avg = self.flat.zeros()
+        self.exp_avg_sq = self.flat.zeros()
+        # work buffers, not state
+        self._grad = self.flat.zeros()
+        self._x = self.flat.zeros()
+        self._agreed = False
+        self._frozen: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank put into collectives (:class:`~gradsync.collectives.Traffic`)."""
+        return self.exchange.traffic
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the last step was past the dense warm-up."""
+        return self.step_count > self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._agreed:
+            self.exchange.agree(
+                self.kind, numel=self.flat.numel, codec=self.exchange.spec, strategy=self.exchange.strategy,
+                config=repr(self._config()),
+            )  # fmt: skip
+            self._agreed = True
+        self.step_count += 1
+        self.flat.read_grads(self._grad)
+        self.flat.read_params(self._x)
+        self._update(self.step_count, self._grad, self._x)
+        self.flat.write_params(self._x)
+        return loss
+
+    def _config(self) -> dict[str, Any]:
+        b1, b2 = self.defaults["betas"]
+        return {"betas": (b1, b2), "eps": self.defaults["eps"], "freeze_step": self.freeze_step}
+
+    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Bring the ranks' parameters into agreement now (before an evaluation or a checkpoint);
+        a no-op for the optimizers that keep them in agreement after every step."""
+
+    # ------------------------------------------------------------------ shared pieces
+    def _dense_moments(self, t: int, g: torch.Tensor) -> None:
+        """Warm-up: average ``g`` densely, then Adam's moment updates."""
+        b1, b2 = self.defaults["betas"]
+        self.exchange.dense_mean(g)
+        self.exp_avg.lerp_(g, 1.0 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+
+    def _compressed_momentum(self, g: torch.Tensor) -> None:
+        """Compressed stage: local momentum, then its compressed mean on every rank."""
+        b1 = self.defaults["betas"][0]
+        self.exp_avg.lerp_(g, 1.0 - b1)
+        self.exchange.compressed_mean(self.exp_avg, "momentum")
+
+    def _denominator(self, v_steps: int) -> torch.Tensor:
+        """``sqrt(v / (1 - b2^v_steps)) + eps`` (into a work buffer)."""
+        b2 = self.defaults["betas"][1]
+        c2 = 1.0 - b2**v_steps
+        out = torch.sqrt(self.exp_avg_sq, out=self._denom_buffer())
+        return out.div_(math.sqrt(c2)).add_(self.defaults["eps"])
+
+    def _frozen_denominator(self) -> torch.Tensor:
+        """``v``'s denominator at the freeze step, computed once (not state: rebuilt after a load)."""
+        if self._frozen is None:
+            self._frozen = self._denominator(self.freeze_step).clone()
+        return self._frozen
+
+    def _denom_buffer(self) -> torch.Tensor:
+        if not hasattr(self, "_denom"):
+            self._denom = self.flat.zeros()
+        return self._denom
+
+    def _adamw_update(self, t: int, x: torch.Tensor, m: torch.Tensor, denom: torch.Tensor) -> None:
+        """``x = x (1 - lr wd) - lr / (1 - b1^t) * m / denom`` per param group (torch's AdamW order)."""
+        c1 = 1.0 - self.defaults["betas"][0] ** t
+        for group, seg in zip(self.param_groups, self.flat.segments, strict=True):
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd:
+                x[seg].mul_(1.0 - lr * wd)
+            x[seg].addcdiv_(m[seg], denom[seg], value=-lr / c1)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["gradsync"] = {
+            "kind": self.kind,
+            "world": self.exchange.world,
+            "numel": self.flat.numel,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in self._config().items()},
+            "step": self.step_count,
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+            "exchange": self.exchange.state_dict(),
+            **self._extra_state(),
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        ours = state.pop("gradsync", None)
+        if ours is None:
+            raise ValueError(f"{self.kind}: the state has no 'gradsync' section (another optimizer's?)")
+        mine = {k: list(v) if isinstance(v, tuple) else v for k, v in self._config().items()}
+        checks = {"kind": self.kind, "world": self.exchange.world, "numel": self.flat.numel, "config": mine}
+        for name, want in checks.items():
+            if ours[name] != want:
+                raise ValueError(
+                    f"{self.kind}: the state was saved with {name} {ours[name]!r}, this optimizer has "
+                    f"{want!r}; refusing to apply it"
+                )
+        super().load_state_dict(state)
+        dev = self.flat.device
+        self.step_count = int(ours["step"])
+        self.exp_avg.copy_(ours["exp_avg"].to(dev))
+        self.exp_avg_sq.copy_(ours["exp_avg_sq"].to(dev))
+        self.exchange.load_state_dict(ours["exchange"], dev)
+        self._frozen = None
+        self._load_extra_state(ours)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,388 @@
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB (gradsync.optim): checked against independent references.
+
+One spawned 2-rank gloo world runs the multi-process checks: the warm-up equals torch's AdamW
+(and gradsync's LAMB) fed the all-reduced gradient; the compressed stage with the lossless
+``none`` codec equals a float64 frozen-variance Adam written out here; with ``onebit``, error
+feedback's invariant on both stages and bit-identical ranks; state_dict round trips; the bytes
+counted equal the payload formula; bf16 parameters. The train CLI runs a short 2-rank job.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.codecs import HEADER_BYTES
+from gradsync.collectives.primitives import AGREEMENT_WORDS, record_traffic
+from gradsync.optim import LAMB, OneBitAdam, OneBitLamb, ZeroOneAdam
+from worlds import expect_all, run_checks, run_world, same_on_every_rank
+
+pytestmark = pytest.mark.timeout(300)
+
+B1, B2, EPS, WD, LR = 0.9, 0.99, 1e-8, 0.01, 0.01
+SHAPES = [(6, 5), (5,), (7, 3)]
+
+
+def _params(dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def _grads(step: int, rank: int) -> list[torch.Tensor]:
+    """Rank- and step-dependent gradients (the same on every call)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
+
+
+def _set_grads(params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.to(p.dtype).clone()
+
+
+def _mean(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = [g.clone() for g in grads]
+    for t in out:
+        dist.all_reduce(t)
+        t.div_(dist.get_world_size())
+    return out
+
+
+def _groups(params: list[nn.Parameter]) -> list[dict]:
+    return [
+        {"params": params[:2], "weight_decay": WD},
+        {"params": params[2:], "weight_decay": 0.0, "adapt": False},
+    ]
+
+
+# ---------------------------------------------------------------------------------- bad input
+BAD = [
+    (OneBitAdam, {"lr": -1.0}, "lr must be >= 0"),
+    (OneBitAdam, {"betas": (1.0, 0.9)}, r"betas\[0\] must be >= 0.0 and < 1.0"),
+    (ZeroOneAdam, {"betas": (0.9, -0.1)}, r"betas\[1\] must be >= 0.0 and < 1.0"),
+    (OneBitLamb, {"betas": 0.9}, "betas must be a pair"),
+    (OneBitAdam, {"eps": -1e-8}, "eps must be >= 0"),
+    (OneBitAdam, {"weight_decay": -0.1}, "weight_decay must be >= 0"),
+    (OneBitAdam, {"freeze_step": -1}, "freeze_step must be an integer >= 1"),
+    (OneBitLamb, {"freeze_step": 2.5}, "freeze_step must be an integer >= 1"),
+    (ZeroOneAdam, {"freeze_step": 0}, "freeze_step must be an integer >= 1"),
+    (OneBitAdam, {"codec": "warp"}, "codec: unknown codec 'warp'.*allowed: bf16"),
+    (OneBitAdam, {"codec": "powersgd:rank=2"}, "low-rank"),
+    (OneBitLamb, {"strategy": "star"}, "strategy must be one of allgather, ring, ps"),
+    (
+        ZeroOneAdam,
+        {"freeze_step": 10, "var_freeze_step": 5},
+        r"var_freeze_step must be >= freeze_step \(10\)",
+    ),
+    (ZeroOneAdam, {"sync_growth": 0}, "sync_growth must be an integer >= 1"),
+    (ZeroOneAdam, {"max_sync_interval": 0}, "max_sync_interval must be an integer >= 1"),
+    (OneBitLamb, {"ratio_bounds": (0.0, 2.0)}, r"ratio_bounds\[0\] must be > 0"),
+    (OneBitLamb, {"ratio_bounds": (0.5, 0.9)}, r"ratio_bounds\[1\] must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), BAD)
+def test_bad_input_raises_a_value_error_naming_the_parameter(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cls(_params(), **kwargs)
+
+
+def test_groups_with_different_betas_are_refused():
+    p = _params()
+    with pytest.raises(ValueError, match="betas and eps must be the same in every group"):
+        OneBitAdam([{"params": p[:1]}, {"params": p[1:], "betas": (0.5, 0.9)}])
+
+
+def test_zeroone_schedules():
+    opt = ZeroOneAdam(_params(), freeze_step=4, var_freeze_step=20, sync_growth=10, max_sync_interval=4)
+    refresh = [t for t in range(1, 40) if opt.is_variance_step(t)]
+    assert refresh == [1, 2, 3, 4, 5, 6, 8, 12, 20]  # the warm-up, then at doubling intervals
+    assert [opt.sync_interval(t) for t in (20, 21, 30, 31, 41, 51, 200)] == [1, 1, 1, 2, 4, 4, 4]
+
+
+# ------------------------------------------------------------------------------ world checks
+def _check_bad_input_everywhere() -> None:
+    """Every rank raises the same error, and nothing was communicated (the barrier after this
+    check would fail if some rank were inside a collective)."""
+    with record_traffic() as t:
+        for cls, kwargs, message in BAD:
+            with pytest.raises(ValueError, match=message):
+                cls(_params(), **kwargs)
+    assert t.calls == 0
+
+
+def _check_warmup_matches_adamw() -> None:
+    rank = dist.get_rank()
+    for cls in (OneBitAdam, ZeroOneAdam):
+        ours, ref = _params(), _params()
+        opt = cls(_groups(ours), lr=LR, betas=(B1, B2), eps=EPS, freeze_step=5)
+        torch_opt = torch.optim.AdamW(_groups(ref), lr=LR, betas=(B1, B2), eps=EPS)
+        for step in range(1, 6):
+            grads = _grads(step, rank)
+            _set_grads(ours, grads)
+            _set_grads(ref, _mean(grads))
+            opt.step()
+            torch_opt.step()
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, c=cls: f"{c.__name__}: {m}")
+
+
+def _check_lamb_warmup_matches_lamb() -> None:
+    rank = dist.get_rank()
+    ours, ref = _params(), _params()
+    opt = OneBitLamb(_groups(ours), lr=LR, betas=(B1, B2), eps=1e-6, freeze_step=5)
+    lamb = LAMB(_groups(ref), lr=LR, betas=(B1, B2), eps=1e-6)
+    for step in range(1, 6):
+        grads = _grads(step, rank)
+        _set_grads(ours, grads)
+        _set_grads(ref, _mean(grads))
+        opt.step()
+        lamb.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _frozen_adam_reference(steps: int, freeze: int, world: int) -> list[torch.Tensor]:
+    """Float64: Adam on the mean gradient for ``freeze`` steps, then the same with ``v`` (and its
+    bias correction) frozen at step ``freeze``. Weight decay on the first group (decoupled)."""
+    x = [p.detach().double().clone() for p in _params()]
+    m = [torch.zeros_like(t) for t in x]
+    v = [torch.zeros_like(t) for t in x]
+    wd = [WD, WD, 0.0]
+    for t in range(1, steps + 1):
+        per_rank = [_grads(t, r) for r in range(world)]
+        g = [sum(pr[i].double() for pr in per_rank) / world for i in range(len(x))]
+        tv = min(t, freeze)
+        for i in range(len(x)):
+            m[i] = B1 * m[i] + (1 - B1) * g[i]
+            if t <= freeze:
+                v[i] = B2 * v[i] + (1 - B2) * g[i] ** 2
+            m_hat = m[i] / (1 - B1**t)
+            denom = (v[i] / (1 - B2**tv)).sqrt() + EPS
+            x[i] = x[i] * (1 - LR * wd[i]) - LR * m_hat / denom
+    return x
+
+
+def _check_lossless_compressed_stage_matches_frozen_adam() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want = _frozen_adam_reference(9, 3, world)
+    for cls, extra in (
+        (OneBitAdam, {}),
+        # one local step per exchange, no variance refresh: the same algorithm
+        (ZeroOneAdam, {"var_freeze_step": 3, "max_sync_interval": 1}),
+    ):
+        for strategy in ("ps", "ring"):
+            ours = _params()
+            opt = cls(_groups(ours), lr=LR, betas=(B1, B2), eps=EPS, freeze_step=3, codec="none",
+                      strategy=strategy, **extra)  # fmt: skip
+            for step in range(1, 10):
+                _set_grads(ours, _grads(step, rank))
+                opt.step()
+            for a, b in zip(ours, want, strict=True):
+                torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def _check_onebit_error_feedback_and_identical_ranks() -> None:
+    rank = dist.get_rank()
+    for cls in (OneBitAdam, OneBitLamb, ZeroOneAdam):
+        ours = _params()
+        extra = {"var_freeze_step": 4, "sync_growth": 2, "max_sync_interval": 2} if cls is ZeroOneAdam else {}
+        opt = cls(_groups(ours), lr=LR, freeze_step=2, **extra)
+        ef = opt.exchange.codec
+        seen: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        encode = ef.encode
+
+        def recording(grad, ctx=None, *, out=None, loss_scale=1.0, _encode=encode, _ef=ef, _seen=seen):
+            before = _ef.residual(ctx.key)
+            before = torch.zeros(grad.numel()) if before is None else before
+            payload = _encode(grad, ctx, out=out, loss_scale=loss_scale)
+            _seen.append(
+                (
+                    ctx.key,
+                    grad.reshape(-1).clone(),
+                    before,
+                    _ef.decode(payload).reshape(-1),
+                    _ef.residual(ctx.key),
+                )
+            )
+            return payload
+
+        ef.encode = recording
+        for step in range(1, 9):
+            _set_grads(ours, _grads(step, rank))
+            opt.step()
+            if step in (4, 8):
+                opt.synchronize()
+        with expect_all() as expect:
+            keys = {k for k, *_ in seen}
+            with expect(f"{cls.__name__}: both stages compress"):
+                assert any(k.endswith("/ps-aggregate") for k in keys), keys
+                assert any(k.endswith("/ps0") for k in keys) and any(k.endswith("/ps1") for k in keys), keys
+            for key, to_send, before, sent, after in seen:
+                with expect(f"{cls.__name__} {key}: sent + residual == what was to be sent"):
+                    torch.testing.assert_close(sent + after, to_send + before, rtol=0, atol=1e-6)
+                with expect(f"{cls.__name__} {key}: one bit and (at most) two values"):
+                    assert sent.unique().numel() <= 2
+            same_on_every_rank([*ours, opt.exp_avg], f"{cls.__name__}: parameters and momentum")
+
+
+def _save_load(opt: torch.optim.Optimizer) -> dict:
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _check_state_dict_round_trip_resumes_identically() -> None:
+    rank = dist.get_rank()
+    for cls, extra in (
+        (OneBitAdam, {}),
+        (OneBitLamb, {}),
+        (ZeroOneAdam, {"var_freeze_step": 4, "sync_growth": 2, "max_sync_interval": 4}),
+    ):
+        a = _params()
+        opt_a = cls(_groups(a), lr=LR, freeze_step=2, **extra)
+        for step in range(1, 8):  # past the warm-up; 0/1 Adam in the middle of local steps
+            _set_grads(a, _grads(step, rank))
+            opt_a.step()
+        state = _save_load(opt_a)
+        b = [nn.Parameter(p.detach().clone()) for p in a]
+        opt_b = cls(_groups(b), lr=LR, freeze_step=2, **extra)
+        opt_b.load_state_dict(state)
+        for step in range(8, 14):
+            for params, opt in ((a, opt_a), (b, opt_b)):
+                _set_grads(params, _grads(step, rank))
+                opt.step()
+        with expect_all() as expect, expect(f"{cls.__name__}: the resumed run equals the uninterrupted one"):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
+            assert torch.equal(opt_a.exp_avg, opt_b.exp_avg)
+        other = cls(_groups(_params()), lr=LR, freeze_step=3, **extra)
+        with pytest.raises(ValueError, match="the state was saved with config"):
+            other.load_state_dict(state)
+
+
+def _check_bytes_counted() -> None:
+    """The bytes counted are the collectives' payloads: a float32 ring all-reduce in the warm-up,
+    then CaSync-PS of onebit payloads (24-byte header + one bit per element, padded to 8 bytes);
+    the start-up agreement (one all-gather of AGREEMENT_WORDS int64 words) is counted too."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    n = sum(math.prod(s) for s in SHAPES)  # 70
+    parts = [n // p + (1 if i < n % p else 0) for i in range(p)]
+    payload = [HEADER_BYTES + -(-k // 64) * 8 for k in parts]  # sections aligned to 8 bytes
+    dense = 2 * (p - 1) / p * 4 * n
+    agreement = (p - 1) * 8 * AGREEMENT_WORDS
+    # all-to-all: sizes, then the partitions for the others; all-gather: sizes, then the owners'
+    # aggregates padded to the largest
+    compressed = (
+        (p - 1) * 8
+        + sum(b for j, b in enumerate(payload) if j != rank)
+        + (p - 1) * 8
+        + (p - 1) * max(payload)
+    )
+    for cls in (OneBitAdam, OneBitLamb, ZeroOneAdam):
+        params = _params()
+        extra = {"var_freeze_step": 3, "sync_growth": 1, "max_sync_interval": 2} if cls is ZeroOneAdam else {}
+        opt = cls(_groups(params), lr=LR, freeze_step=2, **extra)
+        sent = []
+        for step in range(1, 7):
+            _set_grads(params, _grads(step, rank))
+            with record_traffic() as outer:
+                opt.step()
+            mine = sum(opt.traffic.take().values())
+            assert outer.total() == mine, "the enclosing count sees the optimizer's bytes"
+            sent.append(mine)
+        want = [agreement + dense, dense, compressed, compressed, compressed, compressed]
+        if cls is ZeroOneAdam:  # 3: variance refresh (dense); 4: interval 1; 5: local; 6: exchange
+            want = [agreement + dense, dense, dense, compressed, 0, compressed]
+        assert sent == pytest.approx(want), f"{cls.__name__}: {sent} != {want}"
+        assert opt.traffic.total_sent == pytest.approx(sum(want))
+
+
+def _check_bf16_parameters() -> None:
+    rank = dist.get_rank()
+    for cls in (OneBitAdam, OneBitLamb, ZeroOneAdam):
+        params = _params(torch.bfloat16)
+        start = [q.detach().clone() for q in params]
+        extra = {"var_freeze_step": 3, "sync_growth": 2} if cls is ZeroOneAdam else {}
+        opt = cls(_groups(params), lr=0.05, freeze_step=2, **extra)
+        for step in range(1, 7):
+            _set_grads(params, _grads(step, rank))
+            opt.step()
+        opt.synchronize()
+        with expect_all() as expect:
+            with expect(f"{cls.__name__}: bf16 parameters, float32 state, finite, moved"):
+                assert all(q.dtype == torch.bfloat16 and torch.isfinite(q).all() for q in params)
+                assert opt.exp_avg.dtype == opt.exp_avg_sq.dtype == torch.float32
+                assert all(not torch.equal(q, s) for q, s in zip(params, start, strict=True))
+            same_on_every_rank(params, f"{cls.__name__}: bf16 parameters")
+
+
+def _world_checks() -> None:
+    torch.manual_seed(0)
+    run_checks(
+        _check_bad_input_everywhere,
+        _check_warmup_matches_adamw,
+        _check_lamb_warmup_matches_lamb,
+        _check_lossless_compressed_stage_matches_frozen_adam,
+        _check_onebit_error_feedback_and_identical_ranks,
+        _check_state_dict_round_trip_resumes_identically,
+        _check_bytes_counted,
+        _check_bf16_parameters,
+    )
+
+
+def test_adam_family_in_a_two_rank_world():
+    run_world(2, _world_checks)
+
+
+# ------------------------------------------------------------------------------ the train CLI
+def test_train_cli_runs_zeroone_adam_without_gradient_sync(tmp_path, monkeypatch):
+    """2 ranks, 2 short epochs: warm-up, variance refreshes, local steps, exchanges, the
+    synchronization before each evaluation and checkpoint (per-rank optimizer state saved)."""
+    from gradsync.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run.json"
+    argv = ["train", "--nproc", "2", "--data", "synthetic-text:n=6000,vocab=32", "--model", "transformer",
+            "--seq-len", "16", "--batch-size", "16", "--epochs", "2", "--quiet", "--weight-decay", "0.01",
+            "--optimizer", "zeroone-adam", "--freeze-step", "2", "--var-freeze-step", "4",
+            "--sync-growth", "3", "--max-sync-interval", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(out.read_text())
+    first, last = s["history"]
+    assert math.isfinite(last["val_perplexity"]) and last["val_perplexity"] < 32
+    # the engine sent nothing: every byte is the optimizer's, compressed after the warm-up
+    assert last["compression_ratio"] > 8 and first["compressed_steps"] > 0
+    assert last["compressed_steps"] == last["steps"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--optimizer", "onebit-adam", "--scheme", "topk:density=0.01"], "synchronizes the model itself"),
+        (["--optimizer", "adamw", "--freeze-step", "5"], "--freeze-step needs --optimizer onebit-adam"),
+        (
+            ["--optimizer", "onebit-adam", "--var-freeze-step", "5"],
+            "--var-freeze-step needs --optimizer zeroone",
+        ),
+        (["--optimizer", "onebit-lamb", "--freeze-step", "0"], "--freeze-step must be a positive number"),
+        (
+            ["--optimizer", "onebit-adam", "--momentum-codec", "warp"],
+            "--momentum-codec: codec: unknown codec",
+        ),
+    ],
+)
+def test_train_option_errors(extra, message, capsys, monkeypatch):
+    from gradsync.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--quiet", *extra]) == 2
+    assert message in capsys.readouterr().err
