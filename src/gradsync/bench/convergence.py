@@ -37,7 +37,18 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "powersgd": ("powersgd:rank=4", []),
     "terngrad": ("terngrad", []),
     "onebit": ("onebit+ef", []),
+    # optimizers that synchronize the model themselves (no scheme): dense warm-up, frozen
+    # variance, momentum exchanged as onebit with error feedback (gradsync.optim)
+    "onebit-adam": ("none", ["--optimizer", "onebit-adam"]),
+    "zeroone-adam": ("none", ["--optimizer", "zeroone-adam"]),
+    "onebit-lamb": ("none", ["--optimizer", "onebit-lamb"]),
 }
+
+TEXT_ADAM = [
+    "--data", "text", "--model", "transformer", "--epochs", "12", "--batch-size", "32",
+    "--seq-len", "64", "--optimizer", "adamw", "--lr", "0.002", "--weight-decay", "0.01",
+    "--clip-grad", "1.0",
+]  # fmt: skip
 
 DATASETS: dict[str, list[str]] = {
     "digits": ["--data", "digits", "--model", "vgg-small", "--epochs", "12", "--batch-size", "32"],
@@ -65,7 +76,12 @@ DATASETS: dict[str, list[str]] = {
         "--weight-decay",
         "0",
     ],
+    # the Transformer LM with AdamW (its "none" is dense AdamW), for the Adam-family optimizers
+    "text-adam": TEXT_ADAM,
 }
+
+DEFAULT_DATASETS = ("digits", "text")
+DEFAULT_SCHEMES = ("none", "topk", "mstopk", "hitopk", "dgc", "powersgd", "terngrad", "onebit")
 
 
 # dataset -> the stages of the sparsity warm-up its sparsifiers get (``--density-schedule``)
@@ -82,9 +98,15 @@ VARIANTS: dict[str, str] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schemes", default=",".join(RECIPES), help=f"comma-separated, from {', '.join(RECIPES)}")
     p.add_argument(
-        "--datasets", default=",".join(DATASETS), help=f"comma-separated, from {', '.join(DATASETS)}"
+        "--schemes",
+        default=",".join(DEFAULT_SCHEMES),
+        help=f"comma-separated, from {', '.join(RECIPES)} (default: {', '.join(DEFAULT_SCHEMES)})",
+    )
+    p.add_argument(
+        "--datasets",
+        default=",".join(DEFAULT_DATASETS),
+        help=f"comma-separated, from {', '.join(DATASETS)} (default: {', '.join(DEFAULT_DATASETS)})",
     )
     p.add_argument(
         "--ablation",
@@ -250,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "dataset": dataset,
                     "scheme": scheme,
                     "variant": variant,
-                    "spec": RECIPES[scheme][0],
+                    "spec": " ".join([RECIPES[scheme][0], *RECIPES[scheme][1]]),
                     "argv": argv,
                     "task": summary["task"],
                     "epochs": summary["epochs"],

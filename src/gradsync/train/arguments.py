@@ -8,7 +8,11 @@ import argparse
 
 from gradsync.models import models_for
 
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "onebit-adam", "zeroone-adam", "onebit-lamb")
+SELF_SYNCING = ("onebit-adam", "zeroone-adam", "onebit-lamb")
+"""Optimizers that synchronize the model themselves (compressed momentum): the model is built
+without gradient synchronization for them."""
+DEFAULT_SCHEME = "hitopk:density=0.01"
 SCHEDULES = ("cosine", "step", "constant", "poly")
 LR_SCALING = ("none", "linear", "sqrt")
 RESIZE_BATCH = ("constant", "memory")
@@ -71,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lr",
         type=float,
         default=None,
-        help="peak learning rate (default: 0.1 sgd, 0.002 adamw, 2.0 lars, 0.005 lamb)",
+        help="peak learning rate (default: 0.1 sgd, 0.002 adamw, onebit-adam and zeroone-adam, "
+        "2.0 lars, 0.005 lamb and onebit-lamb)",
     )
     g.add_argument("--momentum", type=float, default=0.9, help="sgd and lars momentum")
     g.add_argument("--nesterov", action="store_true", help="sgd or lars with Nesterov momentum")
@@ -96,6 +101,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=5e-4,
         help="decoupled for adamw; never applied to biases and norm weights",
+    )
+    g.add_argument(
+        "--freeze-step",
+        type=int,
+        default=None,
+        help="onebit-adam, zeroone-adam, onebit-lamb: dense warm-up steps (all-reduced gradients) "
+        "before the variance freezes and the momentum is exchanged compressed "
+        "(default: 3 %% of the run's steps, at least 1)",
+    )
+    g.add_argument(
+        "--var-freeze-step",
+        type=int,
+        default=None,
+        help="zeroone-adam: the last step at which the variance is refreshed (at intervals 1, 2, 4, "
+        "... after --freeze-step); local steps follow (default: 10 %% of the run's steps)",
+    )
+    g.add_argument(
+        "--sync-growth",
+        type=int,
+        default=None,
+        help="zeroone-adam: the interval between exchanges doubles every this many steps after "
+        "--var-freeze-step (default: 5 %% of the run's steps)",
+    )
+    g.add_argument(
+        "--max-sync-interval",
+        type=int,
+        default=8,
+        help="zeroone-adam: the longest run of local steps between two exchanges (default 8)",
+    )
+    g.add_argument(
+        "--momentum-codec",
+        default="onebit",
+        help="onebit-adam, zeroone-adam, onebit-lamb: the codec of the momentum exchange (error "
+        "feedback is always on; default onebit)",
     )
     g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear learning-rate warm-up")
     g.add_argument(
@@ -155,7 +194,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("synchronization")
     g.add_argument(
         "--scheme",
-        default="hitopk:density=0.01",
+        default=DEFAULT_SCHEME,
         help="a gradsync scheme: none, hierarchical, torus2d/fp16, hitopk:density=0.01, "
         "topk:density=0.01, dgc:density=0.01, powersgd:rank=4, ps/onebit, auto, ...",
     )

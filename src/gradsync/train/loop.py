@@ -15,6 +15,7 @@ and the worker's entry point; the trainer's steps and evaluation are in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,9 +34,10 @@ from gradsync.data.cache.partition import PartitionSampler
 from gradsync.models import build_model_for, parameter_count
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.optim.layerwise import LayerwiseOptimizer
+from gradsync.train.arguments import SELF_SYNCING
 from gradsync.train.epoch_plan import epoch_plan
 from gradsync.train.metrics import EpochMeter, cache_figures, epoch_record
-from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler
+from gradsync.train.optim import DEFAULT_LR, build_optimizer, build_scheduler, compressed_options
 from gradsync.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
 from gradsync.train.pto_choice import PtoChoice, choose_pto
 from gradsync.train.trainer_state import TrainerState
@@ -106,6 +108,15 @@ class Trainer(TrainerState, TrainerSteps):
             trace_steps=trace_steps(args.trace_steps) if args.trace else None,
         )
         self.net = net
+        self.self_syncing = args.optimizer in SELF_SYNCING
+        """The optimizer synchronizes the model (compressed momentum): the engine must not."""
+        self._local_gradients = contextlib.ExitStack()
+        if self.self_syncing:
+            if self.scaler is not None:
+                raise ValueError(
+                    f"--optimizer {args.optimizer} does not support a GradScaler (--amp on a GPU)"
+                )
+            self._local_gradients.enter_context(self.model.no_sync())  # for the whole run
         lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
         base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
         self.optimizer = build_optimizer(
@@ -117,6 +128,8 @@ class Trainer(TrainerState, TrainerSteps):
             args.weight_decay,
             trust_coefficient=args.trust_coefficient,
             parallel=self._pto_group() if args.pto == "on" else None,
+            compressed=compressed_options(args, self.plan.total_steps) if self.self_syncing else None,
+            topology=self.topo,
         )
         self.pto_choice: PtoChoice | None = None
         if args.pto == "auto" and self.world > 1 and isinstance(self.optimizer, LayerwiseOptimizer):
@@ -205,6 +218,9 @@ class Trainer(TrainerState, TrainerSteps):
                     # there the verdict is awaited at once; elsewhere it comes one step later
                     self._check_finite(loss, save_now or self.batch == self.steps_per_epoch)
                     self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    if self.self_syncing:  # what the optimizer sent this step
+                        compressing = self.optimizer.compressing  # type: ignore[attr-defined]
+                        self.meter.add_sent(self.optimizer.traffic.take(), compressing)  # type: ignore[attr-defined]
                     if a.log_every and self.rank == 0 and self.global_step % a.log_every == 0:
                         self._log_telemetry(loss, dt, bar)
                     bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
@@ -212,6 +228,7 @@ class Trainer(TrainerState, TrainerSteps):
                         self._save()
                     self._maybe_crash()
                     waited = time.perf_counter()
+            self.synchronize_optimizer()  # evaluate one model (0/1 Adam's ranks drift between exchanges)
             record: dict[str, Any] = {"epoch": self.epoch + 1}
             record.update(
                 epoch_record(

@@ -48,6 +48,12 @@ class EpochMeter:
             for level, n in stats.sent_bytes.items():
                 self.sent[level] = self.sent.get(level, 0.0) + n
 
+    def add_sent(self, sent: dict[str, int], compressed: bool = False) -> None:
+        """Bytes sent outside the engine (an optimizer that synchronizes the model itself)."""
+        self.compressed_steps += int(compressed)
+        for level, n in sent.items():
+            self.sent[level] = self.sent.get(level, 0.0) + n
+
     def to_state(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from gradsync.codecs import Compressor, ErrorFeedback
 from gradsync.data.cache.config import CacheConfig
 from gradsync.integrate.wrap import check_trace_path
@@ -23,12 +25,14 @@ from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.train.arguments import (
     CACHE_SHUFFLE,
     CLIP_WHERE,
+    DEFAULT_SCHEME,
     LR_SCALING,
     OPTIMIZERS,
     PLANS,
     PTO,
     RESIZE_BATCH,
     SCHEDULES,
+    SELF_SYNCING,
     add_arguments,
 )
 from gradsync.train.resize import parse_resize_schedule
@@ -143,6 +147,7 @@ def validate(args: argparse.Namespace) -> None:
     for name in ("epochs", "batch_size", "seq_len", "threads"):
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     _choice("--optimizer", args.optimizer, OPTIMIZERS)
+    _check_self_syncing(args)
     _choice("--schedule", args.schedule, SCHEDULES)
     _choice("--lr-scaling", args.lr_scaling, LR_SCALING)
     if not (math.isfinite(args.poly_power) and args.poly_power > 0):
@@ -243,6 +248,52 @@ def validate(args: argparse.Namespace) -> None:
         )
 
 
+def _check_self_syncing(args: argparse.Namespace) -> None:
+    """The options of the optimizers that synchronize the model themselves (``SELF_SYNCING``)."""
+    zeroone = {"--var-freeze-step": args.var_freeze_step, "--sync-growth": args.sync_growth}
+    if args.max_sync_interval != 8:
+        zeroone["--max-sync-interval"] = args.max_sync_interval
+    given = {"--freeze-step": args.freeze_step, **zeroone}
+    if args.momentum_codec != "onebit":
+        given["--momentum-codec"] = args.momentum_codec
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.optimizer not in SELF_SYNCING:
+        if given:
+            raise ValueError(f"{next(iter(given))} needs --optimizer {', '.join(SELF_SYNCING)}")
+        return
+    if args.scheme not in (DEFAULT_SCHEME, "none"):
+        raise ValueError(
+            f"--optimizer {args.optimizer} synchronizes the model itself (compressed momentum): leave "
+            f"--scheme out (or give none), got --scheme {args.scheme!r}"
+        )
+    wrong = [k for k, v in zeroone.items() if v is not None]
+    if args.optimizer != "zeroone-adam" and wrong:
+        raise ValueError(f"{wrong[0]} needs --optimizer zeroone-adam")
+    for option in ("--freeze-step", "--var-freeze-step", "--sync-growth", "--max-sync-interval"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be a positive number of steps, got {value}")
+    if (
+        args.var_freeze_step is not None
+        and args.freeze_step is not None
+        and args.var_freeze_step < args.freeze_step
+    ):
+        raise ValueError(
+            f"--var-freeze-step ({args.var_freeze_step}) must be >= --freeze-step ({args.freeze_step})"
+        )
+    from gradsync.optim.compressed_momentum import build_exchange_codec
+
+    try:
+        build_exchange_codec(args.momentum_codec)
+    except ValueError as e:
+        raise ValueError(f"--momentum-codec: {e}") from None
+    if args.amp and torch.cuda.is_available():
+        raise ValueError(
+            f"--amp on a GPU uses a GradScaler, which --optimizer {args.optimizer} does not support "
+            "(a rank skipping an overflowing step would leave the others in a collective)"
+        )
+
+
 def batch_plan(args: argparse.Namespace, workers: int) -> tuple[int, int]:
     """``(per_worker, accumulation)``: the samples each worker takes per optimizer step, and in
     how many micro-batches of ``--batch-size`` (``--global-batch``'s gradient accumulation)."""
@@ -287,7 +338,7 @@ def sync_config(args: argparse.Namespace, to_steps: Callable[[float], int]) -> S
     (:func:`per_epoch`, or :meth:`~gradsync.train.epoch_plan.EpochPlan.to_steps` where epochs
     differ in length)."""
     options: dict[str, Any] = {
-        "scheme": args.scheme,
+        "scheme": "none" if args.optimizer in SELF_SYNCING else args.scheme,
         "plan": args.plan,
         "dense_warmup_steps": max(1, to_steps(args.dense_warmup)),
     }

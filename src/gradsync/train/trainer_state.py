@@ -43,6 +43,14 @@ class TrainerState:
     global_step: int
     meter: EpochMeter
     history: list[dict[str, Any]]
+    self_syncing: bool
+
+    def synchronize_optimizer(self) -> None:
+        """An optimizer that synchronizes the model itself (``--optimizer onebit-adam`` ...)
+        brings the ranks' parameters into agreement (0/1 Adam's local steps), counting the bytes."""
+        if self.self_syncing:
+            self.optimizer.synchronize()  # type: ignore[attr-defined]
+            self.meter.add_sent(self.optimizer.traffic.take())  # type: ignore[attr-defined]
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must have been saved by (else resuming would misapply it)."""
@@ -72,6 +80,7 @@ class TrainerState:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> None:
+        self.synchronize_optimizer()  # main.pt keeps rank 0's parameters for every rank
         main = {
             "identity": self.identity(),
             "model": self.net.state_dict(),
@@ -89,6 +98,8 @@ class TrainerState:
             # batch-norm statistics are per rank (each sees its own shard); main.pt has rank 0's
             "buffers": {n: b for n, b in self.net.named_buffers()},
         }
+        if self.self_syncing:  # error-feedback residuals and the momentum exchange are per rank
+            local["optimizer"] = self.optimizer.state_dict()
         checkpoint.save(
             self.args.checkpoint_dir, self.global_step, main, local, self.rank, self.args.keep_checkpoints
         )
@@ -105,7 +116,7 @@ class TrainerState:
         main, local = checkpoint.load(folder, self.rank)
         checkpoint.check_identity(main["identity"], self.identity())
         self.net.load_state_dict(main["model"])
-        self.optimizer.load_state_dict(main["optimizer"])
+        self.optimizer.load_state_dict(local["optimizer"] if self.self_syncing else main["optimizer"])
         self.scheduler.load_state_dict(main["scheduler"])
         if self.scaler is not None and main["scaler"] is not None:
             self.scaler.load_state_dict(main["scaler"])
