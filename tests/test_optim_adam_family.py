@@ -63,6 +63,7 @@ def _groups(params: list[nn.Parameter]) -> list[dict]:
 # ---------------------------------------------------------------------------------- bad input
 BAD = [
     (OneBitAdam, {"lr": -1.0}, "lr must be >= 0"),
+    (OneBitAdam, {"precondition": "yes"}, "precondition must be True or False"),
     (OneBitAdam, {"betas": (1.0, 0.9)}, r"betas\[0\] must be >= 0.0 and < 1.0"),
     (ZeroOneAdam, {"betas": (0.9, -0.1)}, r"betas\[1\] must be >= 0.0 and < 1.0"),
     (OneBitLamb, {"betas": 0.9}, "betas must be a pair"),
@@ -147,21 +148,26 @@ def _check_lamb_warmup_matches_lamb() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _frozen_adam_reference(steps: int, freeze: int, world: int) -> list[torch.Tensor]:
+def _frozen_adam_reference(
+    steps: int, freeze: int, world: int, refresh: tuple[int, ...] = ()
+) -> list[torch.Tensor]:
     """Float64: Adam on the mean gradient for ``freeze`` steps, then the same with ``v`` (and its
-    bias correction) frozen at step ``freeze``. Weight decay on the first group (decoupled)."""
+    bias correction) frozen at step ``freeze``, except on the ``refresh`` steps, where ``v``
+    moves as over the steps since its last update. Weight decay on the first group (decoupled)."""
     x = [p.detach().double().clone() for p in _params()]
     m = [torch.zeros_like(t) for t in x]
     v = [torch.zeros_like(t) for t in x]
     wd = [WD, WD, 0.0]
+    tv = 0  # the step of v's last update
     for t in range(1, steps + 1):
         per_rank = [_grads(t, r) for r in range(world)]
         g = [sum(pr[i].double() for pr in per_rank) / world for i in range(len(x))]
-        tv = min(t, freeze)
+        update_v, span = t <= freeze or t in refresh, t - tv
+        tv = t if update_v else tv
         for i in range(len(x)):
             m[i] = B1 * m[i] + (1 - B1) * g[i]
-            if t <= freeze:
-                v[i] = B2 * v[i] + (1 - B2) * g[i] ** 2
+            if update_v:
+                v[i] = B2**span * v[i] + (1 - B2**span) * g[i] ** 2
             m_hat = m[i] / (1 - B1**t)
             denom = (v[i] / (1 - B2**tv)).sqrt() + EPS
             x[i] = x[i] * (1 - LR * wd[i]) - LR * m_hat / denom
@@ -170,11 +176,14 @@ def _frozen_adam_reference(steps: int, freeze: int, world: int) -> list[torch.Te
 
 def _check_lossless_compressed_stage_matches_frozen_adam() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    want = _frozen_adam_reference(9, 3, world)
-    for cls, extra in (
-        (OneBitAdam, {}),
+    frozen, refreshed = _frozen_adam_reference(9, 3, world), _frozen_adam_reference(9, 3, world, (4, 5))
+    for cls, extra, want in (
+        (OneBitAdam, {}, frozen),
+        (OneBitAdam, {"precondition": True}, frozen),
         # one local step per exchange, no variance refresh: the same algorithm
-        (ZeroOneAdam, {"var_freeze_step": 3, "max_sync_interval": 1}),
+        (ZeroOneAdam, {"var_freeze_step": 3, "max_sync_interval": 1}, frozen),
+        # v refreshed on steps 4 and 5 (freeze_step + 1, + 2), then frozen
+        (ZeroOneAdam, {"var_freeze_step": 6, "max_sync_interval": 1}, refreshed),
     ):
         for strategy in ("ps", "ring"):
             ours = _params()

@@ -24,6 +24,13 @@ count (:attr:`MomentumExchange.traffic`, a :class:`~gradsync.collectives.Traffic
 put into collectives, per level, since it was made; also passed on to an enclosing
 :func:`~gradsync.collectives.record_traffic` block).
 
+``precondition=True`` exchanges the momentum divided by Adam's frozen denominator
+``sqrt(v) + eps`` (the same on every rank, so the mean is the same), so that onebit's one
+magnitude per sign and partition meets elements of comparable size. It is off by default: on the
+Transformer LM of docs/benchmarks.md, 1-bit Adam ended further from dense AdamW with it (6.23
+against 5.31 perplexity after 6 of 12 epochs), and a lossless exchange was no better than
+onebit there (5.42): the frozen variance, not the compression, made the gap.
+
 Limits: no GradScaler (a rank that skips a step for an overflow would leave the others waiting in
 a collective; bf16 autocast needs none); parameters without a gradient count as a zero gradient
 (the ranks must agree on every element); all parameters on one device.
@@ -260,6 +267,7 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         codec: str,
         strategy: str,
         topology: Topology | None,
+        precondition: bool = False,
     ) -> None:
         # every check is local: each rank raises the same error before anything is communicated
         check_number("lr", lr, 0.0)
@@ -267,6 +275,9 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         check_number("eps", eps, 0.0)
         check_number("weight_decay", weight_decay, 0.0)
         self.freeze_step = check_steps("freeze_step", freeze_step, 1)
+        if not isinstance(precondition, bool):
+            raise ValueError(f"precondition must be True or False, got {precondition!r}")
+        self.precondition = precondition
         defaults = dict(lr=float(lr), betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay))
         super().__init__(params, defaults)
         for i, g in enumerate(self.param_groups):
@@ -320,7 +331,10 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
 
     def _config(self) -> dict[str, Any]:
         b1, b2 = self.defaults["betas"]
-        return {"betas": (b1, b2), "eps": self.defaults["eps"], "freeze_step": self.freeze_step}
+        return {
+            "betas": (b1, b2), "eps": self.defaults["eps"], "freeze_step": self.freeze_step,
+            "precondition": self.precondition,
+        }  # fmt: skip
 
     def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
         raise NotImplementedError
@@ -330,18 +344,31 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         a no-op for the optimizers that keep them in agreement after every step."""
 
     # ------------------------------------------------------------------ shared pieces
-    def _dense_moments(self, t: int, g: torch.Tensor) -> None:
-        """Warm-up: average ``g`` densely, then Adam's moment updates."""
+    def _dense_moments(self, t: int, g: torch.Tensor, span: int = 1) -> None:
+        """Warm-up: average ``g`` densely, then Adam's moment updates; ``v`` as if ``g * g`` had
+        been seen on each of the last ``span`` steps (0/1 Adam's refreshes after a gap)."""
         b1, b2 = self.defaults["betas"]
         self.exchange.dense_mean(g)
         self.exp_avg.lerp_(g, 1.0 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        keep = b2**span
+        self.exp_avg_sq.mul_(keep).addcmul_(g, g, value=1.0 - keep)
 
-    def _compressed_momentum(self, g: torch.Tensor) -> None:
+    def _compressed_momentum(self, g: torch.Tensor, denom: torch.Tensor) -> None:
         """Compressed stage: local momentum, then its compressed mean on every rank."""
         b1 = self.defaults["betas"][0]
         self.exp_avg.lerp_(g, 1.0 - b1)
-        self.exchange.compressed_mean(self.exp_avg, "momentum")
+        self._compressed_mean(self.exp_avg, denom, "momentum")
+
+    def _compressed_mean(self, t: torch.Tensor, denom: torch.Tensor, key: str) -> None:
+        """``t`` becomes its compressed mean over the ranks. With ``precondition`` it travels
+        divided by the frozen denominator (the same on every rank, so the mean is unchanged):
+        Adam's per-element normalization makes the elements of all layers comparable, which a
+        codec with one scale per partition (onebit) needs; the residuals are in those units."""
+        if self.precondition:
+            t.div_(denom)
+        self.exchange.compressed_mean(t, key)
+        if self.precondition:
+            t.mul_(denom)
 
     def _denominator(self, v_steps: int) -> torch.Tensor:
         """``sqrt(v / (1 - b2^v_steps)) + eps`` (into a work buffer)."""

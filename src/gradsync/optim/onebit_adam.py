@@ -49,6 +49,8 @@ class OneBitAdam(CompressedMomentumOptimizer):
         strategy: the compressed all-reduce's strategy (``ps``: two stages with error feedback on
             both sides; ``ring``, ``allgather``).
         topology: the ranks (default: the current process group, torchrun's layout).
+        precondition: exchange ``m / (sqrt(v) + eps)`` instead of ``m`` (the same mean; off by default, see
+            :mod:`gradsync.optim.compressed_momentum`).
     """
 
     kind = "onebit-adam"
@@ -64,14 +66,17 @@ class OneBitAdam(CompressedMomentumOptimizer):
         codec: str = DEFAULT_CODEC,
         strategy: str = "ps",
         topology: Topology | None = None,
+        precondition: bool = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology, precondition
+        )
 
     def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
         if t <= self.freeze_step:
             self._dense_moments(t, g)
             denom = self._denominator(t)
         else:
-            self._compressed_momentum(g)
             denom = self._frozen_denominator()
+            self._compressed_momentum(g, denom)
         self._adamw_update(t, x, self.exp_avg, denom)

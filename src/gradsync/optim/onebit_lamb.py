@@ -54,6 +54,7 @@ class OneBitLamb(CompressedMomentumOptimizer):
         codec: str = DEFAULT_CODEC,
         strategy: str = "ps",
         topology: Topology | None = None,
+        precondition: bool = False,
     ) -> None:
         if not isinstance(ratio_bounds, (tuple, list)) or len(ratio_bounds) != 2:
             raise ValueError(f"ratio_bounds must be a pair (lower, upper), got {ratio_bounds!r}")
@@ -62,7 +63,9 @@ class OneBitLamb(CompressedMomentumOptimizer):
         if lower == 0.0:
             raise ValueError(f"ratio_bounds[0] must be > 0 and <= 1, got {ratio_bounds[0]!r}")
         self.ratio_bounds = (lower, upper)
-        super().__init__(params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology, precondition
+        )
         layers = len(self.flat.params)
         self.adapt = torch.tensor(
             [bool(g.get("adapt", True)) for g in self.param_groups for _ in g["params"]],
@@ -84,8 +87,8 @@ class OneBitLamb(CompressedMomentumOptimizer):
             self._dense_moments(t, g)
             denom = self._denominator(t)
         else:
-            self._compressed_momentum(g)
             denom = self._frozen_denominator()
+            self._compressed_momentum(g, denom)
         c1 = 1.0 - b1**t
         u = self._u
         torch.div(self.exp_avg, denom, out=u).div_(c1)

@@ -8,7 +8,10 @@ step number (so every rank knows them without talking):
   ``1 .. freeze_step``: ordinary AdamW on the all-reduced gradient), ``v`` is updated only on
   steps ``freeze_step + 1, + 2, + 4, + 8, ...`` up to ``var_freeze_step``, each time from a dense
   float32 all-reduce of the gradient (a handful of steps: their cost is a few warm-up steps).
-  Between them, momentum is exchanged compressed on every step, as in 1-bit Adam.
+  A refresh ``k`` steps after the previous one moves ``v`` as Adam would have in ``k`` steps of
+  that gradient, ``v = b2^k v + (1 - b2^k) g^2``, with the bias correction ``1 - b2^t``: ``v``
+  forgets the (large) warm-up gradients on Adam's time scale, not after ``1 / (1 - b2)``
+  refreshes. Between them, momentum is exchanged compressed on every step, as in 1-bit Adam.
 - **Local steps with growing intervals.** After ``var_freeze_step`` every rank steps on its own:
   its momentum from its own gradient, its parameters from that momentum, while it accumulates
   ``u = sum(lr_k * m_k / (1 - b1^k))`` over the local steps. Every ``I`` steps the ranks
@@ -66,6 +69,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         codec: str = DEFAULT_CODEC,
         strategy: str = "ps",
         topology: Topology | None = None,
+        precondition: bool = False,
     ) -> None:
         check_steps("freeze_step", freeze_step, 1)
         self.var_freeze_step = check_steps("var_freeze_step", var_freeze_step, 1)
@@ -73,7 +77,9 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
             raise ValueError(f"var_freeze_step must be >= freeze_step ({freeze_step}), got {var_freeze_step}")
         self.sync_growth = check_steps("sync_growth", sync_growth, 1)
         self.max_sync_interval = check_steps("max_sync_interval", max_sync_interval, 1)
-        super().__init__(params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology, precondition
+        )
         self.v_steps = 0
         self.last_sync = 0
         self.anchor = self.flat.zeros()
@@ -114,14 +120,18 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
 
     def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
         if self.is_variance_step(t):  # the warm-up and the variance refreshes: dense AdamW
-            self._dense_moments(t, g)
-            self.v_steps += 1
+            # v moves as Adam's would have over the steps since its last update (span): the
+            # fresh g * g stands for each of them, so v keeps Adam's time scale, 1 / (1 - b2)
+            # steps, instead of needing 1 / (1 - b2) refreshes to forget the warm-up
+            self._dense_moments(t, g, span=t - self.v_steps)
+            self.v_steps = t
             self._denom_ok = False
             self._adamw_update(t, x, self.exp_avg, self._denominator_now())
             self._synced(t, x)
         elif t <= self.var_freeze_step:  # 1-bit Adam: compressed momentum on every step
-            self._compressed_momentum(g)
-            self._adamw_update(t, x, self.exp_avg, self._denominator_now())
+            denom = self._denominator_now()
+            self._compressed_momentum(g, denom)
+            self._adamw_update(t, x, self.exp_avg, denom)
             self._synced(t, x)
         else:  # a local step, then an exchange when the interval is over
             b1 = self.defaults["betas"][0]
@@ -145,8 +155,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
 
     def _exchange(self, t: int, x: torch.Tensor) -> None:
         """Average the accumulated update and restart every rank from the same point."""
-        self.exchange.compressed_mean(self.accum, "update")
         denom = self._denominator_now()
+        self._compressed_mean(self.accum, denom, "update")
         c1 = 1.0 - self.defaults["betas"][0] ** t
         for i, seg in enumerate(self.flat.segments):
             torch.mul(self.anchor[seg], self.decay[i], out=x[seg])
