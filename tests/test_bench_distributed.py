@@ -18,7 +18,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def benches(tmp):
-    run_checks(named_check(check_collectives_bench, tmp), named_check(check_step_bench, tmp))
+    run_checks(
+        named_check(check_collectives_bench, tmp),
+        named_check(check_step_bench, tmp),
+        named_check(check_fsdp_bench, tmp),
+    )
 
 
 def check_collectives_bench(tmp):
@@ -42,6 +46,31 @@ def check_collectives_bench(tmp):
         assert r["model_ms"] > 0 and r["measured_over_model"] == pytest.approx(r["time_ms"] / r["model_ms"])
         assert r["busbw_pct_link"] is None and r["cable_bytes_per_op"] is None  # loopback: no link, no NIC
     assert len(Path(cm).read_text().splitlines()) == 2 + len(c["rows"])
+
+
+def check_fsdp_bench(tmp):
+    fj, fm = os.path.join(tmp, "f.json"), os.path.join(tmp, "f.md")
+    names = ["hsdp", "hsdp/topk:density=0.05", "fsdp/onebit", "replicate/topk:density=0.05", "ddp"]
+    argv = ["bench", "fsdp", "--contenders", ",".join(names), "--dim", "16", "--layers", "1",
+            "--seq-len", "8", "--vocab", "16", "--batch-size", "2", "--warmup", "1", "--steps", "1",
+            "--rounds", "2", "--nodes", "2", "--per-node", "1", "--json", fj, "--markdown", fm]  # fmt: skip
+    assert main(argv) == 0
+    if dist.get_rank() != 0:
+        return  # rank 0 reports
+    f = json.loads(Path(fj).read_text())
+    rows = {r["contender"]: r for r in f["rows"]}
+    assert list(rows) == names and f["baseline"] == "hsdp"
+    assert rows["hsdp"]["speedup"] == 1.0 and rows["hsdp"]["speedup_range"] == [1.0, 1.0]
+    for name, r in rows.items():
+        assert len(r["round_step_ms"]) == 2 and r["step_ms"] == pytest.approx(
+            sorted(r["round_step_ms"])[0] / 2 + sorted(r["round_step_ms"])[1] / 2
+        )
+        assert r["cable_mb"] is None  # loopback: no NIC counters
+        # gradsync counts its own collectives only where it synchronizes
+        assert (r["gradsync_mb"] != {}) == ("/" in name), (name, r["gradsync_mb"])
+    assert set(rows["fsdp/onebit"]["gradsync_mb"]) == {"shard"}
+    assert set(rows["hsdp/topk:density=0.05"]["gradsync_mb"]) == {"replicate"}
+    assert len(Path(fm).read_text().splitlines()) == 4 + len(names)
 
 
 def check_step_bench(tmp):
@@ -254,6 +283,14 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         (["bench", "train", "--rounds", "0"], "--rounds must be at least 1"),
         (["bench", "train", "--contenders", "ddp,auto@replan=-1"], "replan"),
         (["bench", "train", "--contenders", "ddp,auto@oops"], "KEY=VALUE"),
+        (["bench", "fsdp", "--contenders", "zero3"], "the kind must be one of hsdp, fsdp, replicate, ddp"),
+        (["bench", "fsdp", "--contenders", "ddp/topk"], "ddp takes no scheme"),
+        (["bench", "fsdp", "--contenders", "hsdp/"], "give a scheme after the slash"),
+        (["bench", "fsdp", "--contenders", "hsdp/hitopk"], "hierarchical schemes"),
+        (["bench", "fsdp", "--contenders", "hsdp,hsdp"], "--contenders names 'hsdp' more than once"),
+        (["bench", "fsdp", "--dim", "30"], "--dim must be a multiple of 4"),
+        (["bench", "fsdp", "--steps", "0"], "--steps must be at least 1"),
+        (["bench", "fsdp", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
     ],
 )
 def test_benchmark_argument_errors_come_before_any_process_group(argv, message, capsys, monkeypatch):

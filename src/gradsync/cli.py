@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradsync.bench import collectives as bench_collectives
     from gradsync.bench import convergence as bench_convergence
     from gradsync.bench import datacache as bench_datacache
+    from gradsync.bench import fsdp as bench_fsdp
     from gradsync.bench import large_batch as bench_large_batch
     from gradsync.bench import optim as bench_optim
     from gradsync.bench import overhead as bench_overhead
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("step", bench_step, "a training step's time split per synchronization scheme, against DDP"),
         ("train", bench_train, "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
         ("convergence", bench_convergence, "each scheme's accuracy next to dense training"),
+        ("fsdp", bench_fsdp, "FSDP2, HSDP and replicate() with and without gradsync's compression"),
         (
             "large-batch",
             bench_large_batch,

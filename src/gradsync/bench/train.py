@@ -420,6 +420,14 @@ def check(args: argparse.Namespace) -> None:
         bench_step._contender(c)
         if names.count(c) > 1:
             raise ValueError(f"--contenders names {c!r} more than once")
+    check_world_options(args)
+    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    bench_nic.check(args)
+
+
+def check_world_options(args: argparse.Namespace) -> None:
+    """The options of a benchmark that runs on a launched or emulated world: ``--timeout``,
+    ``--nodes``/``--per-node``, ``--emulate``/``--link`` (ValueError naming the option)."""
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
     if (args.nodes is None) != (args.per_node is None):
@@ -427,8 +435,6 @@ def check(args: argparse.Namespace) -> None:
     for name in ("nodes", "per_node"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
-    bench_nic.check(args)
     if args.emulate and "RANK" not in os.environ:
         _emulated(args.emulate)
         from gradsync.cluster.netns import parse_rate
