@@ -349,3 +349,55 @@ def _host_reads_do_not_grow_with_buckets():
 
 def test_a_step_reads_the_device_a_fixed_number_of_times():
     run_world(2, _host_reads_do_not_grow_with_buckets)
+
+
+def _fsdp_paths():
+    """gradsync.fsdp's collectives (the compressed reduce-scatter, the replicate all-reduce, the
+    replicas check) on the communication device, nothing made without a device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync.fsdp import compress_fsdp, replicate
+
+    seen, wrong = install_checks()
+    cpu = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    x = torch.randn(8, 2, 8, 8, generator=torch.Generator().manual_seed(dist.get_rank()), device=cpu)
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(dist.get_rank()), device=cpu)
+    failures = []
+    for label, where, scheme in (("hsdp", "both", "topk:density=0.1"), ("replicate", None, "onebit")):
+        torch.manual_seed(0)
+        model = Net().to(cpu)
+        try:
+            if where is None:
+                replicate(model, scheme, blocks=[model.conv, model.fc], min_compress_bytes=0)
+            else:
+                for block in (model.conv, model.fc):
+                    fully_shard(block, mesh=mesh["shard"])
+                fully_shard(model, mesh=mesh["shard"])
+                compress_fsdp(
+                    model,
+                    scheme,
+                    replicate_group=mesh["replicate"].get_group(),
+                    where=where,
+                    min_compress_bytes=0,
+                )
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for _ in range(2):
+                with factories_default_to_meta():
+                    nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        except Exception as e:  # keep going: report every path that fails
+            failures.append(f"{label}: {type(e).__name__}: {e}")
+    with expect_all() as expect:
+        with expect("every FSDP path runs"):
+            assert not failures, "; ".join(failures)
+        with expect("the checking wrapper saw gradsync's all-to-all and all-gathers"):
+            assert "all_to_all_single" in seen and "all_gather" in seen, seen
+        with expect("every tensor on its group's communication device"):
+            assert not wrong, "\n".join(sorted({*wrong}))
+
+
+def test_fsdp_collectives_get_tensors_on_the_communication_device():
+    run_world(4, _fsdp_paths)
