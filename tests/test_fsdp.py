@@ -364,6 +364,29 @@ def check_tutorial_script() -> None:
         same_on_every_rank([full(compressed)], "top-k: every rank holds the same parameters")
 
 
+def check_says_what_it_compresses() -> None:
+    """summary() names each reduction's fate; a compressed scheme that compresses nothing (every
+    module under min_compress_bytes) warns on every rank instead of silently running dense."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    with expect_all() as expect:
+        small = shard(make(), mesh["shard"])
+        comp = compress_fsdp(small, "topk:density=0.1", replicate_group=group, min_compress_bytes=1 << 20)
+        with expect("before training every stream is undecided"):
+            assert {r["sync"] for r in comp.summary()} == {"undecided"}
+        with pytest.warns(UserWarning, match="compresses none of the 3 FSDP reductions"):
+            train(small, 1)
+        with expect("summary gives the reason"):
+            assert all("min_compress_bytes=1048576" in r["sync"] for r in comp.summary()), comp.summary()
+        some = shard(make(), mesh["shard"])
+        comp = compress_fsdp(some, "topk:density=0.1", replicate_group=group, min_compress_bytes=2048)
+        train(some, 2)
+        with expect("large modules compressed, small ones dense, each with its calls"):
+            rows = {r["stream"]: r for r in comp.summary()}
+            assert rows["b/ar"]["sync"] == "compressed" and rows["b/ar"]["calls"] == 2, rows
+            assert "min_compress_bytes" in rows["head/ar"]["sync"], rows
+
+
 def check_bad_input() -> None:
     mesh = meshes()
     group = mesh["replicate"].get_group()
@@ -409,6 +432,7 @@ def fsdp_world() -> None:
         check_bf16_and_fp16,
         check_state_round_trip,
         check_tutorial_script,
+        check_says_what_it_compresses,
         check_bad_input,
     )
 

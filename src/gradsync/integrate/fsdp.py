@@ -44,6 +44,7 @@ depends on sizes and call counts only). float16 reduction is refused for compres
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -137,7 +138,11 @@ class FsdpCompression:
         self.calls: dict[str, int] = {}
         """Collective calls so far per stream (``<module>/rs``, ``<module>/ar``)."""
         self.traffic = P.Traffic()
-        self._dense_why: dict[str, str] = {}
+        self.decided: dict[str, str | None] = {}
+        """Per stream, after its first call past the warm-up: why it goes dense (None: compressed)."""
+        self.streams: set[str] = set()
+        """The streams :func:`compress_fsdp` installed (``<module>/rs``, ``<module>/ar``)."""
+        self._warned = False
 
     # ------------------------------------------------------------------ decisions
     def _dense_reason(self, key: str, numel: int, parts: int, itemsize: int) -> str | None:
@@ -156,9 +161,38 @@ class FsdpCompression:
         return None
 
     def _note(self, key: str, why: str | None) -> None:
-        if why is not None and key not in self._dense_why and why != "dense warm-up":
-            self._dense_why[key] = why
+        """Keep a stream's first decision past the warm-up; once every stream has one and a
+        compressed scheme compresses none of them, warn (on every rank: they decide alike)."""
+        if why == "dense warm-up" or key in self.decided:
+            return
+        self.decided[key] = why
+        if why is not None:
             log.info("gradsync fsdp: %s is synchronized densely (%s)", key, why)
+        if (
+            not self._warned
+            and self.codec is not None
+            and self.streams <= set(self.decided)
+            and all(w is not None for w in self.decided.values())
+        ):
+            self._warned = True
+            warnings.warn(
+                f"gradsync fsdp: the scheme {self.scheme.text!r} compresses none of the "
+                f"{len(self.decided)} FSDP reductions: "
+                + "; ".join(f"{k}: {w}" for k, w in sorted(self.decided.items())),
+                stacklevel=2,
+            )
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per stream: its key, calls so far, and how it is synchronized (``compressed``
+        or the reason it goes dense; ``undecided`` before its first call past the warm-up)."""
+        return [
+            {
+                "stream": key,
+                "calls": self.calls.get(key, 0),
+                "sync": ("undecided" if key not in self.decided else self.decided[key] or "compressed"),
+            }
+            for key in sorted(self.streams)
+        ]
 
     def _count(self, before: P.Traffic) -> None:
         for level, n in before.sent.items():
@@ -400,8 +434,10 @@ def compress_fsdp(
             continue
         if where in ("shard", "both"):
             m.set_custom_reduce_scatter(_CompressedReduceScatter(comp, name, m))
+            comp.streams.add(f"{name}/rs")
         if replicating:
             m.set_all_reduce_hook(partial(comp.all_reduce, name))
+            comp.streams.add(f"{name}/ar")
         if compressing:
             m.set_reduce_scatter_unused_params(True, recurse=False)
     return comp
