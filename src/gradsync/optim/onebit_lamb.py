@@ -50,7 +50,7 @@ class OneBitLamb(CompressedMomentumOptimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         freeze_step: int = 100,
-        ratio_bounds: tuple[float, float] = (0.5, 2.0),
+        ratio_bounds: tuple[float, float] = (0.1, 10.0),
         codec: str = DEFAULT_CODEC,
         strategy: str = "ps",
         topology: Topology | None = None,

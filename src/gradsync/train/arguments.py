@@ -108,27 +108,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="onebit-adam, zeroone-adam, onebit-lamb: dense warm-up steps (all-reduced gradients) "
         "before the variance freezes and the momentum is exchanged compressed "
-        "(default: 3 %% of the run's steps, at least 1)",
+        "(default: 3 %% of the run's steps, 2 %% for zeroone-adam, at least 1)",
     )
     g.add_argument(
         "--var-freeze-step",
         type=int,
         default=None,
         help="zeroone-adam: the last step at which the variance is refreshed (at intervals 1, 2, 4, "
-        "... after --freeze-step); local steps follow (default: 10 %% of the run's steps)",
+        "... after --freeze-step); local steps follow (default: 45 %% of the run's steps)",
     )
     g.add_argument(
         "--sync-growth",
         type=int,
         default=None,
         help="zeroone-adam: the interval between exchanges doubles every this many steps after "
-        "--var-freeze-step (default: 5 %% of the run's steps)",
+        "--var-freeze-step (default: 6.5 %% of the run's steps)",
     )
     g.add_argument(
         "--max-sync-interval",
         type=int,
-        default=8,
-        help="zeroone-adam: the longest run of local steps between two exchanges (default 8)",
+        default=4,
+        help="zeroone-adam: the longest run of local steps between two exchanges (default 4)",
     )
     g.add_argument(
         "--momentum-codec",

@@ -285,9 +285,14 @@ class Trainer(TrainerState, TrainerSteps):
         return (
             f"gradsync train: {self.model_name} ({parameter_count(self.net) / 1e6:.2f} M parameters) on "
             f"{d.name} ({len(d.train)} train / {len(d.val)} val), {self.world} workers as "
-            f"{self.topo.nodes} x {self.topo.per_node}, scheme {self.args.scheme} (plan {self.args.plan}), "
+            f"{self.topo.nodes} x {self.topo.per_node}, {self._sync_words()}, "
             f"{self.steps_per_epoch} steps per epoch, device {self.device}"
         )
+
+    def _sync_words(self) -> str:
+        if self.self_syncing:
+            return f"no gradient sync (--optimizer {self.args.optimizer} synchronizes the model)"
+        return f"scheme {self.args.scheme} (plan {self.args.plan})"
 
     def _summary(self) -> dict[str, Any]:
         a = self.args
@@ -299,7 +304,8 @@ class Trainer(TrainerState, TrainerSteps):
             "task": self.data.task,
             "model": self.model_name,
             "parameters": parameter_count(self.net),
-            "scheme": a.scheme,
+            "scheme": "none" if self.self_syncing else a.scheme,
+            "optimizer": a.optimizer,
             "plan": a.plan,
             "plan_table": self.model.plan_table(),
             "plan_summary": self.model.engine.report.summary if self.model.engine.report else "",

@@ -61,6 +61,9 @@ def build_optimizer(
     raise ValueError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {name!r}")
 
 
+ZEROONE_DEFAULTS = {"freeze_step": 0.02, "var_freeze_step": 0.45, "sync_growth": 0.065}
+"""zeroone-adam's defaults, as shares of the run's steps."""
+
 SELF_SYNCING_CLASSES: dict[str, Any] = {
     "onebit-adam": OneBitAdam,
     "zeroone-adam": ZeroOneAdam,
@@ -70,16 +73,19 @@ SELF_SYNCING_CLASSES: dict[str, Any] = {
 
 def compressed_options(args: argparse.Namespace, total_steps: int) -> dict[str, Any]:
     """The constructor options of ``--optimizer onebit-adam|zeroone-adam|onebit-lamb``, the
-    defaults as fractions of the run's ``total_steps``: a dense warm-up of 3 % (what a 16x
-    saving over the whole run allows: 1 / (0.03 + 0.97 / 32) is 16.6), for zeroone-adam the
-    variance refreshed until 10 % and the exchange interval doubling every 5 %."""
-    freeze = args.freeze_step if args.freeze_step is not None else max(1, round(0.03 * total_steps))
+    defaults as fractions of the run's ``total_steps``: a dense warm-up of 3 % (what a 16x saving
+    over the whole run allows: 1 / (0.03 + 0.97 / 32) is 16.6); for zeroone-adam ZEROONE_DEFAULTS
+    (docs/benchmarks.md, the Transformer LM with the Adam family)."""
+    share = ZEROONE_DEFAULTS if args.optimizer == "zeroone-adam" else {"freeze_step": 0.03}
+
+    def given(value: int | None, name: str, least: int = 1) -> int:
+        return value if value is not None else max(least, round(share[name] * total_steps))
+
+    freeze = given(args.freeze_step, "freeze_step")
     out: dict[str, Any] = {"freeze_step": freeze, "codec": args.momentum_codec}
     if args.optimizer == "zeroone-adam":
-        var = args.var_freeze_step
-        out["var_freeze_step"] = var if var is not None else max(freeze, round(0.10 * total_steps))
-        growth = args.sync_growth
-        out["sync_growth"] = growth if growth is not None else max(1, round(0.05 * total_steps))
+        out["var_freeze_step"] = given(args.var_freeze_step, "var_freeze_step", freeze)
+        out["sync_growth"] = given(args.sync_growth, "sync_growth")
         out["max_sync_interval"] = args.max_sync_interval
     return out
 

@@ -251,7 +251,7 @@ def validate(args: argparse.Namespace) -> None:
 def _check_self_syncing(args: argparse.Namespace) -> None:
     """The options of the optimizers that synchronize the model themselves (``SELF_SYNCING``)."""
     zeroone = {"--var-freeze-step": args.var_freeze_step, "--sync-growth": args.sync_growth}
-    if args.max_sync_interval != 8:
+    if args.max_sync_interval != 4:
         zeroone["--max-sync-interval"] = args.max_sync_interval
     given = {"--freeze-step": args.freeze_step, **zeroone}
     if args.momentum_codec != "onebit":
