@@ -133,7 +133,59 @@ def lightning_world(tmp):
         with pytest.raises(ValueError, match="registers its own DDP comm hook"):
             gradsync.lightning.Strategy("none", ddp_comm_hook=lambda s, b: None)
 
+    def check_fsdp2_under_model_parallel_strategy():
+        """Lightning's FSDP2 strategy (ModelParallelStrategy): fully_shard then compress_fsdp in
+        configure_model. "none" is the plain strategy bit for bit; top-k trains."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        from torch.distributed.fsdp import fully_shard
+
+        import gradsync.fsdp
+
+        class Sharded(L.LightningModule):
+            def __init__(self, scheme):
+                super().__init__()
+                self.scheme, self.net, self.losses, self.comp = scheme, net(), [], None
+
+            def configure_model(self):
+                mesh = self.device_mesh["data_parallel"]
+                for layer in (self.net[0], self.net[2], self.net):
+                    fully_shard(layer, mesh=mesh)
+                if self.scheme is not None:
+                    self.comp = gradsync.fsdp.compress_fsdp(self.net, self.scheme, min_compress_bytes=0)
+
+            def training_step(self, batch, _):
+                x, y = batch
+                loss = nn.functional.cross_entropy(self.net(x), y)
+                self.losses.append(float(loss.detach()))
+                return loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+        def run(scheme):
+            torch.manual_seed(0)
+            module = Sharded(scheme)
+            trainer = L.Trainer(
+                accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), max_steps=20,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, deterministic=True,
+            )  # fmt: skip
+            trainer.fit(module, DataLoader(dataset(), batch_size=8, shuffle=True))
+            return module, torch.cat([p.full_tensor().detach().reshape(-1) for p in module.net.parameters()])
+
+        _, plain = run(None)
+        _, none = run("none")
+        topk, flat = run("topk:density=0.1")
+        with expect_all() as expect:
+            with expect("none == Lightning's FSDP2, bit for bit"):
+                assert torch.equal(plain, none)
+            with expect("top-k trains, compressing"):
+                assert sum(topk.losses[-5:]) < sum(topk.losses[:5]), topk.losses
+                assert topk.comp is not None and topk.comp.residual_norm() > 0
+            same_on_every_rank([flat], "lightning fsdp2 topk")
+
     run_checks(
+        check_fsdp2_under_model_parallel_strategy,
         check_none_is_lightnings_own_ddp,
         check_compressed_with_accumulation_and_a_checkpoint,
         check_error_feedback_told_the_loss_scale_under_16_mixed,
