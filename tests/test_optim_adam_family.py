@@ -395,3 +395,28 @@ def test_train_option_errors(extra, message, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--quiet", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_defaults_and_the_whole_run_traffic_of_the_benchmark():
+    import argparse
+
+    from gradsync.bench.convergence import whole_run_traffic
+    from gradsync.train.optim import compressed_options
+
+    args = argparse.Namespace(optimizer="zeroone-adam", freeze_step=None, var_freeze_step=None,
+                              sync_growth=None, max_sync_interval=4, momentum_codec="onebit")  # fmt: skip
+    want = {"freeze_step": 12, "codec": "onebit", "var_freeze_step": 275, "sync_growth": 40}
+    assert compressed_options(args, 612) == {**want, "max_sync_interval": 4}
+    args.optimizer = "onebit-adam"
+    assert compressed_options(args, 612) == {"freeze_step": 18, "codec": "onebit"}
+    args.freeze_step = 5
+    assert compressed_options(args, 3)["freeze_step"] == 5
+    # a dense epoch (ratio 1) and a 32x epoch of the same length: 2 / (1 + 1/32), not the mean 16.5
+    zero = {"bytes_per_step_intra": 0.0, "bytes_per_step_inter": 0.0}
+    history = [
+        {**zero, "bytes_per_step_world": 3200.0, "steps": 10, "compression_ratio": 1.0},
+        {**zero, "bytes_per_step_world": 100.0, "steps": 10, "compression_ratio": 32.0},
+    ]
+    got = whole_run_traffic(history)
+    assert got["run_bytes"] == 33000.0
+    assert got["run_compression"] == pytest.approx(64000 / 33000)
