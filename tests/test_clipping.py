@@ -70,6 +70,7 @@ def test_bad_clipping_options_name_the_option(options, message):
             {"scheme": "topk:density=0.01", "large_codec": "powersgd:rank=1"},
             "large_codec='powersgd:rank=1': a codec",
         ),
+        ({"scheme": "topk:density=0.01", "partitions": 2}, "partitions=2: splitting a compressed bucket"),
     ],
 )
 def test_the_ddp_hook_refuses_what_it_cannot_do(options, message):

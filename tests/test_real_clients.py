@@ -700,3 +700,25 @@ def uneven_world():
 
 def test_uneven_inputs():
     run_world(2, uneven_world)
+
+
+def _dense_algorithm_world():
+    """The hook's dense iterations run the dense_algorithm asked for: flat over the world,
+    hierarchical and torus2d per level (2 x 2 ranks), seen in the bytes each level carried."""
+    levels = {}
+    for algorithm in ("flat", "hierarchical", "torus2d"):
+        opts = {"min_compress_bytes": 0, "dense_warmup_steps": 2, "dense_algorithm": algorithm,
+                "topology": Topology(nodes=2, per_node=2)}  # fmt: skip
+        model = ddp_script(hooked("topk:density=0.1", opts), epochs=1, batch_size=48)  # 2 dense steps
+        state = model._gradsync_state
+        levels[algorithm] = {k for k, v in state.manager.take_traffic().items() if v}
+        state.close()
+    # every algorithm's set includes "world": the step check and flags are world all-reduces
+    with expect_all() as expect, expect("levels per dense algorithm"):
+        assert levels["flat"] == {"world"}, levels
+        assert "intra" in levels["hierarchical"], levels
+        assert {"intra", "inter"} <= levels["torus2d"], levels
+
+
+def test_the_hook_runs_the_dense_algorithm_asked_for():
+    run_world(4, _dense_algorithm_world)

@@ -299,7 +299,9 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     scheme, topo = state.scheme, state.topo
     assert scheme is not None and topo is not None
     if not compress:
-        return (yield from bucket_program(buf, topo, scheme, None, key, state.loss_scale, ws))
+        algorithm = state.config.dense_algorithm
+        algorithm = "hybrid" if algorithm == "auto" else algorithm  # no planner in the hook
+        return (yield from bucket_program(buf, topo, scheme, None, key, state.loss_scale, ws, algorithm))
     codec = state.codec
     assert codec is not None
     apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
@@ -385,6 +387,12 @@ def hook_config(config: SyncConfig) -> SyncConfig:
             f"large_codec={config.large_codec!r}: a codec for large tensors needs gradsync.wrap (its "
             "buckets hold one size class; DDP's mix large and small tensors, and the hook runs one "
             "codec); pass it as the scheme, or use wrap"
+        )
+    if config.partitions:
+        raise ValueError(
+            f"partitions={config.partitions}: splitting a compressed bucket into pipelined parts needs "
+            "gradsync.wrap (the hook synchronizes each of DDP's buckets whole); leave partitions at 0, or "
+            "make DDP's buckets smaller with bucket_cap_mb"
         )
     scheme = Scheme.parse(config.scheme)
     if scheme.kind != "dense" and sync_momentum(build_codecs(config, scheme)) is not None:
