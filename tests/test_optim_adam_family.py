@@ -196,6 +196,49 @@ def _check_lossless_compressed_stage_matches_frozen_adam() -> None:
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
 
 
+def _lamb_reference(steps: int, freeze: int, world: int) -> list[torch.Tensor]:
+    """Float64 1-bit LAMB with a lossless exchange: LAMB on the mean gradient for ``freeze``
+    steps, keeping bias-corrected running means (decay B1) of each adapted layer's ratio |w|/|u|,
+    |u| and |w|; then v frozen and the ratio R * clip(U/|u| * |w|/W, 0.1, 10)."""
+    x = [p.detach().double().clone() for p in _params()]
+    m = [torch.zeros_like(t) for t in x]
+    v = [torch.zeros_like(t) for t in x]
+    wd, adapt, eps = [WD, WD, 0.0], [True, True, False], 1e-6
+    means = [[0.0, 0.0, 0.0] for _ in x]  # ratio, |u|, |w|
+    for t in range(1, steps + 1):
+        per_rank = [_grads(t, r) for r in range(world)]
+        g = [sum(pr[i].double() for pr in per_rank) / world for i in range(len(x))]
+        tv = min(t, freeze)
+        for i in range(len(x)):
+            m[i] = B1 * m[i] + (1 - B1) * g[i]
+            if t <= freeze:
+                v[i] = B2 * v[i] + (1 - B2) * g[i] ** 2
+            u = (m[i] / (1 - B1**t)) / ((v[i] / (1 - B2**tv)).sqrt() + eps) + wd[i] * x[i]
+            un, wn = float(u.norm()), float(x[i].norm())
+            if not adapt[i]:
+                ratio = 1.0
+            elif t <= freeze:
+                ratio = wn / un
+                means[i] = [B1 * a + (1 - B1) * b for a, b in zip(means[i], (ratio, un, wn), strict=True)]
+            else:
+                r, uu, ww = (a / (1 - B1**freeze) for a in means[i])
+                ratio = r * min(max(uu / un * wn / ww, 0.1), 10.0)
+            x[i] = x[i] - LR * ratio * u
+    return x
+
+
+def _check_lossless_lamb_matches_its_formula() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want = _lamb_reference(8, 3, world)
+    ours = _params()
+    opt = OneBitLamb(_groups(ours), lr=LR, betas=(B1, B2), eps=1e-6, freeze_step=3, codec="none")
+    for step in range(1, 9):
+        _set_grads(ours, _grads(step, rank))
+        opt.step()
+    for a, b in zip(ours, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
 def _check_onebit_error_feedback_and_identical_ranks() -> None:
     rank = dist.get_rank()
     for cls in (OneBitAdam, OneBitLamb, ZeroOneAdam):
@@ -339,6 +382,7 @@ def _world_checks() -> None:
         _check_warmup_matches_adamw,
         _check_lamb_warmup_matches_lamb,
         _check_lossless_compressed_stage_matches_frozen_adam,
+        _check_lossless_lamb_matches_its_formula,
         _check_onebit_error_feedback_and_identical_ranks,
         _check_state_dict_round_trip_resumes_identically,
         _check_bytes_counted,

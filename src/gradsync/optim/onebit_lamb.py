@@ -8,16 +8,20 @@ all-reduce. Per layer (parameter tensor) ``w`` of a group with ``adapt`` (defaul
     r = |w| / |u|            (1 where either norm is 0; groups with adapt=False: 1)
     w = w - lr * r * u
 
-and each layer keeps running means (decay ``b1``, bias-corrected) of its ratio ``r`` and of its
-update's norm ``|u|``. At the freeze step ``v`` is frozen (as in 1-bit Adam), and so are those
-two means, ``R`` and ``U``. Afterwards the momentum is exchanged compressed (onebit with error
-feedback on both stages, every rank ending with the same ``m``) and each layer's ratio is::
+and each layer keeps running means (decay ``b1``, bias-corrected) of its ratio ``r``, of its
+update's norm ``|u|`` and of its weight's norm ``|w|``. At the freeze step ``v`` is frozen (as in
+1-bit Adam), and so are those means, ``R``, ``U`` and ``W``. Afterwards the momentum is exchanged
+compressed (onebit with error feedback on both stages, every rank ending with the same ``m``)
+and each layer's ratio is::
 
-    r = R * clip(U / |u|, lower, upper)           (``ratio_bounds = (lower, upper)``)
+    r = R * clip((U / |u|) * (|w| / W), lower, upper)     (``ratio_bounds = (lower, upper)``)
 
-the frozen ratio, scaled by how much the layer's update changed since the warm-up: with ``|w|``
-about constant, ``|w| / |u|`` is what LAMB would compute; the bounds stop one noisy step (a
-compressed momentum's norm is noisier than the dense one) from moving the ratio far. Ratios are
+the frozen ratio, scaled by how much the layer's update and weight changed since the warm-up
+(``R * U / W`` is about 1, so this is LAMB's ``|w| / |u|`` calibrated by the warm-up); the
+bounds stop one noisy step (a compressed momentum's norm is noisier than the dense one) from
+moving the ratio far. Without the ``|w| / W`` factor (the first version) each layer's step norm
+stayed at about ``lr * W`` while LAMB's grows with the weights: on the benchmark's Transformer
+LM it ended 30 % above dense AdamW's perplexity, against 24 % with the factor. Ratios are
 computed from the averaged momentum, so every rank gets the same ones.
 """
 
@@ -73,6 +77,7 @@ class OneBitLamb(CompressedMomentumOptimizer):
         )
         self.ratio_mean = torch.zeros(layers, dtype=torch.float32, device=self.flat.device)
         self.update_norm_mean = torch.zeros(layers, dtype=torch.float32, device=self.flat.device)
+        self.weight_norm_mean = torch.zeros(layers, dtype=torch.float32, device=self.flat.device)
         self.last_ratio = torch.ones(layers, dtype=torch.float32, device=self.flat.device)
         """The trust ratios of the last step (telemetry)."""
         self._u = self.flat.zeros()
@@ -96,18 +101,20 @@ class OneBitLamb(CompressedMomentumOptimizer):
             if group["weight_decay"]:
                 u[seg].add_(x[seg], alpha=group["weight_decay"])
         u_norm = self.flat.norms(u)
+        w_norm = self.flat.norms(x)
         if warm:
-            w_norm = self.flat.norms(x)
             valid = (w_norm > 0) & (u_norm > 0)
             ratio = torch.where(valid, w_norm / torch.where(valid, u_norm, 1.0), 1.0)
             # bias-corrected running means: after the warm-up, means over its last ~1/(1-b1) steps
             self.ratio_mean.lerp_(ratio, 1.0 - b1)
             self.update_norm_mean.lerp_(u_norm, 1.0 - b1)
+            self.weight_norm_mean.lerp_(w_norm, 1.0 - b1)
         else:
             lower, upper = self.ratio_bounds
             cf = 1.0 - b1**self.freeze_step  # the means' bias correction, frozen with them
-            frozen, ref = self.ratio_mean / cf, self.update_norm_mean / cf
-            scale = torch.where(u_norm > 0, ref / torch.where(u_norm > 0, u_norm, 1.0), 1.0)
+            frozen, ref, w_ref = self.ratio_mean / cf, self.update_norm_mean / cf, self.weight_norm_mean / cf
+            valid = (u_norm > 0) & (w_ref > 0)
+            scale = torch.where(valid, ref * w_norm / torch.where(valid, u_norm * w_ref, 1.0), 1.0)
             ratio = frozen * scale.clamp(lower, upper)
         ratio = torch.where(self.adapt, ratio, 1.0)
         self.last_ratio.copy_(ratio)
@@ -119,8 +126,13 @@ class OneBitLamb(CompressedMomentumOptimizer):
         return [g["lr"] for g in self.param_groups for _ in g["params"]]
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"ratio_mean": self.ratio_mean.clone(), "update_norm_mean": self.update_norm_mean.clone()}
+        return {
+            "ratio_mean": self.ratio_mean.clone(),
+            "update_norm_mean": self.update_norm_mean.clone(),
+            "weight_norm_mean": self.weight_norm_mean.clone(),
+        }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.ratio_mean.copy_(state["ratio_mean"].to(self.flat.device))
         self.update_norm_mean.copy_(state["update_norm_mean"].to(self.flat.device))
+        self.weight_norm_mean.copy_(state["weight_norm_mean"].to(self.flat.device))
