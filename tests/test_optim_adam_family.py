@@ -448,9 +448,9 @@ def test_train_defaults_and_the_whole_run_traffic_of_the_benchmark():
     from gradsync.train.optim import compressed_options
 
     args = argparse.Namespace(optimizer="zeroone-adam", freeze_step=None, var_freeze_step=None,
-                              sync_growth=None, max_sync_interval=4, momentum_codec="onebit")  # fmt: skip
-    want = {"freeze_step": 12, "codec": "onebit", "var_freeze_step": 275, "sync_growth": 40}
-    assert compressed_options(args, 612) == {**want, "max_sync_interval": 4}
+                              sync_growth=None, max_sync_interval=2, momentum_codec="onebit")  # fmt: skip
+    want = {"freeze_step": 12, "codec": "onebit", "var_freeze_step": 367, "sync_growth": 40}
+    assert compressed_options(args, 612) == {**want, "max_sync_interval": 2}
     args.optimizer = "onebit-adam"
     assert compressed_options(args, 612) == {"freeze_step": 18, "codec": "onebit"}
     args.freeze_step = 5

@@ -10,6 +10,8 @@ from gradsync.models import models_for
 
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "onebit-adam", "zeroone-adam", "onebit-lamb")
 SELF_SYNCING = ("onebit-adam", "zeroone-adam", "onebit-lamb")
+DEFAULT_MAX_SYNC_INTERVAL = 2
+"""zeroone-adam's longest run of local steps (docs/benchmarks.md, the Adam family)."""
 """Optimizers that synchronize the model themselves (compressed momentum): the model is built
 without gradient synchronization for them."""
 DEFAULT_SCHEME = "hitopk:density=0.01"
@@ -115,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="zeroone-adam: the last step at which the variance is refreshed (at intervals 1, 2, 4, "
-        "... after --freeze-step); local steps follow (default: 45 %% of the run's steps)",
+        "... after --freeze-step); local steps follow (default: 60 %% of the run's steps)",
     )
     g.add_argument(
         "--sync-growth",
@@ -127,8 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-sync-interval",
         type=int,
-        default=4,
-        help="zeroone-adam: the longest run of local steps between two exchanges (default 4)",
+        default=DEFAULT_MAX_SYNC_INTERVAL,
+        help="zeroone-adam: the longest run of local steps between two exchanges "
+        f"(default {DEFAULT_MAX_SYNC_INTERVAL})",
     )
     g.add_argument(
         "--momentum-codec",

@@ -61,7 +61,7 @@ def build_optimizer(
     raise ValueError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {name!r}")
 
 
-ZEROONE_DEFAULTS = {"freeze_step": 0.02, "var_freeze_step": 0.45, "sync_growth": 0.065}
+ZEROONE_DEFAULTS = {"freeze_step": 0.02, "var_freeze_step": 0.60, "sync_growth": 0.065}
 """zeroone-adam's defaults, as shares of the run's steps."""
 
 SELF_SYNCING_CLASSES: dict[str, Any] = {

@@ -25,6 +25,7 @@ from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.train.arguments import (
     CACHE_SHUFFLE,
     CLIP_WHERE,
+    DEFAULT_MAX_SYNC_INTERVAL,
     DEFAULT_SCHEME,
     LR_SCALING,
     OPTIMIZERS,
@@ -251,7 +252,7 @@ def validate(args: argparse.Namespace) -> None:
 def _check_self_syncing(args: argparse.Namespace) -> None:
     """The options of the optimizers that synchronize the model themselves (``SELF_SYNCING``)."""
     zeroone = {"--var-freeze-step": args.var_freeze_step, "--sync-growth": args.sync_growth}
-    if args.max_sync_interval != 4:
+    if args.max_sync_interval != DEFAULT_MAX_SYNC_INTERVAL:
         zeroone["--max-sync-interval"] = args.max_sync_interval
     given = {"--freeze-step": args.freeze_step, **zeroone}
     if args.momentum_codec != "onebit":
