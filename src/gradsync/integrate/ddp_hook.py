@@ -388,11 +388,11 @@ def hook_config(config: SyncConfig) -> SyncConfig:
             "buckets hold one size class; DDP's mix large and small tensors, and the hook runs one "
             "codec); pass it as the scheme, or use wrap"
         )
-    if config.partitions:
+    if config.partitions > 1:  # 0 (let the planner pick) and 1 (whole) are what the hook does
         raise ValueError(
             f"partitions={config.partitions}: splitting a compressed bucket into pipelined parts needs "
-            "gradsync.wrap (the hook synchronizes each of DDP's buckets whole); leave partitions at 0, or "
-            "make DDP's buckets smaller with bucket_cap_mb"
+            "gradsync.wrap (the hook synchronizes each of DDP's buckets whole); use partitions 0 or 1, "
+            "or make DDP's buckets smaller with bucket_cap_mb"
         )
     scheme = Scheme.parse(config.scheme)
     if scheme.kind != "dense" and sync_momentum(build_codecs(config, scheme)) is not None:
