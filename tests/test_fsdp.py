@@ -412,9 +412,14 @@ def check_bad_input() -> None:
         for module, kw, words in cases:
             with expect(f"{kw} -> {words}"), pytest.raises(ValueError, match=words):
                 compress_fsdp(module, **kw)  # type: ignore[arg-type]
-        early = pytest.raises(ValueError, match="hierarchical")
-        with expect("replicate() checks its scheme before building the mesh"), early:
-            replicate(make(), "hitopk")
+        for args, kw, words in (
+            (("hitopk",), {}, "hierarchical"),
+            (("topk",), {"where": "shard"}, "replicate_group and where are its own"),
+            (("topk",), {"dense_warmup_steps": -1}, "dense_warmup_steps must be an integer >= 0"),
+        ):
+            early = pytest.raises(ValueError, match=words)
+            with expect(f"replicate() checks {kw or args} before building the mesh"), early:
+                replicate(make(), *args, **kw)
     apart = shard(make(seed=dist.get_rank() // 2), mesh["shard"])  # replicas {0, 2} and {1, 3} differ
     refused = pytest.raises(ValueError, match="hold different parameters")
     with expect_all() as expect, expect("replicas holding different parameters are refused"), refused:

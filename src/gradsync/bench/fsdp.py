@@ -33,6 +33,7 @@ from gradsync.bench.output import markdown_table, save_result
 from gradsync.bench.train import check_world_options, round_order, run_emulated
 from gradsync.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
 from gradsync.collectives import Topology
+from gradsync.collectives.topology import default_device
 from gradsync.models import parameter_count
 from gradsync.models.text import TransformerLanguageModel
 
@@ -117,8 +118,9 @@ def _wrapped(
 
     from gradsync.fsdp import compress_fsdp, replicate
 
-    model = _model(args)
-    device = "cpu"
+    where = default_device()  # the rank's GPU under NCCL (join_world made it current), else the CPU
+    device = where.type
+    model = _model(args).to(where)
     if kind == "ddp":
         return DistributedDataParallel(model), None
     if kind == "replicate":
@@ -188,7 +190,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     topo = join_world(args.timeout, args.nodes, args.per_node)
     names = [c.strip() for c in args.contenders.split(",") if c.strip()]
     g = torch.Generator().manual_seed(1 + topo.rank)
-    tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
+    tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g).to(
+        default_device()
+    )
     meter = CableMeter(topo)
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
