@@ -199,8 +199,8 @@ class FsdpCompression:
             self.traffic.add(level, n)
 
     @staticmethod
-    def _check_dtype(key: str, t: torch.Tensor) -> None:
-        if t.dtype == torch.float16:
+    def _check_dtype(key: str, dtype: torch.dtype) -> None:
+        if dtype == torch.float16:
             raise ValueError(
                 f"compress_fsdp: {key} reduces in float16; compressed schemes take float32 or bfloat16 "
                 "reduction (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 or torch.float32))"
@@ -227,7 +227,7 @@ class FsdpCompression:
             dist.reduce_scatter_tensor(out, inp, op=op, group=group)
             self.traffic.add("shard", (p - 1) / p * inp.numel() * inp.element_size(), "reduce_scatter")
             return
-        self._check_dtype(module_key, inp)
+        self._check_dtype(module_key, inp.dtype)
         assert self.codec is not None
         if op == dist.ReduceOp.SUM:
             scale = 1.0
@@ -269,7 +269,7 @@ class FsdpCompression:
                 "replicate", 2 * (r - 1) / r * shard.numel() * shard.element_size(), "all_reduce"
             )
             return
-        self._check_dtype(module_key, shard)
+        self._check_dtype(module_key, shard.dtype)
         assert self.codec is not None
         coder = Coder(self.codec, key, 1.0)
         rank = dist.get_rank()
@@ -425,8 +425,8 @@ def compress_fsdp(
                     "replicate_group=mesh['replicate'].get_group(); for replicate() use "
                     "gradsync.fsdp.replicate"
                 )
-            if compressing and _reduce_dtype(g) == torch.float16:
-                comp._check_dtype(name, torch.empty(0, dtype=torch.float16))
+            if compressing:
+                comp._check_dtype(name, _reduce_dtype(g))
     if replicating:
         _check_replicas(modules, replicate_group)
     for name, m in modules:
