@@ -118,3 +118,22 @@ def test_pipelined_hitopk_overlaps_compute_and_transfer():
     transfer = INTER.alpha + c.payload(part / 2) * INTER.beta * 2  # fixed slots: one start-up
     tail = INTRA.alpha + 2 * 4 * c.payload(part / 2) * INTRA.beta + 16 * c.decode(part / 2)
     assert four == pytest.approx(compute + 3 * max(compute, transfer) + transfer + tail)
+
+
+def test_local_aggregation_without_peers_is_predicted_as_the_engine_runs_it():
+    """hitopk (``allgather+local``) with one rank per node: compressed_program runs the plain
+    all-gather over the world, one encode and one all-gather per part, no chunks, so the planner
+    predicts paper 04's packed all-gather (naive), not the chunked pipeline. On one node nothing
+    crosses a node: a dense intra-node reduce-scatter and all-gather."""
+    from gradsync.sync.planner import predict
+    from gradsync.sync.scheme import Scheme
+
+    c = codec(enc=1e-8)
+    hitopk = Scheme.parse("hitopk:density=0.01").resolve(2, 1)
+    assert hitopk.local and hitopk.strategy == "allgather"
+    two_by_one = CostModel(PARAMS, nodes=2, per_node=1)
+    want = c.encode(S) + INTER.alpha + c.payload(S) * INTER.beta + 2 * c.decode(S)
+    assert predict(hitopk, two_by_one, S, c) == pytest.approx(want)
+    one_node = CostModel(PARAMS, nodes=1, per_node=4)
+    rs = 3 * INTRA.alpha + 3 / 4 * S * INTRA.beta
+    assert predict(hitopk, one_node, S, c) == pytest.approx(2 * rs)

@@ -192,13 +192,13 @@ class CostModel:
     def torus2d(self, nbytes: float) -> float:
         """Paper 01's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the cable, intra AG."""
         o = self.params.inter
-        rs = self._intra_shard_step(nbytes)
+        rs = self.intra_shard_step(nbytes)
         inter = 0.0
         if self.m > 1:
             inter = 2 * (self.m - 1) * o.alpha + 2 * (self.m - 1) / self.m * nbytes * o.beta + self.calls(1)
         return 2 * rs + inter
 
-    def _intra_shard_step(self, nbytes: float) -> float:
+    def intra_shard_step(self, nbytes: float) -> float:
         """One intra-node reduce-scatter (or all-gather) of S bytes: one call."""
         i = self.params.intra
         if self.n <= 1:
@@ -232,7 +232,7 @@ class CostModel:
         i, o = self.params.intra, self.params.inter
         part = nbytes / chunks
         shard = part / self.n
-        compute = self._intra_shard_step(part) + c.encode(shard)
+        compute = self.intra_shard_step(part) + c.encode(shard)
         transfer = self.allgather(c.payload(shard), self.m, o, streams=self.n, messages=c.messages)
         pipeline = compute + (chunks - 1) * max(compute, transfer) + transfer
         t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=c.messages)
@@ -285,7 +285,7 @@ class CostModel:
             return 2 * self._tree(nbytes) + self.lowrank(nbytes, c, self.m, o)
         if strategy == "allgather":
             return self.hitopk(nbytes, c)
-        rs = self._intra_shard_step(nbytes)
+        rs = self.intra_shard_step(nbytes)
         shard = nbytes / self.n
         shared = Link(o.alpha, o.beta * self.n)
         across = self.casync(strategy, shard, c, n=self.m, link=shared, messages=2)

@@ -52,15 +52,16 @@ def predict(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | 
         return getattr(model, algo)(nbytes // 2 if scheme.comm_dtype else nbytes)
     if codec is None:
         raise ValueError("a compressed scheme needs the codec's measured cost")
+    # local aggregation needs ranks to aggregate: with one rank per node the engine runs the plain
+    # strategy over the world (compressed_program), one encode and one all-gather, no chunks
+    local = bool(scheme.local) and model.n > 1
     if codec.lowrank:  # PowerSGD's rounds, around an intra-node reduction with local aggregation
-        return (
-            model.locally_aggregated("allgather", nbytes, codec)
-            if scheme.local
-            else model.lowrank(nbytes, codec)
-        )
-    if scheme.strategy == "allgather" and scheme.local:  # hitopk, pipelined in chunks
+        return model.locally_aggregated("allgather", nbytes, codec) if local else model.lowrank(nbytes, codec)
+    if local and model.m == 1:  # nothing crosses a node: a dense reduce-scatter and all-gather
+        return 2 * model.intra_shard_step(nbytes)
+    if scheme.strategy == "allgather" and local:  # hitopk, pipelined in chunks
         return model.hitopk(nbytes, codec, pipeline_chunks(int(nbytes), 4))
-    if scheme.local:
+    if local:
         return model.locally_aggregated(scheme.strategy or "allgather", nbytes, codec)
     if scheme.strategy == "allgather":
         return model.naive(nbytes, codec)
