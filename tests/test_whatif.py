@@ -114,6 +114,27 @@ def test_contention_slows_every_busy_thread():
     assert Cpu(4, 2.0).slowdown(2) == 4.0 and Cpu().slowdown(5) == 1.0
 
 
+def test_the_powersgd_hook_charges_its_measured_work():
+    """With the hook's work measured running (seconds per bucket byte), a bucket's hook compute
+    stages add up to that rate times the bucket, split as the codec's timing splits them (half of the
+    encode before each factor's all-reduce, the decode last)."""
+    w = workload([(8, 0.010), (0.01, 0.020)])
+    cluster = Cluster(2, 2, network(1e-9, 1e-5).params)
+    rate = 2e-9
+    costs = table()
+    prog = build_program("ddp-powersgd:rank=4", w, cluster, costs, ddp_bucket_bytes=64 * MB, hook_rate=rate)
+    bucket = prog.buckets[0]  # DDP's first bucket closes at 1 MiB: the 8 MiB matrix alone
+    assert bucket == [0]
+    nbytes = sum(w.tensors[i].nbytes for i in bucket)
+    work = {st.label: st.seconds for t in prog.bucket_tasks[0] for st in t.stages}
+    hook = work["compute P"] + work["orthogonalize, compute Q"] + work["decompress"]
+    assert hook == pytest.approx(rate * nbytes, rel=1e-12)
+    c = costs("powersgd:rank=4", [])
+    mat = 8 * MB
+    assert work["decompress"] / hook == pytest.approx(c.decode(mat) / (c.encode(mat) + c.decode(mat)))
+    assert work["compute P"] == pytest.approx(work["orthogonalize, compute Q"])
+
+
 def test_more_bandwidth_is_never_slower():
     """With the decisions fixed (plan=compress, two parts: the auto planner may choose dense where
     compressing would still have been faster, see test_the_auto_plan_can_lose_to_its_own_codec)."""

@@ -119,6 +119,14 @@ class Carry:
     rounds: int = 0
 
 
+def powersgd_bucket_mb(model: nn.Module) -> float | None:
+    """DDP's bucket size for PyTorch's PowerSGD hook here: one bucket holding the whole model on
+    gloo (see :func:`_ddp`), DDP's default (None) under NCCL."""
+    if torch.cuda.is_available():
+        return None
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+
+
 def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -> nn.Module:
     """PyTorch DDP, with PyTorch's own fp16 or PowerSGD communication hook when asked. The
     PowerSGD hook's dense warm-up (``start_powerSGD_iter``) ends inside the unmeasured steps."""
@@ -130,8 +138,7 @@ def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -
         # completion callback, which can interleave with the next bucket's first all-reduce
         # differently on each rank (a collective mismatch); with one bucket there is nothing to
         # interleave. (NCCL orders them on its stream, so GPU runs keep DDP's default buckets.)
-        one_bucket = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
-        ddp = DDP(model, bucket_cap_mb=one_bucket if not torch.cuda.is_available() else None)
+        ddp = DDP(model, bucket_cap_mb=powersgd_bucket_mb(model))
     else:
         ddp = DDP(model)
     if name == "ddp-fp16":

@@ -123,11 +123,12 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from gradsync.bench.hook_costs import powersgd_hook_rate
     from gradsync.collectives.cost import calibrate
     from gradsync.observe.profiler import profile_step
     from gradsync.sync.engine_costs import EngineCosts
     from gradsync.whatif.codec_costs import CodecTable
-    from gradsync.whatif.contenders import codec_spec_of
+    from gradsync.whatif.contenders import codec_spec_of, powersgd_rank
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     options = bench_step._options(args.sync_option)
@@ -151,10 +152,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     else:
         params = calibrate(topo, reps=5)
         say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
-    profile = None
+    profile, hook_rates = None, {}
     if rank0:
         profile = profile_step(copy.deepcopy(base), (x, y), steps=args.profile_steps, warmup=3,
                                overhead=False, model_name=args.model, batch_size=args.batch_size)  # fmt: skip
+        hook_rates = {c: powersgd_hook_rate(base, x, y, powersgd_rank(c), bench_step.powersgd_bucket_mb(base))
+                      for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
+        for c, rate in hook_rates.items():
+            say(f"  {c}: PyTorch's hook adds {rate * _bytes(base) * 1e3:.1f} ms of work per step")
     dist.barrier()
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
@@ -182,10 +187,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
         "sync_options": options,
+        "hook_rates": hook_rates,
         "engine_costs": args.costs,
         "measured": rows, "details": details,
     }  # fmt: skip
     return compare(result)
+
+
+def _bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
@@ -226,8 +236,10 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
     gpu = torch.cuda.is_available()
     ddp_buckets = {c: one_bucket for c in contenders if c.startswith("ddp-powersgd") and not gpu}
+    # the hooks' work as measured running (results stored before it was: the codec's timing)
+    hooks = result.get("hook_rates") or {}
     predicted = predict_point(
-        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets
+        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets, hooks
     )
     table = []
     for meas, pred in zip(rows, predicted, strict=True):

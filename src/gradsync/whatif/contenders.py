@@ -205,8 +205,11 @@ def build_program(
     costs: CodecCosts,
     sync_options: dict[str, str] | None = None,
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES,
+    hook_rate: float | None = None,
 ) -> StepProgram:
-    """The simulated step of contender ``name`` (see the module docstring)."""
+    """The simulated step of contender ``name`` (see the module docstring). ``hook_rate``: for
+    PyTorch's PowerSGD hook, its work as measured running (seconds per byte of a bucket,
+    :func:`gradsync.bench.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing."""
     k = kind(name)
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
@@ -240,7 +243,9 @@ def build_program(
             prog.cable_bytes += cable
         return prog
     if k == "ddp":
-        return _ddp_program(name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma)
+        return _ddp_program(
+            name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma, hook_rate
+        )
     return _gradsync_program(
         name, workload, order, cluster, model, bytes_model, host, costs, sync_options or {}
     )
@@ -248,7 +253,7 @@ def build_program(
 
 def _ddp_program(
     name: str, workload: Workload, order: list[int], model: CostModel, bytes_model: CostModel,
-    host: CostModel, costs: CodecCosts, cap: int, gamma: float,
+    host: CostModel, costs: CodecCosts, cap: int, gamma: float, hook_rate: float | None = None,
 ) -> StepProgram:  # fmt: skip
     prog = StepProgram(name)
     prog.buckets = ddp_buckets(workload, order, cap, min(DDP_FIRST_BUCKET_BYTES, cap))
@@ -269,7 +274,7 @@ def _ddp_program(
             ]  # fmt: skip
             prog.cable_bytes += bytes_model.flat(s / 2)
         else:
-            stages = _powersgd_hook(name, workload, members, model, bytes_model, host, costs, prog)
+            stages = _powersgd_hook(name, workload, members, model, bytes_model, host, costs, prog, hook_rate)
             stages.insert(0, copy_in)
         prog.bucket_tasks.append([Task(f"bucket {b}", b, stages)])
     prog.after_sync = gamma * total  # the bucket copied back into the gradients
@@ -278,26 +283,34 @@ def _ddp_program(
 
 def _powersgd_hook(
     name: str, workload: Workload, members: list[int], model: CostModel, bytes_model: CostModel,
-    host: CostModel, costs: CodecCosts, prog: StepProgram,
+    host: CostModel, costs: CodecCosts, prog: StepProgram, hook_rate: float | None = None,
 ) -> list[Stage]:  # fmt: skip
     """PyTorch's PowerSGD hook on one bucket: the vectors (biases) all-reduced as they are; the
     matrices' P = M Q computed in the hook and all-reduced, then (in the callback) orthogonalized,
-    Q = M^T P computed and all-reduced, and M = P Q^T decoded. The compute is gradsync's PowerSGD
-    codec's measured cost at the matrices' size, half before each factor's all-reduce."""
+    Q = M^T P computed and all-reduced, and M = P Q^T decoded.
+
+    The compute is gradsync's PowerSGD codec's measured cost at the matrices' size, half of its
+    encode before each factor's all-reduce, its decode at the end; with ``hook_rate`` (the hook's
+    own work measured as it runs, seconds per bucket byte: error feedback, copies, the per-tensor
+    products and orthogonalization) that total, split in the same proportions."""
     rank = powersgd_rank(name)
     vec = sum(workload.tensors[i].nbytes for i in members if workload.tensors[i].numel < 2**16)
     mat = _bytes_of(workload, members) - vec
     c = costs(f"powersgd:rank={rank}", [mat])
     factor = c.payload(mat) / 2
-    stages = [Stage(MAIN, c.encode(mat) / 2, "compute P")]
+    encode, decode = c.encode(mat), c.decode(mat)
+    if hook_rate is not None and encode + decode > 0:
+        total = hook_rate * _bytes_of(workload, members)
+        encode, decode = total * encode / (encode + decode), total * decode / (encode + decode)
+    stages = [Stage(MAIN, encode / 2, "compute P")]
     if vec:
         stages += comm_stages("allreduce vectors", model.flat(vec), host.flat(vec), vec)
         prog.cable_bytes += bytes_model.flat(vec)
     stages += [
         *comm_stages("allreduce P", model.flat(factor), host.flat(factor), factor),
-        Stage(COMM, c.encode(mat) / 2, "orthogonalize, compute Q"),
+        Stage(COMM, encode / 2, "orthogonalize, compute Q"),
         *comm_stages("allreduce Q", model.flat(factor), host.flat(factor), factor),
-        Stage(COMM, c.decode(mat), "decompress"),
+        Stage(COMM, decode, "decompress"),
     ]
     prog.cable_bytes += 2 * bytes_model.flat(factor)
     return stages

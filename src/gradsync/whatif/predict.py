@@ -125,11 +125,12 @@ def points(base: Point, sweeps: list[tuple[str, list[Any]]]) -> list[Point]:
 def simulate_contender(
     name: str, workload: Workload, point: Point, costs: CodecCosts, cpu: Cpu,
     sync_options: dict[str, str] | None = None, record: bool = False, ddp_bucket_bytes: int | None = None,
+    hook_rate: float | None = None,
 ) -> tuple[StepResult, float, list[str]]:  # fmt: skip
     """The simulated step of one contender, its cable bytes and the program's notes."""
     cluster = Cluster(point.nodes, point.per_node, point.network.params)
     kw = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
-    program = build_program(name, workload, cluster, costs, sync_options, **kw)
+    program = build_program(name, workload, cluster, costs, sync_options, hook_rate=hook_rate, **kw)
     ready = [(i, t.ready) for i, t in enumerate(workload.tensors) if t.ready is not None]
     w = workload
     result = simulate(program, ready, w.data, w.forward, w.backward, w.optimizer, cpu, record)
@@ -144,8 +145,10 @@ def predict_point(
     cpu: Cpu = NO_CONTENTION,
     sync_options: dict[str, str] | None = None,
     ddp_bucket_bytes: dict[str, int] | None = None,
+    hook_rates: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per contender at ``point``."""
+    """One row per contender at ``point``; ``hook_rates``: PyTorch hooks' measured work per
+    contender name (:func:`~gradsync.whatif.contenders.build_program`'s ``hook_rate``)."""
     local, _, _ = simulate_contender("local", workload, point, costs, cpu)
     rows = []
     rate = point.network.inter_bytes_per_s
@@ -153,8 +156,9 @@ def predict_point(
         name = contender_name(template, point.ratio)
         buckets = (ddp_bucket_bytes or {}).get(name)
         res, cable, notes = simulate_contender(
-            name, workload, point, costs, cpu, sync_options, ddp_bucket_bytes=buckets
-        )
+            name, workload, point, costs, cpu, sync_options, ddp_bucket_bytes=buckets,
+            hook_rate=(hook_rates or {}).get(name),
+        )  # fmt: skip
         busy = cable / rate if math.isfinite(rate) and point.nodes > 1 else 0.0
         rows.append({
             **point.label(),

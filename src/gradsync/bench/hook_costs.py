@@ -1,0 +1,75 @@
+"""What PyTorch's PowerSGD communication hook costs as it runs, for ``gradsync bench whatif``.
+
+The simulator's DDP PowerSGD contender used to charge the hook gradsync's own PowerSGD codec's
+timing: one pass of products over the matrices. The hook does more: error feedback (add the
+residual, copy the input, subtract the approximation), a product, an orthogonalization and a
+copy per matrix, the batched factors' buffers, its futures' callbacks. On VGG (85.6 MB, rank 1,
+this project's CPU) that is 139 ms a step against the codec's 16 ms, all of it after the backward
+pass (the hook sees the whole model's bucket), so the prediction came out 26-45 % fast.
+
+:func:`powersgd_hook_rate` times the hook itself: DDP on a process group of this one rank, with
+and without the hook, in alternating passes; the difference per bucket byte is the rate the
+simulator charges (:func:`gradsync.whatif.contenders.build_program`'s ``hook_rate``).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradsync.collectives.cost import synchronize
+
+
+def _step_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        synchronize(x.device)
+        t0 = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        synchronize(x.device)
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return times
+
+
+def powersgd_hook_rate(
+    base: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, bucket_mb: float | None, passes: int = 3
+) -> float:
+    """Seconds per byte of gradient that PyTorch's PowerSGD hook (``rank``, error feedback and
+    warm start as by default) adds to a forward and backward pass of ``base`` on ``x``, ``y``, in
+    DDP buckets of ``bucket_mb`` (None: DDP's default). Run by one rank alone: it makes a process
+    group of itself (no other rank takes part), so the hook's collectives move nothing. The
+    median step with the hook minus the median without, over ``passes`` alternating passes of
+    4 steps each (after 3 warm-up steps, which also end the hook's dense start)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    me = dist.get_rank()
+    alone = dist.new_group([me], use_local_synchronization=True)
+    device = x.device
+    ids = [device.index] if device.type == "cuda" else None
+
+    def wrapped() -> DDP:
+        model = copy.deepcopy(base).to(device)
+        if bucket_mb is None:
+            return DDP(model, process_group=alone, device_ids=ids)
+        return DDP(model, process_group=alone, device_ids=ids, bucket_cap_mb=bucket_mb)
+
+    plain, hooked = wrapped(), wrapped()
+    state = psgd.PowerSGDState(process_group=alone, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    hooked.register_comm_hook(state, psgd.powerSGD_hook)
+    _step_seconds(plain, x, y, 3)
+    _step_seconds(hooked, x, y, 3)
+    without, with_hook = [], []
+    for _ in range(passes):
+        without += _step_seconds(plain, x, y, 4)
+        with_hook += _step_seconds(hooked, x, y, 4)
+    extra = max(statistics.median(with_hook) - statistics.median(without), 0.0)
+    nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    dist.destroy_process_group(alone)
+    return extra / max(nbytes, 1)
