@@ -15,6 +15,7 @@ simulator charges (:func:`gradsync.whatif.contenders.build_program`'s ``hook_rat
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 
@@ -71,5 +72,9 @@ def powersgd_hook_rate(
         with_hook += _step_seconds(hooked, x, y, 4)
     extra = max(statistics.median(with_hook) - statistics.median(without), 0.0)
     nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    dist.destroy_process_group(alone)
+    # the DDP wrappers (their reducers hold the group) go first; the one-rank group itself stays
+    # until the world is destroyed: destroying it here, under a live reducer, can abort the
+    # process ("Resource deadlock avoided")
+    del plain, hooked, state
+    gc.collect()
     return extra / max(nbytes, 1)
