@@ -125,6 +125,15 @@ def test_peak_and_busy_over_windows():
         phase_throughput(series, [(0, 1)], window_s=float("nan"))
 
 
+def test_the_peak_is_never_below_the_mean_of_a_short_phase():
+    """A 10 ms phase at 2 MB/s inside idle time: the 30 ms window around it averages in the idle
+    20 ms (0.67 MB/s), but the peak reads at least the phase's own mean."""
+    series = [Sample(0.0, 0, 0), Sample(0.01, 0, 0), Sample(0.02, 20_000, 0), Sample(0.03, 20_000, 0)]
+    got = phase_throughput(series, [(0.01, 0.02)], link_bytes_per_s=2e6, direction="tx", window_s=0.03)
+    assert got.mean_share == pytest.approx(1.0)
+    assert got.peak_share == pytest.approx(1.0)
+
+
 def test_phase_throughput_merges_phases_and_reports_uncovered_time():
     # two phases that overlap count their common time once: 0..20 ms, 20 kB, 1 MB/s
     got = phase_throughput(SERIES, [(0.0, 0.015), (0.01, 0.02)], link_bytes_per_s=1e6, direction="tx")

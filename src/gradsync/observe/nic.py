@@ -122,9 +122,9 @@ class PhaseThroughput:
     ``seconds``: the phases' total length; ``covered_s``: the part of it the samples cover;
     ``nbytes``: bytes moved in the covered part, each interval's bytes spread evenly over it (an
     interval half inside a phase contributes half its bytes); ``peak_bytes_per_s``: the fastest
-    interval (or window of ``window_s``) that overlaps a phase; ``busy_s``: covered time during
-    which that interval's (window's) rate was at least ``busy_threshold`` times the link rate (0
-    when the rate is unknown).
+    interval (or window of ``window_s``) that overlaps a phase, never below the mean;
+    ``busy_s``: covered time during which that interval's (window's) rate was at least
+    ``busy_threshold`` times the link rate (0 when the rate is unknown).
     """
 
     seconds: float
@@ -255,6 +255,8 @@ def phase_throughput(
     busier = max(ways, key=lambda w: got[w][1])
     covered = got[busier][0]
     nbytes, peak, busy = (max(g[k] for g in got.values()) for k in (1, 2, 3))
+    if covered > 0:  # a window straddling a short phase's edge averages in the time outside it,
+        peak = max(peak, nbytes / covered)  # which can read below the phases' own mean
     return PhaseThroughput(
         seconds, covered, nbytes, peak, busy, link_bytes_per_s, busy_threshold, busier, window_s
     )
