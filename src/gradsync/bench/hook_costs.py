@@ -27,6 +27,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync.collectives.cost import synchronize
 
 
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s gradients (the parameters that take one): what the rate is per."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def _step_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
@@ -71,10 +76,9 @@ def powersgd_hook_rate(
         without += _step_seconds(plain, x, y, 4)
         with_hook += _step_seconds(hooked, x, y, 4)
     extra = max(statistics.median(with_hook) - statistics.median(without), 0.0)
-    nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     # the DDP wrappers (their reducers hold the group) go first; the one-rank group itself stays
     # until the world is destroyed: destroying it here, under a live reducer, can abort the
     # process ("Resource deadlock avoided")
     del plain, hooked, state
     gc.collect()
-    return extra / max(nbytes, 1)
+    return extra / max(gradient_bytes(base), 1)

@@ -123,7 +123,7 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    from gradsync.bench.hook_costs import powersgd_hook_rate
+    from gradsync.bench.hook_costs import gradient_bytes, powersgd_hook_rate
     from gradsync.collectives.cost import calibrate
     from gradsync.observe.profiler import profile_step
     from gradsync.sync.engine_costs import EngineCosts
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         hook_rates = {c: powersgd_hook_rate(base, x, y, powersgd_rank(c), bench_step.powersgd_bucket_mb(base))
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
-            say(f"  {c}: PyTorch's hook adds {rate * _bytes(base) * 1e3:.1f} ms of work per step")
+            say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
     dist.barrier()
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
@@ -192,10 +192,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "measured": rows, "details": details,
     }  # fmt: skip
     return compare(result)
-
-
-def _bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
