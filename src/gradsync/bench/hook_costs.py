@@ -4,8 +4,9 @@ The simulator's DDP PowerSGD contender used to charge the hook gradsync's own Po
 timing: one pass of products over the matrices. The hook does more: error feedback (add the
 residual, copy the input, subtract the approximation), a product, an orthogonalization and a
 copy per matrix, the batched factors' buffers, its futures' callbacks. On VGG (85.6 MB, rank 1,
-this project's CPU) that is 139 ms a step against the codec's 16 ms, all of it after the backward
-pass (the hook sees the whole model's bucket), so the prediction came out 26-45 % fast.
+this project's CPU) that is 129-150 ms a step against the codec's 14-17 ms (the same
+``bench whatif`` runs, docs/whatif.md), all of it after the backward pass (the hook sees the
+whole model's bucket), so the prediction came out 9-45 % fast.
 
 :func:`powersgd_hook_rate` times the hook itself: DDP on a process group of this one rank, with
 and without the hook, in alternating passes; the difference per bucket byte is the rate the
