@@ -164,3 +164,61 @@ def test_load_state_rejects_another_config():
         gradsync.build_codec("topk:density=0.1+ef:momentum=0.5").load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="saved by codec 'topk'"):
         gradsync.build_codec("mstopk:density=0.1").load_state_dict(a.codec.state_dict())
+
+
+@pytest.mark.parametrize("spec", ["topk:density=0.01", "mstopk:density=0.01", "trimmed_topk:density=0.01"])
+@pytest.mark.parametrize("numel", [1000, 50_000, 300_001])
+def test_fused_accumulation_sends_what_an_add_then_encode_sends(backend, spec, numel):
+    """Plain error feedback hands the codec residual and gradient apart, and the selection adds
+    them in its first scan. The reference keeps its own float32 residual, adds with torch.add and
+    encodes with a separate codec of the same spec (its own scan of the finished sum): payloads
+    and residuals must agree bit for bit, step after step, including a step with ties (a gradient
+    that is mostly one value: more candidates than the sample predicts, so the scan repeats), one
+    with a non-finite element (nothing changes) and a shape that is not flat."""
+    ef = gradsync.build_codec(spec + "+ef")
+    plain = gradsync.build_codec(spec)
+    residual = torch.zeros(numel)
+    gen = torch.Generator().manual_seed(numel)
+    for step in range(5):
+        g = torch.randn(numel, generator=gen)
+        if step == 2:
+            g[: numel // 2] = 0.25  # ties
+        if step == 3:
+            g[numel // 3] = math.nan
+        shaped = g.view(numel // 1, 1) if step == 4 else g
+        ctx = EncodeContext(key="w")
+        got = ef.encode(shaped, ctx)
+        v = torch.add(residual, g)
+        want = plain.encode(v, ctx)
+        assert got.nonfinite == want.nonfinite, (spec, numel, step)
+        if want.nonfinite:
+            assert torch.equal(ef.residual("w"), residual)  # unchanged by the skipped step
+            continue
+        assert torch.equal(got.data, want.data), (spec, numel, step)
+        idx, val = plain.transmitted(want)
+        v[idx.long()] -= val
+        residual = v
+        assert torch.equal(ef.residual("w"), residual), (spec, numel, step)
+
+
+def test_fused_exact_topk_matches_a_float64_reference(backend):
+    """Independently of any codec: the k largest |r + g| (ties to the lower index; the sum in
+    float32, the residual's precision) are sent, and the residual is r + g with those zeroed."""
+    n, k = 100_000, 1000
+    ef = gradsync.build_codec("topk:density=0.01+ef")
+    r = [0.0] * n
+    f32 = torch.finfo(torch.float32)
+    for _ in range(3):
+        g = torch.randn(n).tolist()
+        # the sum rounded to float32 once, as IEEE addition does (r and g are float32 values)
+        v = torch.tensor(r, dtype=torch.float32) + torch.tensor(g, dtype=torch.float32)
+        assert v.abs().max() < f32.max
+        vs = v.double().tolist()
+        want = sorted(sorted(range(n), key=lambda i: (-abs(vs[i]), i))[:k])
+        idx, val = ef.transmitted(ef.encode(torch.tensor(g, dtype=torch.float32)))
+        assert idx.tolist() == want
+        assert val.double().tolist() == [vs[i] for i in want]
+        for i in want:
+            vs[i] = 0.0
+        r = vs
+        assert ef.residual().double().tolist() == r

@@ -230,6 +230,35 @@ def test_scan_select_never_writes_past_cap():
     assert idx[:40].view(torch.int32).tolist() == list(range(10))
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_sum_scan_select_is_an_add_then_a_scan(n, mode):
+    x, y = torch.randn(n), torch.randn(n)
+    y[n // 2] = -x[n // 2]  # an exact zero among the sums
+    out = guarded(4 * n)
+    idx, val = guarded(4 * n), guarded(4 * n)
+    p = native.ptr
+    cnt, s, m, nf = ext().sum_scan_select(p(x), p(y), n, p(out), 4 * n, 0.5, mode, True, p(idx), p(val), n)
+    want = x + y  # torch's own float32 addition
+    assert torch.equal(as_f32(out, n), want) and untouched(out, 4 * n)
+    key = want.abs() if mode == 0 else (want if mode == 1 else -want)
+    picked = torch.nonzero(key >= 0.5).flatten()
+    assert cnt == picked.numel()
+    assert idx[: 4 * cnt].view(torch.int32).tolist() == picked.tolist()
+    assert torch.equal(as_f32(val, cnt), want[picked])
+    assert m == want.abs().max().item() and nf == 0
+    assert s == pytest.approx(want.abs().double().sum().item(), rel=1e-5)
+
+
+def test_sum_scan_select_refuses_a_short_out():
+    x = torch.randn(100)
+    out = guarded(4 * 99)
+    with pytest.raises(ValueError, match="sum_scan_select: out"):
+        p = native.ptr
+        ext().sum_scan_select(p(x), p(x), 100, p(out), 4 * 99, 0.0, 0, True, 0, 0, 0)
+    assert untouched(out)
+
+
 def test_gather_refuses_an_index_outside_x():
     x = torch.randn(10)
     val = guarded(4 * 3)

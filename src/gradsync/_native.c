@@ -149,9 +149,15 @@ static KERNEL void k_stats(const float *x, int64_t n, double *out) {
  * caller can tell the buffer was too small. st = [sum |x|, max |x|, non-finite flag]; the max
  * is taken over the bit patterns of |x| (monotone for non-negative floats), which also reveals
  * inf/NaN without a separate compare: any pattern >= 0x7f800000 is non-finite.
+ * sum_scan_select does the same over x + y, storing that sum in out on the way: error feedback
+ * adds its residual to the gradient, and the selection's first scan reads the sum, in one pass.
  */
-static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode, int want_sum,
-                                    int32_t *idx, float *val, int64_t cap, double *st) {
+static KERNEL int64_t k_sum_scan_select(const float *x, const float *y, float *out, int64_t n, float t,
+                                        int mode, int want_sum, int32_t *idx, float *val, int64_t cap,
+                                        double *st) {
+    /* with y: the elements scanned are out[i] = x[i] + y[i] (one float add, as torch.add rounds
+     * it), written to out as they are computed; without: x itself */
+    const float *v = y ? out : x;
     const __m256 tv = _mm256_set1_ps(t);
     const __m256i am = _mm256_set1_epi32(0x7fffffff);
     __m256i mb0 = _mm256_setzero_si256(), mb1 = _mm256_setzero_si256();
@@ -161,8 +167,15 @@ static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode
         int64_t end = i + BLOCK < n ? i + BLOCK : n;
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
         for (; i + 16 <= end; i += 16) {
-            __m256i b0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), am);
-            __m256i b1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8)), am);
+            __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+            if (y) {
+                x0 = _mm256_add_ps(x0, _mm256_loadu_ps(y + i));
+                x1 = _mm256_add_ps(x1, _mm256_loadu_ps(y + i + 8));
+                _mm256_storeu_ps(out + i, x0);
+                _mm256_storeu_ps(out + i + 8, x1);
+            }
+            __m256i b0 = _mm256_and_si256(_mm256_castps_si256(x0), am);
+            __m256i b1 = _mm256_and_si256(_mm256_castps_si256(x1), am);
             __m256 a0 = _mm256_castsi256_ps(b0), a1 = _mm256_castsi256_ps(b1);
             if (want_sum) {
                 s0 = _mm256_add_ps(s0, a0);
@@ -170,8 +183,8 @@ static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode
             }
             mb0 = _mm256_max_epi32(mb0, b0);
             mb1 = _mm256_max_epi32(mb1, b1);
-            __m256 k0 = mode == 0 ? a0 : keyed8(_mm256_loadu_ps(x + i), mode);
-            __m256 k1 = mode == 0 ? a1 : keyed8(_mm256_loadu_ps(x + i + 8), mode);
+            __m256 k0 = mode == 0 ? a0 : keyed8(x0, mode);
+            __m256 k1 = mode == 0 ? a1 : keyed8(x1, mode);
             unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(k0, tv, _CMP_GE_OQ)) |
                          ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(k1, tv, _CMP_GE_OQ)) << 8);
             while (m) {
@@ -179,7 +192,7 @@ static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode
                 m &= m - 1;
                 if (cnt < cap) {
                     idx[cnt] = (int32_t)(i + b);
-                    val[cnt] = x[i + b];
+                    val[cnt] = v[i + b];
                 }
                 cnt++;
             }
@@ -191,15 +204,16 @@ static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode
     int32_t top = 0;
     for (int q = 0; q < 8; q++) top = mb[q] > top ? mb[q] : top;
     for (; i < n; i++) {
-        float a = fabsf(x[i]);
+        if (y) out[i] = x[i] + y[i];
+        float a = fabsf(v[i]);
         int32_t b;
         memcpy(&b, &a, 4);
         top = b > top ? b : top;
         if (want_sum) s += a;
-        if (keyed1(x[i], mode) >= t) {
+        if (keyed1(v[i], mode) >= t) {
             if (cnt < cap) {
                 idx[cnt] = (int32_t)i;
-                val[cnt] = x[i];
+                val[cnt] = v[i];
             }
             cnt++;
         }
@@ -210,6 +224,11 @@ static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode
     st[1] = m;
     st[2] = top >= 0x7f800000 ? 1.0 : 0.0;
     return cnt;
+}
+
+static KERNEL int64_t k_scan_select(const float *x, int64_t n, float t, int mode, int want_sum,
+                                    int32_t *idx, float *val, int64_t cap, double *st) {
+    return k_sum_scan_select(x, NULL, NULL, n, t, mode, want_sum, idx, val, cap, st);
 }
 
 /* count_ge: out[j] = #{i : key(x[i]) >= ts[j]} for up to 16 thresholds in one pass. */
@@ -993,6 +1012,27 @@ static PyObject *py_scan_select(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return Py_BuildValue("(LddL)", cnt, st[0], st[1], (long long)st[2]);
 }
 
+/* sum_scan_select(x, y, n, out, out_nbytes, t, mode, want_sum, idx, val, cap): out = x + y and
+ * scan_select over out, in one pass (error feedback's residual + gradient, and the selection's
+ * first scan of that sum) */
+static PyObject *py_sum_scan_select(PyObject *self, PyObject *args) {
+    unsigned long long x, y, out, idx, val;
+    long long n, out_nbytes, cap, cnt;
+    float t;
+    int mode, want_sum;
+    double st[3];
+    if (!PyArg_ParseTuple(args, "KKLKLfipKKL", &x, &y, &n, &out, &out_nbytes, &t, &mode, &want_sum, &idx, &val,
+                          &cap))
+        return NULL;
+    if (check_count("sum_scan_select", "n", n, MAX_INDEXED) < 0 ||
+        check_count("sum_scan_select", "cap", cap, MAX_COUNT) < 0 ||
+        check_room("sum_scan_select", "out", out_nbytes, 4 * n, n, "floats") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS cnt = k_sum_scan_select(PTR(const float, x), PTR(const float, y), PTR(float, out), n, t,
+                                                   mode, want_sum, PTR(int32_t, idx), PTR(float, val), cap, st);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(LddL)", cnt, st[0], st[1], (long long)st[2]);
+}
+
 /* count_ge(x, n, thresholds (sequence of up to 16 floats), mode) -> list of counts */
 static PyObject *py_count_ge(PyObject *self, PyObject *args) {
     unsigned long long x;
@@ -1275,6 +1315,8 @@ static PyMethodDef methods[] = {
     {"absmax", py_absmax, METH_VARARGS, "absmax(x, n): max|x| and a non-finite flag"},
     {"scan_select", py_scan_select, METH_VARARGS,
      "scan_select(x, n, t, mode, want_sum, idx, val, cap): stats + compaction of key(x) >= t"},
+    {"sum_scan_select", py_sum_scan_select, METH_VARARGS,
+     "sum_scan_select(x, y, n, out, out_nbytes, t, mode, want_sum, idx, val, cap): out = x + y, then scan_select"},
     {"count_ge", py_count_ge, METH_VARARGS,
      "count_ge(x, n, thresholds, mode): counts of key(x) >= t for up to 16 thresholds"},
     {"kth_largest", py_kth_largest, METH_VARARGS,

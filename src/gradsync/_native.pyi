@@ -35,6 +35,23 @@ def scan_select(
     full count, which exceeds ``cap`` when the buffers were too small (nothing written past them).
     ``n`` is at most 2^31 - 1."""
 
+def sum_scan_select(
+    x: int,
+    y: int,
+    n: int,
+    out: int,
+    out_nbytes: int,
+    t: float,
+    mode: int,
+    want_sum: bool,
+    idx: int,
+    val: int,
+    cap: int,
+    /,
+) -> tuple[int, float, float, int]:
+    """``out = x + y`` (``4 n`` bytes; each sum one float32 add, as ``torch.add`` rounds it), and
+    :func:`scan_select` over ``out`` in the same pass."""
+
 def count_ge(x: int, n: int, thresholds: Sequence[float], mode: int, /) -> list[int]:
     """``#{i : key(x_i) >= t}`` for each of 1 to 16 thresholds."""
 

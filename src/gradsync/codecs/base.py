@@ -133,6 +133,23 @@ class Codec(Compressor, Generic[StreamT]):
         stream.calls += 1
         return payload
 
+    def encode_sum(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        into: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext | None = None,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
+        """Compress ``a + b`` (flat, of ``into``'s size and dtype), leaving that sum in ``into``
+        and encoding it as a tensor of ``shape``: error feedback's residual + gradient. A codec
+        whose first pass can compute the sum while it reads overrides this (one pass instead of
+        an addition and a read); the payload is the same either way."""
+        torch.add(a, b, out=into)
+        return self.encode(into.view(shape), ctx, out=out)
+
     def decode(
         self,
         payload: Payload,

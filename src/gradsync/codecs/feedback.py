@@ -42,6 +42,7 @@ import torch
 from gradsync.codecs.base import Codec, EncodeContext
 from gradsync.codecs.compressor import Compressor, Owed
 from gradsync.codecs.config import OptionsConfig, check_range
+from gradsync.codecs.ops import sparse_add_
 from gradsync.codecs.payload import Payload
 
 
@@ -59,6 +60,9 @@ class FeedbackConfig(OptionsConfig):
             raise ValueError(f"{self.codec}: nesterov needs momentum > 0")
         if self.clip is not None:
             check_range(self.codec, "clip", self.clip, 0.0, lo_open=True)
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -129,9 +133,18 @@ class ErrorFeedback(Compressor):
     ) -> Payload:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
-        v = self.accumulate(grad, ctx.key, loss_scale, ctx.offset)
-        wire = v if v.dtype == grad.dtype else v.to(grad.dtype)  # see "Half-precision" above
-        payload = self.codec.encode(wire.view(grad.shape), ctx, out=out)
+        if self.config.momentum == 0 and self.config.clip is None and grad.dtype not in _HALF:
+            # v = r + g is all there is to accumulate: the codec adds it up as it reads (one pass
+            # for sparsifiers that scan first) and leaves the sum in v
+            s, g = self._stream_for(grad, ctx.key, loss_scale, ctx.offset)
+            assert s.residual is not None
+            v = _buffer(s.spare, s.residual)
+            s.pending, s.pending_u = v, None
+            payload = self.codec.encode_sum(s.residual, g, v, grad.shape, ctx, out=out)
+        else:
+            v = self.accumulate(grad, ctx.key, loss_scale, ctx.offset)
+            wire = v if v.dtype == grad.dtype else v.to(grad.dtype)  # see "Half-precision" above
+            payload = self.codec.encode(wire.view(grad.shape), ctx, out=out)
         if payload.nonfinite:
             self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
             return payload
@@ -201,24 +214,8 @@ class ErrorFeedback(Compressor):
         """The flat tensor to compress for this step: residual + gradient (with momentum
         correction and clipping as configured). Pending until :meth:`commit` or :meth:`discard`.
         ``offset``: where ``grad`` sits in the caller's tensor (``EncodeContext.offset``)."""
-        if not (loss_scale > 0 and math.isfinite(loss_scale)):
-            raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
-        flat = self.codec._flatten(grad)
-        work_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-        s = self._streams.setdefault(key, FeedbackStream())
-        s.offset = offset
-        n = flat.numel()
-        if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
-            s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
-            s.momentum = None
-            s.scale = loss_scale
-        if loss_scale != s.scale:
-            ratio = loss_scale / s.scale
-            s.residual.mul_(ratio)
-            if s.momentum is not None:
-                s.momentum.mul_(ratio)
-            s.scale = loss_scale
-        g = flat if flat.dtype == work_dtype else flat.to(work_dtype)
+        s, g = self._stream_for(grad, key, loss_scale, offset)
+        assert s.residual is not None
         alpha = 1.0
         if self.config.clip is not None:
             norm = float(torch.linalg.vector_norm(g)) / loss_scale
@@ -242,6 +239,30 @@ class ErrorFeedback(Compressor):
         s.pending = v
         return v
 
+    def _stream_for(
+        self, grad: torch.Tensor, key: str, loss_scale: float, offset: int
+    ) -> tuple[FeedbackStream, torch.Tensor]:
+        """The stream of ``key``, its residual (and momentum) sized for ``grad`` and in the units
+        of ``loss_scale``; and ``grad`` flat in the residual's dtype."""
+        if not (loss_scale > 0 and math.isfinite(loss_scale)):
+            raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
+        flat = self.codec._flatten(grad)
+        work_dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+        s = self._streams.setdefault(key, FeedbackStream())
+        s.offset = offset
+        n = flat.numel()
+        if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
+            s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
+            s.momentum = None
+            s.scale = loss_scale
+        if loss_scale != s.scale:
+            ratio = loss_scale / s.scale
+            s.residual.mul_(ratio)
+            if s.momentum is not None:
+                s.momentum.mul_(ratio)
+            s.scale = loss_scale
+        return s, (flat if flat.dtype == work_dtype else flat.to(work_dtype))
+
     def commit(
         self,
         key: str = "",
@@ -258,7 +279,7 @@ class ErrorFeedback(Compressor):
         v = s.pending
         if indices is not None:
             assert values is not None
-            v.index_add_(0, indices.long(), values.to(v.dtype), alpha=-1)
+            sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0)
         elif dense is not None:
             v.sub_(dense.to(v.dtype))
         else:

@@ -18,7 +18,9 @@ from the generator or reuse state passed in, and none of them communicates.
 
 All threshold tests run on the :class:`~gradsync.codecs.ops.CandidateSet` produced by one fused
 pass over the tensor, so the number of search iterations hardly costs anything; answers are exact
-(a threshold below the candidates' floor falls back to a full pass).
+(a threshold below the candidates' floor falls back to a full pass). Under error feedback that
+pass also adds the residual to the gradient (``addends``): the sum is written once and never
+read back for the selection.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from gradsync.codecs.ops import (
     tensor_stats,
 )
 
+Addends = tuple[torch.Tensor, torch.Tensor] | None
+"""Two tensors whose sum the selection's input is to hold: the selections that begin with one
+scan of their input (exact top-k, MSTopK, trimmed top-k) compute it in that scan."""
+
 
 @dataclass
 class Selected:
@@ -56,25 +62,32 @@ class Selected:
         return self.idx.numel()
 
 
-def exact_topk(x: torch.Tensor, k: int, ws: Workspace | None = None) -> Selected:
-    """The ``k`` elements of largest magnitude; ties broken by lower index."""
-    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=False)
+def exact_topk(x: torch.Tensor, k: int, ws: Workspace | None = None, addends: Addends = None) -> Selected:
+    """The ``k`` elements of largest magnitude; ties broken by lower index. ``addends``: ``x`` is
+    to be computed as their sum by the first scan (:meth:`CandidateSet.scan`)."""
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=False, addends=addends)
     idx, val = cand.top(k)
     return Selected(idx, val, cand.stats)
 
 
 def mstopk(
-    x: torch.Tensor, k: int, iters: int, gen: torch.Generator, ws: Workspace | None = None
+    x: torch.Tensor,
+    k: int,
+    iters: int,
+    gen: torch.Generator,
+    ws: Workspace | None = None,
+    addends: Addends = None,
 ) -> Selected:
     """Paper 01, Algorithm 1, returning exactly ``min(k, numel)`` elements.
 
     Two departures from the printed pseudo-code, both for inputs it does not cover: if no step
     ever finds a threshold with at most ``k`` elements above it, the upper threshold is +inf
     (the pseudo-code's initial 0 would select every element); and thresholds are compared in
-    float32, the precision of the data. Indices come out in increasing order.
+    float32, the precision of the data. Indices come out in increasing order. ``addends`` as in
+    :func:`exact_topk`.
     """
     n = x.numel()
-    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=0, ws=ws, want_sum=True)
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=0, ws=ws, want_sum=True, addends=addends)
     if cand.stats.nonfinite:  # no meaningful thresholds; the payload is flagged anyway
         return _top_of_finite(cand, k)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs
@@ -159,15 +172,18 @@ def _top_of_finite(cand: CandidateSet, k: int) -> Selected:
     return Selected(idx, val, cand.stats)
 
 
-def trimmed_topk(x: torch.Tensor, k: int, step: float, ws: Workspace | None = None) -> Selected:
+def trimmed_topk(
+    x: torch.Tensor, k: int, step: float, ws: Workspace | None = None, addends: Addends = None
+) -> Selected:
     """Paper 04, Algorithm 2: exact top-``k`` computed on the survivors of a trimmed threshold.
 
     The threshold starts at ``mean + (1 - step) * (max - mean)`` of ``|x|`` and drops by
     ``step * (max - mean)`` until at least ``k`` elements exceed it (the printed loop condition
     is inverted; the text describes this). If even the mean lets fewer than ``k`` through, every
-    element survives. Returns exactly ``min(k, numel)`` elements.
+    element survives. Returns exactly ``min(k, numel)`` elements. ``addends`` as in
+    :func:`exact_topk`.
     """
-    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=True)
+    cand = CandidateSet.scan(x, Key.ABS, target=k, minimum=k, ws=ws, want_sum=True, addends=addends)
     if cand.stats.nonfinite:
         return _top_of_finite(cand, k)
     mean, top = cand.stats.mean_abs, cand.stats.max_abs

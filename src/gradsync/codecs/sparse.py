@@ -36,8 +36,35 @@ class SparseCodec(Codec[StreamT]):
     sparse = True
     config: SparsityConfig
 
-    def select(self, x: torch.Tensor, k: int, stream: StreamT) -> selection.Selected:
+    fuses_sum: ClassVar[bool] = False
+    """:meth:`select` takes ``addends`` and computes its input as their sum in its first scan
+    (the others are never given any)."""
+
+    def select(
+        self, x: torch.Tensor, k: int, stream: StreamT, addends: selection.Addends = None
+    ) -> selection.Selected:
         raise NotImplementedError
+
+    def encode_sum(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        into: torch.Tensor,
+        shape: torch.Size,
+        ctx: EncodeContext | None = None,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
+        if not self.fuses_sum:
+            return super().encode_sum(a, b, into, shape, ctx, out=out)
+        ctx = ctx or EncodeContext()
+        flat = into.view(-1)
+        self.check_numel(flat.numel())
+        stream = self.stream(ctx.key)
+        with self._ops_backend():
+            payload = self._encode(flat, shape, ctx, stream, out, (a.view(-1), b.view(-1)))
+        stream.calls += 1
+        return payload
 
     def check_numel(self, numel: int) -> None:
         self.target_count(numel)
@@ -57,12 +84,13 @@ class SparseCodec(Codec[StreamT]):
         ctx: EncodeContext,
         stream: StreamT,
         out: torch.Tensor | None,
+        addends: selection.Addends = None,
     ) -> Payload:
         n = x.numel()
         if n == 0:
             sel = selection.Selected(x.new_zeros(0, dtype=torch.int32), x[:0], selection.tensor_stats(x))
         else:
-            sel = self.select(x, self.target_count(n), stream)
+            sel = self.select(x, self.target_count(n), stream, addends)
         lay = sparse_layout(n, sel.count, x.dtype)
         data, payload = self._new_payload(lay, x, shape, out)
         lay.view(data, "idx").copy_(sel.idx)
@@ -110,8 +138,12 @@ class TopK(SparseCodec[Stream]):
     name = "topk"
     Config = TopkConfig
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
-        return selection.exact_topk(x, k, self.ws)
+    fuses_sum = True
+
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
+        return selection.exact_topk(x, k, self.ws, addends)
 
 
 @dataclass(frozen=True)
@@ -134,9 +166,13 @@ class MSTopK(SparseCodec[Stream]):
     config: MstopkConfig
     randomized = True
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+    fuses_sum = True
+
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
         assert stream.generator is not None
-        return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws)
+        return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws, addends)
 
 
 @dataclass(frozen=True)
@@ -157,8 +193,12 @@ class TrimmedTopK(SparseCodec[Stream]):
     Config = TrimmedTopkConfig
     config: TrimmedTopkConfig
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
-        return selection.trimmed_topk(x, k, self.config.step, self.ws)
+    fuses_sum = True
+
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
+        return selection.trimmed_topk(x, k, self.config.step, self.ws, addends)
 
 
 @dataclass(frozen=True)
@@ -196,7 +236,9 @@ class Bsearch(SparseCodec[BsearchStream]):
         k = self.config.k_for(numel, self.scheduled_density)
         return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
 
-    def select(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection.Selected:
+    def select(
+        self, x: torch.Tensor, k: int, stream: BsearchStream, addends: selection.Addends = None
+    ) -> selection.Selected:
         reuse = stream.threshold if stream.threshold is not None and stream.age < self.config.reuse else None
         res = selection.bsearch(x, k, self.config.eps, reuse, self.ws)
         if not res.selected.stats.nonfinite:  # a non-finite input leaves the state alone
@@ -227,7 +269,9 @@ class DGC(SparseCodec[Stream]):
     config: DgcConfig
     randomized = True
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
         assert stream.generator is not None
         return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
 
@@ -269,7 +313,9 @@ class GradDrop(SparseCodec[Stream]):
             return self._max_nbytes(numel, shape, dtype)
         return super()._nbytes(numel, shape, dtype)
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
         assert stream.generator is not None
         return selection.graddrop(
             x, k or None, self.config.threshold, self.config.sample, stream.generator, self.ws
@@ -296,7 +342,9 @@ class RandomK(SparseCodec[Stream]):
         super().__init__(config)
         self.biased = not config.unbiased
 
-    def select(self, x: torch.Tensor, k: int, stream: Stream) -> selection.Selected:
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
         assert stream.generator is not None
         sel = selection.randomk(x, k, stream.generator)
         if self.config.unbiased and k:

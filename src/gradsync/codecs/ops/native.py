@@ -33,6 +33,21 @@ class Kernels(Protocol):
     def scan_select(
         self, x: int, n: int, t: float, mode: int, want_sum: bool, idx: int, val: int, cap: int, /
     ) -> tuple[int, float, float, int]: ...
+    def sum_scan_select(
+        self,
+        x: int,
+        y: int,
+        n: int,
+        out: int,
+        out_nbytes: int,
+        t: float,
+        mode: int,
+        want_sum: bool,
+        idx: int,
+        val: int,
+        cap: int,
+        /,
+    ) -> tuple[int, float, float, int]: ...
     def count_ge(self, x: int, n: int, thresholds: Sequence[float], mode: int, /) -> list[int]: ...
     def kth_largest(
         self, v: int, n: int, k: int, mode: int, scratch: int, scratch_nbytes: int, /

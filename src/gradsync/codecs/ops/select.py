@@ -141,23 +141,35 @@ class CandidateSet:
         at_least: float = -math.inf,
         ws: Workspace | None = None,
         want_sum: bool = True,
+        addends: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> CandidateSet:
         """Scan ``x`` once; aim for about ``target`` candidates and guarantee ``minimum``.
 
         ``minimum`` candidates are guaranteed only when that many elements have a key of at least
         ``at_least`` (the floor never goes below ``at_least``). With ``want_sum=False`` the
         native pass skips ``sum |x|`` (``stats.sum_abs`` is then NaN).
+
+        ``addends`` ``(a, b)``: ``x`` is not computed yet; it is to hold ``a + b`` (flat, of
+        ``x``'s size and dtype), which the scan writes while it reads them (one pass instead of an
+        addition and a scan: error feedback's residual + gradient). ``x`` holds the sum after.
         """
         ws = ws or Workspace()
         n = x.numel()
+        if addends is not None and any(a.numel() != n for a in addends):
+            sizes = [a.numel() for a in addends]
+            raise ValueError(f"scan: addends of {sizes} elements for a tensor of {n}")
+        if addends is not None and not native.usable(x, *addends):
+            torch.add(addends[0], addends[1], out=x)
+            addends = None
         if not native.usable(x):
             return cls._everything(x, key, at_least, ws)
-        floor, rank, sample = _estimate_floor(x, key, target, ws)
+        floor, rank, sample = _estimate_floor(x, key, target, ws, addends)
         floor = max(floor, at_least)
         expected = rank * n / sample.numel() if sample.numel() else n
         cap = min(n, max(int(1.5 * expected), 4096))
         while True:
-            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws)
+            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws, addends)
+            addends = None  # x holds the sum from here on
             if cnt > cap:  # more candidates than room: grow and scan again (ties or a bad sample)
                 cap = cnt
                 continue
@@ -272,15 +284,29 @@ class CandidateSet:
 
 
 def _native_scan(
-    x: torch.Tensor, key: Key, floor: float, want_sum: bool, cap: int, ws: Workspace
+    x: torch.Tensor,
+    key: Key,
+    floor: float,
+    want_sum: bool,
+    cap: int,
+    ws: Workspace,
+    addends: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor, TensorStats]:
-    """One fused pass: count, compact (up to ``cap``) and measure. Returns views into ``ws``."""
+    """One fused pass: count, compact (up to ``cap``) and measure. Returns views into ``ws``.
+    With ``addends`` the pass first computes ``x = a + b`` (see :meth:`CandidateSet.scan`)."""
     idx = ws.get("cand_idx", cap, torch.int32)
     val = ws.get("cand_val", cap, torch.float32)
     n = x.numel()
-    cnt, s, m, nf = native.ext().scan_select(
-        native.ptr(x), n, f32(floor), int(key), want_sum, idx.data_ptr(), val.data_ptr(), cap
-    )
+    if addends is not None:
+        a, b = addends
+        cnt, s, m, nf = native.ext().sum_scan_select(
+            native.ptr(a), native.ptr(b), n, native.ptr(x), x.nbytes, f32(floor), int(key), want_sum,
+            idx.data_ptr(), val.data_ptr(), cap,
+        )  # fmt: skip
+    else:
+        cnt, s, m, nf = native.ext().scan_select(
+            native.ptr(x), n, f32(floor), int(key), want_sum, idx.data_ptr(), val.data_ptr(), cap
+        )
     kept = min(cnt, cap)
     return cnt, idx[:kept], val[:kept], TensorStats(n, s, m, nf)
 
@@ -292,15 +318,23 @@ _SMALLEST_POSITIVE = 1.401298464324817e-45  # float32
 _SMALL = 32768
 
 
-def _estimate_floor(x: torch.Tensor, key: Key, target: int, ws: Workspace) -> tuple[float, int, torch.Tensor]:
-    """A threshold that about ``target`` elements reach, from a strided sample of keys."""
+def _estimate_floor(
+    x: torch.Tensor,
+    key: Key,
+    target: int,
+    ws: Workspace,
+    addends: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[float, int, torch.Tensor]:
+    """A threshold that about ``target`` elements reach, from a strided sample of keys (of
+    ``a + b`` with ``addends``: the same float32 sums the scan will compute)."""
     n = x.numel()
     empty = x.new_empty(0)
     if n <= _SMALL or target >= n:
         return -math.inf, 0, empty
     s = min(max(n // _SAMPLE_DIV, _SAMPLE_MIN), _SAMPLE_MAX)
     stride = n // s
-    sample = x[stride // 2 :: stride][:s]
+    picked = slice(stride // 2, None, stride)
+    sample = x[picked][:s] if addends is None else addends[0][picked][:s] + addends[1][picked][:s]
     skeys = ws.get("sample_keys", sample.numel(), torch.float32)
     torch.abs(sample, out=skeys) if key == Key.ABS else (
         skeys.copy_(sample) if key == Key.POS else torch.neg(sample, out=skeys)
