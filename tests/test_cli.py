@@ -111,6 +111,14 @@ def test_bad_arguments_are_rejected(argv, message, capsys):
         ),
         (["bench", "codecs", "--threads", "0"], "--threads must be at least 1"),
         (["bench", "codecs", "--budget", "0"], "--budget must be positive"),
+        (
+            ["bench", "codecs", "--ef", "--variants", "torch"],
+            "--ef times the eager variant, and --variants 'torch' leaves it out",
+        ),
+        (
+            ["bench", "codecs", "--ef", "--codecs", "fp16,onebit"],
+            "--ef times sparsifiers under error feedback, and --codecs 'fp16,onebit' has none",
+        ),
     ],
 )
 def test_bad_values_fail_before_any_work(argv, message, capsys):
@@ -118,6 +126,21 @@ def test_bad_values_fail_before_any_work(argv, message, capsys):
     captured = capsys.readouterr()
     assert message in captured.err
     assert captured.out == ""  # nothing was benchmarked
+
+
+def test_bench_codecs_ef_times_the_fused_and_the_plain_feedback(tmp_path, capsys):
+    path = tmp_path / "ef.json"
+    argv = ["bench", "codecs", "--sizes", "16", "--densities", "0.01", "--codecs", "mstopk,fp16", "--ef",
+            "--budget", "0.01", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {(r["codec"], r["variant"]): r for r in json.loads(path.read_text())["rows"]}
+    assert ("fp16+ef", "ef fused") not in rows  # not a sparsifier
+    fused, plain = rows[("mstopk+ef", "ef fused")], rows[("mstopk+ef", "ef add+encode")]
+    want = gradsync.build_codec("mstopk:density=0.01").estimate_nbytes(2**16)
+    assert fused["payload_bytes"] == plain["payload_bytes"] == want
+    assert fused["encode_ms"] > 0 and plain["encode_ms"] > 0 and fused["vs_unfused"] > 0
+    assert plain["vs_unfused"] is None
+    assert "vs add+encode" in capsys.readouterr().out
 
 
 def test_module_entry_point():

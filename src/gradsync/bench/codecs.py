@@ -8,6 +8,11 @@ engine does; a fresh allocation per call would mostly measure page faults.
 
 Variants: ``eager`` (default operators: the native kernels where built), ``torch`` (the same
 codecs with the native kernels switched off) and ``compiled`` (``compile=true``: torch.compile).
+
+``--ef`` adds each sparsifier under error feedback, as the sync engine runs it: ``ef fused``
+(the residual added to the gradient inside the selection's first scan, where the codec can)
+timed alternately with ``ef add+encode`` (the addition first, then the codec), the same payload
+and residual both ways; the ``vs add+encode`` column is the median of their per-pair ratios.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Row:
     compression: float
     floor_ms: float
     vs_torch_topk: float | None = None
+    vs_unfused: float | None = None  # ef fused: add+encode's time / this one's (paired)
 
 
 def _spec(name: str, density: float | None, variant: str) -> str:
@@ -101,6 +107,31 @@ def bench_one(name: str, x: torch.Tensor, density: float | None, variant: str, b
         compression=dense / payload.nbytes,
         floor_ms=enc.reference * 1e3,
     )
+
+
+def bench_feedback(name: str, x: torch.Tensor, density: float, budget: float) -> list[Row]:
+    """``name`` under error feedback, fused against add+encode (see the module), each with its
+    own residual, both encoding the same gradient every call."""
+    from gradsync.codecs import ErrorFeedback
+
+    spec = _spec(name, density, "eager") + "+ef"
+    fused, unfused = build_codec(spec), build_codec(spec)
+    assert isinstance(fused, ErrorFeedback) and isinstance(unfused, ErrorFeedback)
+    unfused.fuse_sum = False
+    buf = torch.empty(fused.max_nbytes(x.numel()), dtype=torch.uint8)
+    both = paired(lambda: fused.encode(x, out=buf), lambda: unfused.encode(x, out=buf), budget_s=budget)
+    floor = paired(lambda: unfused.encode(x, out=buf), x.sum, budget_s=budget)
+    payload = fused.encode(x, out=buf)
+    rows = []
+    for variant, seconds in (("ef fused", both.seconds), ("ef add+encode", both.reference)):
+        rows.append(Row(
+            codec=name + "+ef", variant=variant, log2=int(math.log2(x.numel())), numel=x.numel(),
+            density=density, encode_ms=seconds * 1e3, encode_x_floor=seconds / floor.reference,
+            decode_ms=math.nan, decode_x_floor=math.nan, payload_bytes=payload.nbytes,
+            compression=x.numel() * x.element_size() / payload.nbytes, floor_ms=floor.reference * 1e3,
+            vs_unfused=1 / both.ratio if variant == "ef fused" else None,
+        ))  # fmt: skip
+    return rows
 
 
 def bench_torch_topk(x: torch.Tensor, density: float, budget: float) -> Row:
@@ -169,6 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if density is not None:
                     row.vs_torch_topk = ref[density] / row.encode_ms
                 rows.append(row)
+                if args.ef and density is not None and variant == "eager":
+                    rows += bench_feedback(name, x, density, args.budget)
                 progress.advance(task)
     return {
         "command": "gradsync " + " ".join(sys.argv[1:]) if sys.argv else "",
@@ -186,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 COLUMNS = (
     "codec", "variant", "n", "density", "encode ms", "enc/floor", "decode ms", "dec/floor", "payload B",
-    "ratio", "vs torch.topk",
+    "ratio", "vs torch.topk", "vs add+encode",
 )  # fmt: skip
 
 
@@ -198,6 +231,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         r["codec"], r["variant"], f"2^{r['log2']}", f(r["density"], "g"), f(r["encode_ms"], ".3f"),
         f(r["encode_x_floor"], ".2f"), f(r["decode_ms"], ".3f"), f(r["decode_x_floor"], ".2f"),
         f(r["payload_bytes"] or None, "d"), f(r["compression"], ".1f"), f(r["vs_torch_topk"], ".1f"),
+        f(r.get("vs_unfused"), ".2f"),
     ]  # fmt: skip
 
 
@@ -231,6 +265,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codecs", default="all", help="comma-separated codec names (default all)")
     p.add_argument("--variants", default="eager", help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--ef",
+        action="store_true",
+        help="also time each sparsifier under error feedback: fused with the residual's addition, "
+        "and add+encode (needs the eager variant)",
+    )
     p.add_argument(
         "--budget", type=float, default=0.25, help="seconds of timing per measurement (default 0.25)"
     )
@@ -270,6 +310,13 @@ def check(args: argparse.Namespace) -> None:
     for v in _variants(args):
         if v not in VARIANTS:
             raise ValueError(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    if getattr(args, "ef", False):
+        if "eager" not in _variants(args):
+            raise ValueError(f"--ef times the eager variant, and --variants {args.variants!r} leaves it out")
+        if not any(_is_sparse(n) for n in _names(args)):
+            raise ValueError(
+                f"--ef times sparsifiers under error feedback, and --codecs {args.codecs!r} has none"
+            )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -92,6 +92,11 @@ class ErrorFeedback(Compressor):
     with the codec's traits."""
 
     error_feedback = True
+    fuse_sum = True
+    """Hand the codec the residual and the gradient apart, for it to add them in its first pass
+    (:meth:`~gradsync.codecs.Codec.encode_sum`), when nothing else is accumulated (no momentum,
+    no clipping, no half-precision gradient). False: add first, then encode (the same payload
+    and residual; ``gradsync bench codecs --ef`` times both)."""
 
     def __init__(self, codec: Codec, config: FeedbackConfig | None = None) -> None:
         config = config or FeedbackConfig()
@@ -133,7 +138,12 @@ class ErrorFeedback(Compressor):
     ) -> Payload:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
-        if self.config.momentum == 0 and self.config.clip is None and grad.dtype not in _HALF:
+        if (
+            self.fuse_sum
+            and self.config.momentum == 0
+            and self.config.clip is None
+            and grad.dtype not in _HALF
+        ):
             # v = r + g is all there is to accumulate: the codec adds it up as it reads (one pass
             # for sparsifiers that scan first) and leaves the sum in v
             s, g = self._stream_for(grad, ctx.key, loss_scale, ctx.offset)
