@@ -25,6 +25,11 @@ costs half-precision bytes on the wire. The rounding error is not lost: the resi
 beyond float16's range becomes inf, which flags the payload like an overflowing gradient (the
 GradScaler lowers its scale, which shrinks the residual with it).
 
+One pass where it can: with nothing but ``v = r + g`` to accumulate (no momentum, no clipping,
+no half-precision gradient) the codec receives ``r`` and ``g`` apart and adds them while it reads
+(:meth:`~gradsync.codecs.Codec.encode_sum`; the scanning sparsifiers do it in their first scan),
+so ``v`` is written once and not read back. Payload and residual are the same bits either way.
+
 Local clipping (``clip``): before accumulation the gradient is scaled so that its L2 norm
 (unscaled) is at most ``clip``. Paper 04 clips with the global threshold divided by sqrt(world
 size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound.
