@@ -268,12 +268,14 @@ class DGC(SparseCodec[Stream]):
     Config = DgcConfig
     config: DgcConfig
     randomized = True
+    fuses_sum = True
 
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
         assert stream.generator is not None
-        return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
+        c = self.config
+        return selection.dgc(x, k, c.sample, c.tolerance, stream.generator, self.ws, addends)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,8 @@ class GradDrop(SparseCodec[Stream]):
     def max_count(self, numel: int) -> int:
         return numel
 
+    fuses_sum = True
+
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
         if self.config.threshold is not None:  # unknown in advance: the worst case
             return self._max_nbytes(numel, shape, dtype)
@@ -317,9 +321,8 @@ class GradDrop(SparseCodec[Stream]):
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
         assert stream.generator is not None
-        return selection.graddrop(
-            x, k or None, self.config.threshold, self.config.sample, stream.generator, self.ws
-        )
+        c = self.config
+        return selection.graddrop(x, k or None, c.threshold, c.sample, stream.generator, self.ws, addends)
 
 
 @dataclass(frozen=True)
