@@ -46,8 +46,7 @@ from gradsync.codecs.ops import (
 
 Addends = tuple[torch.Tensor, torch.Tensor] | None
 """Two tensors whose sum the selection's input is to hold: the selections that begin with one
-scan of their input (exact top-k, MSTopK, trimmed top-k) compute it in that scan, and so do
-DGC and GradDrop (their sampled threshold reads the sum at the sampled positions)."""
+scan of their input (exact top-k, MSTopK, trimmed top-k) compute it in that scan."""
 
 
 @dataclass
@@ -275,20 +274,13 @@ def bsearch(
 
 
 def sampled_threshold(
-    x: torch.Tensor,
-    k: int,
-    sample: float,
-    gen: torch.Generator,
-    ws: Workspace | None,
-    addends: Addends = None,
+    x: torch.Tensor, k: int, sample: float, gen: torch.Generator, ws: Workspace | None
 ) -> float:
-    """DGC's estimate of the k-th magnitude: the matching order statistic of a random sample
-    (of the sum of ``addends``, when ``x`` is not computed yet: the same float32 sums)."""
+    """DGC's estimate of the k-th magnitude: the matching order statistic of a random sample."""
     n = x.numel()
     s = min(n, max(math.ceil(sample * n), 1024))
     sidx = torch.randint(0, n, (s,), generator=gen).to(x.device)
-    picked = x[sidx] if addends is None else addends[0][sidx] + addends[1][sidx]
-    keys = picked.float().abs().nan_to_num(nan=-math.inf)
+    keys = x[sidx].float().abs().nan_to_num(nan=-math.inf)
     rank = min(s, max(1, round(k * s / n)))
     return kth_largest(keys, rank, ws)
 
@@ -300,21 +292,18 @@ def dgc(
     tolerance: float,
     gen: torch.Generator,
     ws: Workspace | None = None,
-    addends: Addends = None,
 ) -> Selected:
     """DGC selection: a sampled threshold, then exactly ``k`` by a top-k of what passed it.
 
     When the sampled threshold lets fewer than ``k`` elements through, up to two lower
     thresholds are tried; a result with at least ``ceil((1 - tolerance) * k)`` elements is
     accepted, otherwise the exact top-k is taken. So the count is always in
-    ``[ceil((1 - tolerance) * k), k]``. ``addends`` as in :func:`exact_topk` (the first
-    threshold's scan computes the sum).
+    ``[ceil((1 - tolerance) * k), k]``.
     """
     minimum = math.ceil((1.0 - tolerance) * k)
-    t = sampled_threshold(x, k, sample, gen, ws, addends)
+    t = sampled_threshold(x, k, sample, gen, ws)
     for _ in range(3):
-        cand = CandidateSet.at(x, Key.ABS, t, ws, cap=2 * k + 1024, want_sum=False, addends=addends)
-        addends = None  # x holds the sum from here on
+        cand = CandidateSet.at(x, Key.ABS, t, ws, cap=2 * k + 1024, want_sum=False)
         if cand.count >= k:
             idx, val = cand.top(k)
             return Selected(idx, val, cand.stats)
@@ -331,16 +320,15 @@ def graddrop(
     sample: float,
     gen: torch.Generator,
     ws: Workspace | None = None,
-    addends: Addends = None,
 ) -> Selected:
     """GradDrop: keep the elements whose magnitude reaches a threshold, drop the rest.
 
     The threshold is given, or sampled (as in :func:`sampled_threshold`) so that about ``k``
-    elements pass; the count varies from call to call. ``addends`` as in :func:`exact_topk`.
+    elements pass; the count varies from call to call.
     """
-    t = threshold if threshold is not None else sampled_threshold(x, k or 1, sample, gen, ws, addends)
+    t = threshold if threshold is not None else sampled_threshold(x, k or 1, sample, gen, ws)
     cap = 2 * (k or 0) + 1024
-    cand = CandidateSet.at(x, Key.ABS, t, ws, cap=cap, want_sum=False, addends=addends)
+    cand = CandidateSet.at(x, Key.ABS, t, ws, cap=cap, want_sum=False)
     return Selected(cand.idx, cand.val, cand.stats)
 
 

@@ -268,14 +268,12 @@ class DGC(SparseCodec[Stream]):
     Config = DgcConfig
     config: DgcConfig
     randomized = True
-    fuses_sum = True
 
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
         assert stream.generator is not None
-        c = self.config
-        return selection.dgc(x, k, c.sample, c.tolerance, stream.generator, self.ws, addends)
+        return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
 
 
 @dataclass(frozen=True)
@@ -310,8 +308,6 @@ class GradDrop(SparseCodec[Stream]):
     def max_count(self, numel: int) -> int:
         return numel
 
-    fuses_sum = True
-
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
         if self.config.threshold is not None:  # unknown in advance: the worst case
             return self._max_nbytes(numel, shape, dtype)
@@ -321,8 +317,9 @@ class GradDrop(SparseCodec[Stream]):
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
         assert stream.generator is not None
-        c = self.config
-        return selection.graddrop(x, k or None, c.threshold, c.sample, stream.generator, self.ws, addends)
+        return selection.graddrop(
+            x, k or None, self.config.threshold, self.config.sample, stream.generator, self.ws
+        )
 
 
 @dataclass(frozen=True)

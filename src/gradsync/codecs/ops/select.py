@@ -155,7 +155,12 @@ class CandidateSet:
         """
         ws = ws or Workspace()
         n = x.numel()
-        addends = _fusable(x, addends)
+        if addends is not None and any(a.numel() != n for a in addends):
+            sizes = [a.numel() for a in addends]
+            raise ValueError(f"scan: addends of {sizes} elements for a tensor of {n}")
+        if addends is not None and not native.usable(x, *addends):
+            torch.add(addends[0], addends[1], out=x)
+            addends = None
         if not native.usable(x):
             return cls._everything(x, key, at_least, ws)
         floor, rank, sample = _estimate_floor(x, key, target, ws, addends)
@@ -199,18 +204,14 @@ class CandidateSet:
         ws: Workspace | None = None,
         cap: int = 4096,
         want_sum: bool = True,
-        addends: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> CandidateSet:
-        """All elements with ``key >= floor`` (one pass; a second only if ``cap`` was too small).
-        ``addends``: ``x`` is to hold their sum, computed in that pass (as in :meth:`scan`)."""
+        """All elements with ``key >= floor`` (one pass; a second only if ``cap`` was too small)."""
         ws = ws or Workspace()
-        addends = _fusable(x, addends)
         if not native.usable(x):
             return cls._everything(x, key, floor, ws)
         cap = max(1, min(x.numel(), cap))
         while True:
-            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws, addends)
-            addends = None  # x holds the sum from here on
+            cnt, idx, val, stats = _native_scan(x, key, floor, want_sum, cap, ws)
             if cnt <= cap:
                 break
             cap = cnt
@@ -280,22 +281,6 @@ class CandidateSet:
             )
             return idx[:kept], val[:kept]
         return keep_largest(self.idx, self.val, self.keys, k, kth)
-
-
-def _fusable(
-    x: torch.Tensor, addends: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``addends`` when a native scan can add them into ``x`` as it reads; otherwise None, with
-    ``x`` already holding their sum (``torch.add``)."""
-    if addends is None:
-        return None
-    if any(a.numel() != x.numel() for a in addends):
-        sizes = [a.numel() for a in addends]
-        raise ValueError(f"scan: addends of {sizes} elements for a tensor of {x.numel()}")
-    if native.usable(x, *addends):
-        return addends
-    torch.add(addends[0], addends[1], out=x)
-    return None
 
 
 def _native_scan(
