@@ -3,6 +3,7 @@
 
 See :mod:`gradsync.integrate.fsdp`."""
 
-from gradsync.integrate.fsdp import WHERE, FsdpCompression, compress_fsdp, replicate
+from gradsync.integrate.fsdp import WHERE, FsdpCompression, compress_fsdp
+from gradsync.integrate.fsdp_replicate import replicate
 
 __all__ = ["WHERE", "FsdpCompression", "compress_fsdp", "replicate"]
