@@ -200,12 +200,49 @@ def _mutated(profile, change):
         (_reverse_order_and_ranks, "median ready offsets must not decrease along backward_order"),
         (lambda d: d["backward_order"].pop(), "'backward_order'"),
         (lambda d: d["phases"]["step"].update(min=1e9), "'phases.step'"),
+        (lambda d: d.update(powersgd_hook_s_per_byte={"one": 1e-9}), "'powersgd_hook_s_per_byte'"),
+        (lambda d: d.update(powersgd_hook_s_per_byte={"0": 1e-9}), "ranks >= 1"),
+        (lambda d: d.update(powersgd_hook_s_per_byte={"1": -1e-9}), "non-negative seconds per byte"),
+        (lambda d: d.update(powersgd_hook_s_per_byte={"1": "fast"}), "'powersgd_hook_s_per_byte'"),
+        (lambda d: d.update(powersgd_hook_s_per_byte=[1e-9]), "'powersgd_hook_s_per_byte'"),
     ],
 )
 def test_from_json_refuses_wrong_documents(vgg_profile, change, named):
     with pytest.raises(ValueError, match="profile field") as e:
         Profile.from_json(_mutated(vgg_profile[0], change))
     assert named in str(e.value)
+
+
+def test_the_powersgd_hook_timing_is_optional_and_round_trips(vgg_profile):
+    d = json.loads(vgg_profile[0].to_json())
+    assert d["powersgd_hook_s_per_byte"] == {}
+    del d["powersgd_hook_s_per_byte"]  # a profile written before the field existed
+    assert Profile.from_json(json.dumps(d)).powersgd_hook == {}
+    d["powersgd_hook_s_per_byte"] = {"4": 2.5e-9, "1": 1e-9}
+    again = Profile.from_json(json.dumps(d))
+    assert again.powersgd_hook == {1: 1e-9, 4: 2.5e-9}
+    assert json.loads(again.to_json())["powersgd_hook_s_per_byte"] == {"1": 1e-9, "4": 2.5e-9}
+
+
+@pytest.mark.parametrize("factory", ["make_batch", "make_loss_fn"])
+def test_the_command_line_times_pytorchs_powersgd_hook(user_module, factory, tmp_path, capsys):
+    """``--powersgd-hook-ranks``: the hook's work per gradient byte, per rank, in the profile, on
+    a user's model (with an unused parameter) from a batch or a loss function. Independent check
+    of its size: per matrix the hook computes P = M Q, an orthogonalization, Q = M^T P and
+    M = P Q^T plus error feedback, so its rate is non-negative and below 50 times the whole
+    backward pass's time per gradient byte."""
+    out = tmp_path / "p.json"
+    argv = ["profile", "--model", f"{user_module}:{factory}", "--steps", "3", "--warmup", "1",
+            "--no-overhead", "--powersgd-hook-ranks", "1,2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "PowerSGD hook at rank 1" in err and "PowerSGD hook at rank 2" in err
+    profile = Profile.load(str(out))
+    assert set(profile.powersgd_hook) == {1, 2}
+    bound = 50 * profile.phases["backward"].median / profile.total_bytes()
+    for rate in profile.powersgd_hook.values():
+        assert 0 <= rate < bound
+    assert not torch.distributed.is_initialized()  # the one-rank group is gone again
 
 
 def test_from_json_refuses_what_is_not_json():
@@ -435,6 +472,11 @@ def test_a_missing_module_fails_with_a_clear_message(capsys):
         (["--model", "lstm", "--image-size", "8"], "--image-size applies to image models"),
         (["--model", "vgg", "--seq-len", "8"], "--seq-len applies to language models"),
         (["--out", "/nonexistent-folder-for-gradsync/p.json"], "--out"),
+        (
+            ["--powersgd-hook-ranks", "0"],
+            "--powersgd-hook-ranks '0': expected comma-separated ranks of at least 1",
+        ),
+        (["--powersgd-hook-ranks", "1,x"], "--powersgd-hook-ranks '1,x'"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):

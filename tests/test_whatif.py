@@ -14,7 +14,7 @@ from torch import nn
 
 from gradsync.cli import main
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.observe.profiler import profile_step
+from gradsync.observe.profiler import Profile, profile_step
 from gradsync.observe.trace import check_trace
 from gradsync.sync.planner import predict
 from gradsync.sync.scheme import Scheme
@@ -307,7 +307,6 @@ def test_cli_refuses_bad_input_files(files, tmp_path, capsys):
 
 
 def test_the_published_profile_replays(files):
-    from gradsync.observe.profiler import Profile
 
     w = Workload.from_profile(Profile.load("docs/results/profile-vgg.json"))
     assert w.nbytes == sum(p.bytes for p in Profile.load("docs/results/profile-vgg.json").parameters)
@@ -387,3 +386,35 @@ def test_whatif_predicts_with_the_engines_costs(files, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main([*base, "--costs", str(tmp_path / "bad.json")]) == 2
     assert "--costs" in capsys.readouterr().err
+
+
+def test_cli_charges_the_profiled_powersgd_hook(files, tmp_path, capsys):
+    """A profile's ``powersgd_hook_s_per_byte`` is the hook's work that ``gradsync whatif`` charges
+    ``ddp-powersgd:rank=R``; a rank the profile did not time falls back to the codec's timing,
+    said on stderr and in the result."""
+    doc = json.loads((files / "profile.json").read_text())
+    rate = 2e-7  # seconds per gradient byte: far above the codec's timing on this small MLP
+    doc["powersgd_hook_s_per_byte"] = {"1": rate}
+    profiled = tmp_path / "hooked.json"
+    profiled.write_text(json.dumps(doc))
+    work_ms = rate * Profile.load(str(profiled)).total_bytes() * 1e3
+    costs = table()  # nothing timed: the hook's codec fallback is the same in both runs
+    costs.entries.update({f"powersgd:rank={r}": costs.entries["powersgd:rank=4"] for r in (1, 2)})
+    costs.save(str(tmp_path / "costs.json"))
+    schemes = ["--scheme", "ddp-powersgd:rank=1,ddp-powersgd:rank=2", "--cluster", "2x1",
+               "--codec-costs", str(tmp_path / "costs.json")]  # fmt: skip
+    steps = {}
+    for name, path in (("plain", files / "profile.json"), ("hooked", profiled)):
+        out = tmp_path / f"{name}.out.json"
+        assert main(["whatif", "--profile", str(path), *schemes, "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        steps[name] = {r["contender"]: r["step_ms"] for r in result["rows"]}
+        if name == "hooked":
+            assert result["powersgd_hook_work"] == {
+                "ddp-powersgd:rank=1": "profiled",
+                "ddp-powersgd:rank=2": "codec",
+            }
+    err = capsys.readouterr().err
+    assert "no timing of PyTorch's PowerSGD hook at rank 2" in err
+    assert steps["hooked"]["ddp-powersgd:rank=1"] - steps["plain"]["ddp-powersgd:rank=1"] > 0.9 * work_ms
+    assert steps["hooked"]["ddp-powersgd:rank=2"] == pytest.approx(steps["plain"]["ddp-powersgd:rank=2"])

@@ -83,6 +83,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-overhead", action="store_true", help="skip the unprofiled steps that measure the overhead"
     )
     p.add_argument("--top", type=int, default=10, help="parameters listed, largest first (default 10)")
+    p.add_argument(
+        "--powersgd-hook-ranks",
+        metavar="R1,R2",
+        help="also time PyTorch's PowerSGD hook at these ranks on this model (DDP on a one-rank group), "
+        "for gradsync whatif's ddp-powersgd:rank=R",
+    )
+
+
+def hook_ranks(text: str | None) -> list[int]:
+    """``--powersgd-hook-ranks 1,4`` as ranks (``ValueError`` naming the option)."""
+    if text is None:
+        return []
+    ranks = []
+    for piece in text.split(","):
+        piece = piece.strip()
+        if not piece.isdigit() or int(piece) < 1:
+            raise ValueError(
+                f"--powersgd-hook-ranks {text!r}: expected comma-separated ranks of at least 1, e.g. 1,4"
+            )
+        ranks.append(int(piece))
+    return sorted(set(ranks))
 
 
 def check(args: argparse.Namespace) -> None:
@@ -130,6 +151,7 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("--device cuda: CUDA is not available on this machine (allowed here: cpu)")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r}: allowed values are {', '.join(DTYPES)}")
+    hook_ranks(args.powersgd_hook_ranks)
     if args.out:
         folder = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(folder):
@@ -216,6 +238,29 @@ def from_factory(spec: str) -> tuple[nn.Module, BatchOrLossFn, torch.optim.Optim
             "not a torch.optim.Optimizer"
         )
     return model, source, optimizer
+
+
+def time_powersgd_hook(
+    model: nn.Module, source: BatchOrLossFn, rank: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """PyTorch's PowerSGD hook's work on ``model`` (seconds per gradient byte), in DDP's default
+    buckets, on one batch of ``source`` (:func:`gradsync.observe.hook_costs.powersgd_hook_rate`)."""
+    from gradsync.observe.hook_costs import one_rank_world, powersgd_hook_rate
+    from gradsync.observe.profiler import default_loss
+
+    if callable(source) and not isinstance(source, (tuple, list)):
+        loss_of = source  # loss_fn(model): the whole forward pass
+    else:
+        batch = source if isinstance(source, (tuple, list)) else next(iter(source))
+        tensors = [t.to(device) for t in batch]
+        tensors = [t.to(dtype) if t.is_floating_point() and dtype != torch.float32 else t for t in tensors]
+        *inputs, target = tensors
+
+        def loss_of(m: nn.Module) -> torch.Tensor:
+            return default_loss(m(*inputs), target)
+
+    with one_rank_world():
+        return powersgd_hook_rate(model, loss_of, rank, None, device)
 
 
 # --------------------------------------------------------------------------- output
@@ -309,6 +354,12 @@ def main(args: argparse.Namespace) -> int:
         dtype=dtype if dtype != torch.float32 else None, overhead=not args.no_overhead,
         model_name=args.model, meta=meta,
     )  # fmt: skip
+    for rank in hook_ranks(args.powersgd_hook_ranks):
+        profile.powersgd_hook[rank] = time_powersgd_hook(model, source, rank, device, dtype)
+        work = profile.powersgd_hook[rank] * profile.total_bytes()
+        print(
+            f"PyTorch's PowerSGD hook at rank {rank}: {work * 1e3:.1f} ms of work per step", file=sys.stderr
+        )
     print_profile(profile, args.top)
     if args.out:
         profile.save(args.out)

@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.whatif.network import (
     DEFAULT_INTER_LATENCY,
@@ -24,6 +24,9 @@ from gradsync.whatif.network import (
     parse_rate,
     parse_time,
 )
+
+if TYPE_CHECKING:
+    from gradsync.observe.profile_format import Profile
 
 DEFAULT_SCHEMES = (
     "horovod,ddp,ddp-fp16,ddp-powersgd:rank=4,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.whatif.simulate import Cpu
     from gradsync.whatif.workload import Workload
 
-    workload = Workload.from_profile(Profile.load(args.profile))
+    profile = Profile.load(args.profile)
+    workload = Workload.from_profile(profile)
     if args.step_time is not None:
         workload = workload.scaled_to_step(parse_time(args.step_time, "--step-time"))
     elif args.compute_scale is not None:
@@ -189,9 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     schemes = _schemes(args)
     options = parse_options(args.sync_option)
     ddp_buckets = {s: int(args.ddp_bucket_mb * 2**20) for s in schemes if s.startswith("ddp")}
+    hook_rates, hook_work = powersgd_hook_rates(profile, schemes, codec_scale)
     rows: list[dict[str, Any]] = []
     for pt in points(Point(nodes, per_node, network), sweeps):
-        rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets)
+        rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets, hook_rates)
     title = (
         f"{workload.model}, {args.cluster}, "
         + (
@@ -218,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "sweeps": [[k, v] for k, v in sweeps],
         "codecs_measured_here": list(costs.measured),
+        "powersgd_hook_work": hook_work,
         "rows": rows,
     }
     if args.save_codec_costs:
@@ -232,11 +238,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             name = contender_name(s, first.ratio)
             res, _, _ = simulate_contender(
-                name, workload, first, costs, cpu, options, True, ddp_buckets.get(s)
+                name, workload, first, costs, cpu, options, True, ddp_buckets.get(s), hook_rates.get(s)
             )
             steps.append((name, res.spans, res.step_s))
         write_trace(args.trace, trace_document(steps, first.nodes, first.per_node))
     return result
+
+
+def powersgd_hook_rates(
+    profile: Profile, schemes: list[str], scale: float
+) -> tuple[dict[str, float], dict[str, str]]:
+    """For each ``ddp-powersgd`` contender, the hook's own work per gradient byte from the
+    profile (``gradsync profile --powersgd-hook-ranks``), times ``scale`` (the codecs' scale: the
+    hook's work is compute on the profiled device); and, per contender, what its compute is
+    charged: ``"profiled"`` or ``"codec"`` (gradsync's PowerSGD codec's timing, said on stderr:
+    on VGG that misses 8-10x of the hook's work, docs/whatif.md)."""
+    from gradsync.whatif.contenders import powersgd_rank
+
+    rates: dict[str, float] = {}
+    work: dict[str, str] = {}
+    for s in schemes:
+        if not s.startswith("ddp-powersgd"):
+            continue
+        rank = powersgd_rank(s)
+        if rank in profile.powersgd_hook:
+            rates[s] = profile.powersgd_hook[rank] * scale
+            work[s] = "profiled"
+        else:
+            work[s] = "codec"
+            print(
+                f"gradsync whatif: {s}: the profile has no timing of PyTorch's PowerSGD hook at rank "
+                f"{rank} (gradsync profile --powersgd-hook-ranks {rank}); its compute is charged "
+                "gradsync's PowerSGD codec's timing, which leaves out the hook's error feedback and copies",
+                file=sys.stderr,
+            )
+    return rates, work
 
 
 def main(args: argparse.Namespace) -> int:

@@ -123,8 +123,8 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    from gradsync.bench.hook_costs import gradient_bytes, powersgd_hook_rate
     from gradsync.collectives.cost import calibrate
+    from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, powersgd_hook_rate
     from gradsync.observe.profiler import profile_step
     from gradsync.sync.engine_costs import EngineCosts
     from gradsync.whatif.codec_costs import CodecTable
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if rank0:
         profile = profile_step(copy.deepcopy(base), (x, y), steps=args.profile_steps, warmup=3,
                                overhead=False, model_name=args.model, batch_size=args.batch_size)  # fmt: skip
-        hook_rates = {c: powersgd_hook_rate(base, x, y, powersgd_rank(c), bench_step.powersgd_bucket_mb(base))
+        hook_rates = {c: powersgd_hook_rate(base, cross_entropy_of(x, y), powersgd_rank(c),
+                                            bench_step.powersgd_bucket_mb(base), x.device)
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
             say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")

@@ -190,6 +190,10 @@ class Profile:
     torch_version: str = torch.__version__
     created: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    powersgd_hook: dict[int, float] = field(default_factory=dict)
+    """PyTorch's PowerSGD hook's own work on this model and device, seconds per gradient byte, by
+    matrix-approximation rank (``gradsync profile --powersgd-hook-ranks``); the simulator charges
+    it to ``ddp-powersgd:rank=R``. Optional in the document (older profiles have none)."""
 
     @property
     def data_measured(self) -> bool:
@@ -229,6 +233,7 @@ class Profile:
                 "ratio": self.overhead.ratio.to_dict(),
             },
             "meta": dict(self.meta),
+            "powersgd_hook_s_per_byte": {str(r): v for r, v in sorted(self.powersgd_hook.items())},
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -324,13 +329,15 @@ class Profile:
             torch_version=_string(_field(d, "torch_version", ""), "torch_version"),
             created=_string(_field(d, "created", ""), "created"),
             meta=dict(meta),
+            powersgd_hook=_hook_rates(d.get("powersgd_hook_s_per_byte", {})),
         )
         measured = _boolean(_field(d, "data_measured", ""), "data_measured")
         if measured != profile.data_measured:
             raise ValueError(
                 f"profile field 'data_measured': {measured} contradicts data_source {profile.data_source!r}"
             )
-        known = {f.name for f in dataclasses.fields(cls)} | {"data_measured", "unit"}
+        known = {f.name for f in dataclasses.fields(cls) if f.name != "powersgd_hook"}
+        known |= {"data_measured", "unit", "powersgd_hook_s_per_byte"}
         _no_extra(d, known, "profile")
         profile.validate()
         return profile
@@ -404,6 +411,30 @@ class Profile:
             raise ValueError("profile field 'overhead.rounds': expected >= 1")
         for t in self.dtypes:
             _itemsize(t, "dtypes")
+        for r, v in self.powersgd_hook.items():
+            if not (isinstance(r, int) and r >= 1 and math.isfinite(v) and v >= 0):
+                raise ValueError(
+                    "profile field 'powersgd_hook_s_per_byte': expected ranks >= 1 mapped to "
+                    f"non-negative seconds per byte, got {r!r}: {v!r}"
+                )
+
+
+def _hook_rates(raw: Any) -> dict[int, float]:
+    """``powersgd_hook_s_per_byte``: ``{"1": seconds per byte, ...}`` (checked by ``validate``)."""
+    rates = _mapping(raw, "powersgd_hook_s_per_byte")
+    out: dict[int, float] = {}
+    for key, value in rates.items():
+        if (
+            not (isinstance(key, str) and key.isdigit())
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+        ):
+            raise ValueError(
+                "profile field 'powersgd_hook_s_per_byte': expected {\"RANK\": seconds per byte}, "
+                f"got {key!r}: {value!r}"
+            )
+        out[int(key)] = float(value)
+    return out
 
 
 __all__ = [

@@ -209,7 +209,7 @@ def build_program(
 ) -> StepProgram:
     """The simulated step of contender ``name`` (see the module docstring). ``hook_rate``: for
     PyTorch's PowerSGD hook, its work as measured running (seconds per byte of a bucket,
-    :func:`gradsync.bench.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing."""
+    :func:`gradsync.observe.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing."""
     k = kind(name)
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
