@@ -222,3 +222,22 @@ def test_fused_exact_topk_matches_a_float64_reference(backend):
             vs[i] = 0.0
         r = vs
         assert ef.residual().double().tolist() == r
+
+
+def test_a_low_rank_commit_subtracts_p_q_transpose(backend):
+    """``commit(factors=(P, Q))`` leaves ``r + g - P Q^T`` (row-major over the stream's
+    elements), checked against the float64 formula; factors that do not cover the pending
+    elements are refused, naming the shapes, and leave the step pending."""
+    ef = gradsync.build_codec("powersgd:rank=2+ef")
+    rows, cols, rank = 30, 20, 2
+    gen = torch.Generator().manual_seed(7)
+    r = torch.zeros(rows * cols, dtype=torch.float64)
+    for _ in range(3):
+        g = torch.randn(rows, cols, generator=gen)
+        p, q = torch.randn(rows, rank, generator=gen), torch.randn(cols, rank, generator=gen)
+        ef.accumulate(g, "w")
+        with pytest.raises(ValueError, match=r"commit factors \(30, 2\) x \(19, 2\)\^T do not cover the 600"):
+            ef.commit("w", factors=(p, q[:19]))
+        ef.commit("w", factors=(p, q))
+        r = r + g.double().reshape(-1) - (p.double() @ q.double().T).reshape(-1)
+        torch.testing.assert_close(ef.residual("w").double(), r, rtol=1e-5, atol=1e-5)

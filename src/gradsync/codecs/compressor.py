@@ -193,8 +193,10 @@ class Compressor(abc.ABC):
         dense: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
         values: torch.Tensor | None = None,
+        factors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """What was sent of the tensor :meth:`accumulate` returned (dense, or indices and values)."""
+        """What was sent of the tensor :meth:`accumulate` returned (dense, indices and values, or
+        low-rank factors ``(P, Q)`` of ``P Q^T``)."""
 
     def discard(self, key: str = "") -> None:  # noqa: B027 - nothing to keep without error feedback
         """Drop the step :meth:`accumulate` began (its gradient was not finite)."""

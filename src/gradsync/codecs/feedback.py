@@ -285,9 +285,12 @@ class ErrorFeedback(Compressor):
         dense: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
         values: torch.Tensor | None = None,
+        factors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Keep ``pending - sent`` as the new residual. ``sent`` is a dense flat tensor, or
-        distinct ``indices`` with their decoded ``values`` (then momentum masking applies)."""
+        distinct ``indices`` with their decoded ``values`` (then momentum masking applies), or
+        low-rank ``factors`` ``(P, Q)``: the matrix ``P Q^T`` over the pending elements in row-major
+        order, subtracted in place in one pass (no product of the matrix's size is made)."""
         s = self._streams.get(key)
         if s is None or s.pending is None:
             raise RuntimeError(f"ef: commit({key!r}) without a pending accumulate()")
@@ -297,8 +300,16 @@ class ErrorFeedback(Compressor):
             sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0)
         elif dense is not None:
             v.sub_(dense.to(v.dtype))
+        elif factors is not None:
+            p, q = factors
+            if p.shape[0] * q.shape[0] != v.numel() or p.shape[1] != q.shape[1]:
+                raise ValueError(
+                    f"ef: commit factors {tuple(p.shape)} x {tuple(q.shape)}^T do not cover the "
+                    f"{v.numel()} pending elements"
+                )
+            v.view(p.shape[0], q.shape[0]).addmm_(p.to(v.dtype), q.to(v.dtype).T, alpha=-1)
         else:
-            raise ValueError("ef: commit needs dense= or indices= and values=")
+            raise ValueError("ef: commit needs dense=, indices= and values=, or factors=")
         s.spare, s.residual = s.residual, v
         if s.pending_u is not None:
             if self.config.masking:

@@ -96,7 +96,7 @@ def lowrank_rounds(
             assert stream.p is not None  # reproject() kept orth(sum P) in the stream
             if feedback is not None:
                 if finite:  # what this rank's data contributed to the sum
-                    feedback.commit(key, dense=(stream.p @ q_local.T).reshape(-1))
+                    feedback.commit(key, factors=(stream.p, q_local))
                 else:
                     feedback.discard(key)
             if not finite:  # keep the factors finite (a skipped step); the NaN result makes it skip
