@@ -241,3 +241,20 @@ def test_a_low_rank_commit_subtracts_p_q_transpose(backend):
         ef.commit("w", factors=(p, q))
         r = r + g.double().reshape(-1) - (p.double() @ q.double().T).reshape(-1)
         torch.testing.assert_close(ef.residual("w").double(), r, rtol=1e-5, atol=1e-5)
+
+
+def test_a_powersgd_payload_names_its_factors(backend):
+    """``factors(payload)``: the (P, Q) whose product the payload decodes to (error feedback
+    commits them in place); None for a tensor PowerSGD sends dense and for other codecs."""
+    codec = gradsync.build_codec("powersgd:rank=2")
+    payload = codec.encode(torch.randn(30, 20), EncodeContext(key="m"))
+    p, q = codec.factors(payload)
+    assert p.shape == (30, 2) and q.shape == (20, 2)
+    torch.testing.assert_close(
+        p.double() @ q.double().T, codec.decode(payload).double(), rtol=1e-6, atol=1e-6
+    )
+    assert codec.factors(codec.encode(torch.randn(30), EncodeContext(key="b"))) is None
+    topk = gradsync.build_codec("topk:density=0.1")
+    assert topk.factors(topk.encode(torch.randn(100))) is None
+    ef = gradsync.build_codec("powersgd:rank=2+ef")
+    assert ef.factors(ef.encode(torch.randn(30, 20))) is not None

@@ -147,6 +147,10 @@ class Compressor(abc.ABC):
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(indices, decoded values)`` of a sparse payload; None for dense ones."""
 
+    def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(P, Q)`` of a low-rank payload that decodes to ``P Q^T``; None for every other."""
+        return None
+
     def transmitted_indices(self, payload: Payload) -> torch.Tensor | None:
         """The indices a sparse payload carries; None for dense ones."""
         sent = self.transmitted(payload)

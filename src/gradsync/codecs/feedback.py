@@ -164,8 +164,11 @@ class ErrorFeedback(Compressor):
             self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
             return payload
         sent = self.codec.transmitted(payload)
+        factors = self.codec.factors(payload) if grad.dtype == torch.float32 else None
         if sent is not None:
             self.commit(ctx.key, indices=sent[0], values=sent[1])
+        elif factors is not None:  # P Q^T subtracted in place: its float32 product is the decode
+            self.commit(ctx.key, factors=factors)
         else:
             self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
         return payload
@@ -361,6 +364,9 @@ class ErrorFeedback(Compressor):
 
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.codec.transmitted(payload)
+
+    def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.codec.factors(payload)
 
     def check_numel(self, numel: int) -> None:
         self.codec.check_numel(numel)

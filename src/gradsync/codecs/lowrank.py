@@ -150,6 +150,14 @@ class PowerSGD(Codec[PowersgdStream]):
             )
         return super().payload_nbytes(payload)
 
+    def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if payload.header.flags & Flag.DENSE:
+            return None
+        lay = self._layout(payload.shape)
+        rows, cols = matrix_shape(payload.shape)
+        r = self.config.rank
+        return lay.view(payload.data, "p").view(rows, r), lay.view(payload.data, "q").view(cols, r)
+
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         lay = self._layout(payload.shape)
         if payload.header.flags & Flag.DENSE:
