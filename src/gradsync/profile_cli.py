@@ -30,7 +30,7 @@ import importlib
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -246,15 +246,13 @@ def time_powersgd_hook(
     """PyTorch's PowerSGD hook's work on ``model`` (seconds per gradient byte), in DDP's default
     buckets, on one batch of ``source`` (:func:`gradsync.observe.hook_costs.powersgd_hook_rate`)."""
     from gradsync.observe.hook_costs import one_rank_world, powersgd_hook_rate
-    from gradsync.observe.profiler import default_loss
+    from gradsync.observe.profiler import Batch, batch_to, default_loss
 
     if callable(source) and not isinstance(source, (tuple, list)):
         loss_of = source  # loss_fn(model): the whole forward pass
     else:
         batch = source if isinstance(source, (tuple, list)) else next(iter(source))
-        tensors = [t.to(device) for t in batch]
-        tensors = [t.to(dtype) if t.is_floating_point() and dtype != torch.float32 else t for t in tensors]
-        *inputs, target = tensors
+        *inputs, target = batch_to(cast(Batch, batch), device, dtype if dtype != torch.float32 else None)
 
         def loss_of(m: nn.Module) -> torch.Tensor:
             return default_loss(m(*inputs), target)

@@ -126,10 +126,17 @@ class Codec(Compressor, Generic[StreamT]):
         ``loss_scale`` is unused: a codec's state does not depend on the gradient's scale."""
         ctx = ctx or EncodeContext()
         flat = self._flatten(x)
+        return self._encode_in_stream(flat, ctx, lambda stream: self._encode(flat, x.shape, ctx, stream, out))
+
+    def _encode_in_stream(
+        self, flat: torch.Tensor, ctx: EncodeContext, encode: Callable[[StreamT], Payload]
+    ) -> Payload:
+        """Run ``encode`` on the stream of ``ctx.key`` for the flat input ``flat``: its size checked
+        first, under the codec's operator backend, the stream's call counted after."""
         self.check_numel(flat.numel())
         stream = self.stream(ctx.key)
         with self._ops_backend():
-            payload = self._encode(flat, x.shape, ctx, stream, out)
+            payload = encode(stream)
         stream.calls += 1
         return payload
 

@@ -164,11 +164,10 @@ class ErrorFeedback(Compressor):
             self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
             return payload
         sent = self.codec.transmitted(payload)
-        factors = self.codec.factors(payload) if grad.dtype == torch.float32 else None
         if sent is not None:
             self.commit(ctx.key, indices=sent[0], values=sent[1])
-        elif factors is not None:  # P Q^T subtracted in place: its float32 product is the decode
-            self.commit(ctx.key, factors=factors)
+        elif grad.dtype == torch.float32 and (factors := self.codec.factors(payload)) is not None:
+            self.commit(ctx.key, factors=factors)  # P Q^T in place: its float32 product is the decode
         else:
             self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
         return payload

@@ -58,13 +58,10 @@ class SparseCodec(Codec[StreamT]):
         if not self.fuses_sum:
             return super().encode_sum(a, b, into, shape, ctx, out=out)
         ctx = ctx or EncodeContext()
-        flat = into.view(-1)
-        self.check_numel(flat.numel())
-        stream = self.stream(ctx.key)
-        with self._ops_backend():
-            payload = self._encode(flat, shape, ctx, stream, out, (a.view(-1), b.view(-1)))
-        stream.calls += 1
-        return payload
+        flat, addends = into.view(-1), (a.view(-1), b.view(-1))
+        return self._encode_in_stream(
+            flat, ctx, lambda stream: self._encode(flat, shape, ctx, stream, out, addends)
+        )
 
     def check_numel(self, numel: int) -> None:
         self.target_count(numel)

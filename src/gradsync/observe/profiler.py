@@ -84,7 +84,8 @@ def _is_batch(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
 
 
-def _to(batch: Batch, device: torch.device, dtype: torch.dtype | None) -> list[torch.Tensor]:
+def batch_to(batch: Batch, device: torch.device, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``batch`` on ``device``, its floating tensors in ``dtype`` (None: as they are)."""
     out = []
     for t in batch:
         t = t.to(device, non_blocking=False)
@@ -142,7 +143,7 @@ class _Stepper:
             batch = list(cast(Batch, source))
             if len(batch) < 2:
                 raise ProfileError("a batch needs at least one input and a target (the last tensor)")
-            self.batch = _to(batch, device, dtype)  # moved once: no data time
+            self.batch = batch_to(batch, device, dtype)  # moved once: no data time
             self.data_source = "batch"
         elif callable(source):
             self.loss_fn = source
@@ -206,7 +207,7 @@ class _Stepper:
             )
         if self.loader_batch_size is None and batch[0].dim() > 0:
             self.loader_batch_size = int(batch[0].shape[0])
-        return _to(batch, self.device, self.dtype)
+        return batch_to(batch, self.device, self.dtype)
 
     def _forward(self, batch: list[torch.Tensor] | None) -> torch.Tensor:
         if self.loss_fn is not None:
