@@ -313,3 +313,14 @@ def test_candidate_set_counts_many_thresholds(backend):
     cand = ops.CandidateSet.scan(x, Key.ABS, target=2000, minimum=2000)
     ts = [0.1, cand.floor, 2.9, 3.5, cand.floor - 0.2, 4.0]
     assert cand.count_ge_many(ts) == [int((x.abs() >= ops.f32(t)).sum()) for t in ts]
+
+
+def test_a_scan_refuses_addends_of_another_size():
+    """``CandidateSet.scan(addends=...)``: addends that do not match the tensor are refused before
+    anything is written, naming the sizes."""
+    from gradsync.codecs.ops import CandidateSet, Key
+
+    x = torch.full((100,), 7.0)
+    with pytest.raises(ValueError, match=r"scan: addends of \[100, 99\] elements for a tensor of 100"):
+        CandidateSet.scan(x, Key.ABS, target=10, addends=(torch.zeros(100), torch.zeros(99)))
+    assert bool((x == 7.0).all())

@@ -421,7 +421,7 @@ def measure_codec(
     The timing runs on a fresh copy of the codec (same configuration, no state): the codec in
     use keeps its streams, scratch buffers and random generators untouched. The copy is the
     codec as it runs, error feedback included (it reads the residual and writes the sum: on this
-    project's 2-core CPU ``mstopk:density=0.01`` encodes 16 MB in 2.6 ms, with ``+ef`` in 4.1 ms,
+    project's 2-core CPU ``mstopk:density=0.01`` encodes 16 MB in 2.4 ms, with ``+ef`` in 4.1 ms,
     ``docs/results/bench-codecs-ef.md``)."""
     plain = codec.fresh()
     dev = torch.device(device) if device is not None else torch.device("cpu")
