@@ -9,7 +9,7 @@ import torch
 
 from gradsync.codecs import ErrorFeedback
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.collectives.program import chain, run
+from gradsync.collectives.program import ProgramError, chain, last, run
 from gradsync.sync import Plan, Scheme, SyncConfig, TaskError, TaskManager
 from gradsync.sync.buckets import Bucket, Slot, build_groups
 from gradsync.sync.planner import make_plan
@@ -364,6 +364,61 @@ def test_task_manager_failure_fails_later_tasks_and_every_call_after():
     with pytest.raises(TaskError):
         tm.submit(_recording_program([], "c", 1), "c")
     tm.close()
+
+
+def test_a_last_step_hands_the_network_to_the_next_task_while_the_compute_thread_is_busy():
+    """a's last step ends while c's long encode holds the compute thread: b's step must not wait
+    for that encode (without the mark it did: a's program had to resume on the compute thread
+    before the communication thread knew a was done)."""
+    events = []
+    stamp = threading.Lock()
+
+    def note(what):
+        with stamp:
+            events.append((what, time.perf_counter()))
+
+    def a():
+        got = yield last(lambda: (time.sleep(0.1), note("a-comm-end"))[1] or "a")
+        assert got == "a"
+        return lambda: note("a-finish")
+
+    def b():
+        yield last(lambda: note("b-comm"))
+        return None
+
+    def c():  # a long local step, queued after a's and b's first ones
+        time.sleep(0.6)
+        note("c-encode-end")
+        yield lambda: note("c-comm")
+        return None
+
+    tm = TaskManager("t")
+    tasks = [tm.submit(a(), "a"), tm.submit(b(), "b"), tm.submit(c(), "c")]
+    tm.wait(tasks, timeout=10)
+    t = dict(events)
+    assert t["a-comm-end"] < t["b-comm"] < t["c-encode-end"] - 0.2, events
+    assert t["c-encode-end"] < t["a-finish"]  # the finisher still runs on the compute thread
+    assert t["c-encode-end"] < t["c-comm"]
+    assert all(task.done and task.comm_done_at is not None for task in tasks)
+    tm.close()
+
+
+def test_a_step_after_the_last_one_is_refused_by_both_drivers():
+    def rogue():
+        yield last(lambda: 1)
+        yield lambda: 2
+        return None
+
+    with pytest.raises(ProgramError, match="after the one it marked as its last"):
+        run(rogue())
+    tm = TaskManager("t")
+    tasks = [tm.submit(rogue(), "rogue"), tm.submit(_recording_program([], "b", 1), "b")]
+    with pytest.raises(TaskError, match="after the one it marked as its last"):
+        tm.wait(tasks, timeout=10)
+    with pytest.raises(TaskError):  # the order of collectives is lost: the manager stays failed
+        tm.submit(_recording_program([], "c", 1), "c")
+    tm.close()
+    assert last(len, final=False) is len  # unmarked when something follows
 
 
 def test_program_driver_runs_steps_then_the_finisher():

@@ -42,7 +42,7 @@ from gradsync.collectives.pieces import (
     packed_length,
     unpack_pieces,
 )
-from gradsync.collectives.program import Program, chain, run, scaled
+from gradsync.collectives.program import Program, chain, last, run, scaled
 from gradsync.collectives.strategies import STRATEGIES, Coder, run_strategy
 from gradsync.collectives.topology import Topology, default_topology
 
@@ -139,7 +139,8 @@ def compressed_program(
     if local_aggregation and topo.per_node > 1:
         return (yield from _locally_aggregated(flat, topo, coder, strategy, pipeline, scale, ws))
     group = topo.world_group
-    pieces = yield from run_strategy(flat, group, topo.level_of(group), coder, strategy, topo.rank)
+    level = topo.level_of(group)
+    pieces = yield from run_strategy(flat, group, level, coder, strategy, topo.rank, final=True)
     return partial(apply_pieces, pieces, flat, coder.plain, scale)
 
 
@@ -169,7 +170,7 @@ def _locally_aggregated(
 
     if topo.nodes == 1:  # nothing crosses a node: a plain dense reduce-scatter and all-gather
         yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
-        yield partial(P.all_gather, padded, shard, topo.intra_group, "intra")
+        yield last(partial(P.all_gather, padded, shard, topo.intra_group, "intra"))
         return chain(copy_back, scaled(flat, scale))
     if strategy == "allgather":
         pieces = yield from pipelined_allgather(padded, topo, coder, pipeline, scratch, ws)
@@ -187,10 +188,10 @@ def _locally_aggregated(
     packed = pack_pieces(pieces)
     capacity = packed_capacity([q.payload.numel for q in pieces], coder.codec, flat.dtype)
     if capacity is None:
-        blobs = yield partial(P.all_gather_bytes, packed, topo.intra_group, "intra")
+        blobs = yield last(partial(P.all_gather_bytes, packed, topo.intra_group, "intra"))
     else:
-        gather = yield partial(P.start_all_gather_fixed, packed, capacity, topo.intra_group, "intra")
-        blobs = [b[: packed_length(b)] for b in (yield gather.wait)]
+        gathered = yield last(partial(P.all_gather_fixed, packed, capacity, topo.intra_group, "intra"))
+        blobs = [b[: packed_length(b)] for b in gathered]
 
     def finish() -> None:
         everything = [

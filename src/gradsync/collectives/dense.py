@@ -26,7 +26,7 @@ import torch.distributed as dist
 from gradsync.codecs import EncodeContext, build_codec
 from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
-from gradsync.collectives.program import Program, chain, run
+from gradsync.collectives.program import Program, chain, last, run
 from gradsync.collectives.topology import Topology, default_topology
 
 ALGORITHMS = ("flat", "hierarchical", "torus2d", "hybrid")
@@ -139,7 +139,7 @@ def allreduce_program(
 def dense_steps(buf: torch.Tensor, topo: Topology, algorithm: str, ws: Workspace) -> Program:
     """Sum the flat ``buf`` over all ranks with a dense ``algorithm`` (not ``hybrid``)."""
     if algorithm == "flat":
-        yield partial(P.all_reduce, buf, topo.world_group, "world")
+        yield last(partial(P.all_reduce, buf, topo.world_group, "world"))
         return None
     if algorithm == "hierarchical":
         return (yield from hierarchical(buf, topo))
@@ -147,21 +147,30 @@ def dense_steps(buf: torch.Tensor, topo: Topology, algorithm: str, ws: Workspace
 
 
 def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
-    """Paper 03's three phases on a flat buffer (sum)."""
+    """Paper 03's three phases on a flat buffer (sum). A phase over a group of one rank is left
+    out (every step is a hand-over between the engine's threads); the last step is marked last."""
+    if topo.per_node == 1:
+        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
+        return None
     yield partial(P.reduce, buf, topo.leader, topo.intra_group, "intra")
-    if topo.local_rank == 0:  # the leaders' inter-node group is the one of local index 0
+    if topo.local_rank == 0 and topo.nodes > 1:  # the leaders' group is the one of local index 0
         yield partial(P.all_reduce, buf, topo.inter_group, "inter")
-    yield partial(P.broadcast, buf, topo.leader, topo.intra_group, "intra")
+    yield last(partial(P.broadcast, buf, topo.leader, topo.intra_group, "intra"))
     return None
 
 
 def torus2d(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
-    """Paper 01's 2D-torus all-reduce on a flat buffer (sum)."""
+    """Paper 01's 2D-torus all-reduce on a flat buffer (sum). With one rank per node it is one
+    all-reduce across the nodes (no shard copies); a single node skips the inter-node phase."""
+    if topo.per_node == 1:
+        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
+        return None
     padded, shard = shard_buffers(buf, topo, ws)
     scratch = ws.get("rs", padded.numel(), buf.dtype, buf.device)
     yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
-    yield partial(P.all_reduce, shard, topo.inter_group, "inter")
-    yield partial(P.all_gather, padded, shard, topo.intra_group, "intra")
+    if topo.nodes > 1:
+        yield partial(P.all_reduce, shard, topo.inter_group, "inter")
+    yield last(partial(P.all_gather, padded, shard, topo.intra_group, "intra"))
     if padded.data_ptr() != buf.data_ptr():
         return lambda: buf.copy_(padded[: buf.numel()])
     return None

@@ -58,10 +58,15 @@ def pipelined_allgather(
                 P.start_all_gather_fixed, payload.data, capacity, topo.inter_group, "inter"
             )
             pending.append((offset, sub, gather, None))
+    # one step waits for every chunk still in flight (a step per chunk would hand the program
+    # back and forth between the engine's threads for nothing)
+    arrived = yield partial(_wait_all, [gather for _, _, gather, _ in pending])
     pieces = []
-    for offset, sub, gather, bufs in pending:
-        if gather is not None:
-            bufs = yield gather.wait
-        for buf in bufs:
+    for (offset, sub, _, bufs), got in zip(pending, arrived, strict=True):
+        for buf in got if got is not None else bufs:
             pieces.append(Piece(offset, trimmed(codec, buf, sub, padded.dtype)))
     return pieces
+
+
+def _wait_all(gathers: list[P.PendingGather | None]) -> list[list[torch.Tensor] | None]:
+    return [None if g is None else g.wait() for g in gathers]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gradsync.codecs.lowrank import lowrank_codec, matrix_shape
 from gradsync.collectives import primitives as P
-from gradsync.collectives.program import Program, chain, scaled
+from gradsync.collectives.program import Program, chain, last, scaled
 from gradsync.collectives.strategies import Coder
 from gradsync.collectives.topology import Topology
 
@@ -40,20 +40,25 @@ def lowrank_program(
             tail = yield from lowrank_rounds(parts, topo.inter_group, "inter", coder)
             if tail is not None:
                 tail()  # the leader reconstructs before it broadcasts
-        yield partial(P.broadcast, flat, topo.leader, topo.intra_group, "intra")
+        yield last(partial(P.broadcast, flat, topo.leader, topo.intra_group, "intra"))
         return scaled(flat, scale)
     group = topo.world_group
-    tail = yield from lowrank_rounds(parts, group, topo.level_of(group), coder)
+    tail = yield from lowrank_rounds(parts, group, topo.level_of(group), coder, final=True)
     return chain(tail, scaled(flat, scale))
 
 
 def lowrank_rounds(
-    parts: list[tuple[torch.Tensor, str]], group: dist.ProcessGroup | None, level: str, coder: Coder
+    parts: list[tuple[torch.Tensor, str]],
+    group: dist.ProcessGroup | None,
+    level: str,
+    coder: Coder,
+    final: bool = False,
 ) -> Program:
     """Sum the tensors over ``group`` through PowerSGD's factors, every matrix of ``parts`` in the
     same two all-reduces (P, then Q); tensors the codec sends dense ride along with P. Each
     matrix's state (factors, error feedback) is its own stream, keyed by its key, and its
-    residual's offsets count from the matrix's first element."""
+    residual's offsets count from the matrix's first element. ``final``: nothing follows the rounds
+    in the caller's program (the last all-reduce is marked last)."""
     codec = lowrank_codec(coder.codec)
     feedback = coder.codec if coder.codec.error_feedback else None
     dense = [x for x, _ in parts if not codec.compresses(x.shape)]
@@ -71,7 +76,7 @@ def lowrank_rounds(
     if not first_parts:
         return None
     first = torch.cat(first_parts)
-    yield partial(P.all_reduce, first, group, level)
+    yield last(partial(P.all_reduce, first, group, level), final and not mats)
     pos = sum(x.numel() for x in dense)
     q_locals = []
     for _, _, m, stream, shape, _ in mats:
@@ -80,7 +85,7 @@ def lowrank_rounds(
         pos += n
     second = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else first.new_empty(0)
     if mats:
-        yield partial(P.all_reduce, second, group, level)
+        yield last(partial(P.all_reduce, second, group, level), final)
 
     def finish() -> None:
         # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)

@@ -354,6 +354,14 @@ def start_all_gather_fixed(
     return PendingGather(work, out, capacity, p, buf, None if dev == data.device else data.device)
 
 
+def all_gather_fixed(
+    data: torch.Tensor, capacity: int, group: dist.ProcessGroup | None, level: str
+) -> list[torch.Tensor]:
+    """:func:`start_all_gather_fixed` and its wait in one call (one step, when nothing is to
+    overlap it)."""
+    return start_all_gather_fixed(data, capacity, group, level).wait()
+
+
 def all_to_all_bytes(
     chunks: list[torch.Tensor], group: dist.ProcessGroup | None, level: str
 ) -> list[torch.Tensor]:

@@ -15,6 +15,11 @@ Two drivers exist:
   its collectives in the same order), and their local work on a compute thread, so that one
   bucket's encoding overlaps another bucket's transfer and the backward pass.
 
+A program marks its last communication step with :func:`last`. The task manager's communication
+thread then moves on to the next task as soon as that step returns, instead of waiting until the
+compute thread (busy, perhaps, encoding a later bucket) has resumed the program and seen it
+return: without the mark, each program's end kept the network idle for up to one encode.
+
 Nothing a program keeps between two of its steps may be shared with another program that can
 run at the same time: scratch space comes from the :class:`~gradsync.codecs.ops.Workspace` the
 caller passes in, one per concurrently running program.
@@ -36,12 +41,47 @@ Finisher = Callable[[], object]
 Program = Generator[Step, Any, "Finisher | None"]
 
 
+class LastStep:
+    """A communication step marked as its program's last (see :func:`last`)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def __call__(self) -> Any:
+        return self.step()
+
+
+def last(step: Step, final: bool = True) -> Step:
+    """``step``, marked as the last communication step of its program when ``final`` (sub-programs
+    take ``final`` from their caller, who knows whether anything follows them). Once a marked
+    step has returned, the program may only do local work and return its finisher; yielding
+    another step is a bug that both drivers raise (:class:`ProgramError`)."""
+    return LastStep(step) if final else step
+
+
+class ProgramError(RuntimeError):
+    """A program broke the step-program rules (a bug in gradsync, never in the caller's input)."""
+
+
+AFTER_LAST = (
+    "gradsync: a step program yielded a communication step after the one it marked as its last "
+    "(a bug: please report it)"
+)
+
+
 def run(program: Program) -> None:
     """Execute ``program`` inline: every step, then its finisher."""
     try:
         step = next(program)
         while True:
-            step = program.send(step())
+            result = step()
+            was_last = isinstance(step, LastStep)
+            step = program.send(result)
+            if was_last:
+                program.close()
+                raise ProgramError(AFTER_LAST)
     except StopIteration as stop:
         finisher = stop.value
     if finisher is not None:

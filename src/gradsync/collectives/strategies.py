@@ -33,7 +33,7 @@ from gradsync.codecs import Codec, Compressor, EncodeContext, Payload
 from gradsync.codecs.ops import abs_max
 from gradsync.collectives import primitives as P
 from gradsync.collectives.pieces import Piece, fixed_capacity, trimmed
-from gradsync.collectives.program import Step
+from gradsync.collectives.program import Step, last
 
 STRATEGIES = ("allgather", "ring", "ps")
 
@@ -82,14 +82,21 @@ def _values(codec: Compressor, payload: Payload) -> torch.Tensor:
 
 
 def run_strategy(
-    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, strategy: str, rank: int
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    level: str,
+    coder: Coder,
+    strategy: str,
+    rank: int,
+    final: bool = False,
 ) -> Pieces:
-    """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result."""
+    """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result.
+    ``final``: nothing follows it in the caller's program (its last step is marked last)."""
     if strategy == "allgather":
-        return (yield from _allgather(x, group, level, coder))
+        return (yield from _allgather(x, group, level, coder, final))
     if strategy == "ring":
-        return (yield from _ring(x, group, level, coder, rank))
-    return (yield from _ps(x, group, level, coder, rank))
+        return (yield from _ring(x, group, level, coder, rank, final))
+    return (yield from _ps(x, group, level, coder, rank, final))
 
 
 def _agreed(
@@ -105,18 +112,21 @@ def _agreed(
     return EncodeContext(rank=rank, summands=p, amax=amax)
 
 
-def _allgather(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder) -> Pieces:
+def _allgather(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, final: bool
+) -> Pieces:
     payload = coder.encode(x, "allgather")
     capacity = fixed_capacity(coder.plain, x.numel(), x.dtype)
     if capacity is not None:  # one all-gather into fixed slots; each header gives its size
-        gather = yield partial(P.start_all_gather_fixed, payload.data, capacity, group, level)
-        bufs = yield gather.wait
+        bufs = yield last(partial(P.all_gather_fixed, payload.data, capacity, group, level), final)
         return [Piece(0, trimmed(coder.plain, b, x.numel(), x.dtype)) for b in bufs]
-    datas = yield partial(P.all_gather_bytes, payload.data, group, level)
+    datas = yield last(partial(P.all_gather_bytes, payload.data, group, level), final)
     return [Piece(0, coder.received(d, x)) for d in datas]  # checks every header against its size
 
 
-def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+def _ring(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int, final: bool
+) -> Pieces:
     p, g = P.size(group), P.group_rank(group)
     right, left = P.global_rank(group, (g + 1) % p), P.global_rank(group, (g - 1) % p)
     chunks = list(torch.tensor_split(x, p))
@@ -135,7 +145,7 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
             incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
             _values(codec, payloads[idx]).add_(_values(codec, incoming))
             send = payloads[idx]
-        final = payloads[owned]
+        reduced = payloads[owned]
     else:
         send = coder.encode(chunks[g], f"ring{g}", at=offsets[g])
         for s in range(p - 1):
@@ -146,12 +156,12 @@ def _ring(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: C
             send = coder.encode(
                 work, f"ring{idx}", at=offsets[idx]
             )  # the last: the owned chunk's final payload
-        final = send
+        reduced = send
     # all-gather phase: pass the final payloads around the ring
-    pieces = [Piece(offsets[owned], final)]
-    current, idx = final, owned
-    for _ in range(p - 1):
-        data = yield partial(exchange, current.data)
+    pieces = [Piece(offsets[owned], reduced)]
+    current, idx = reduced, owned
+    for s in range(p - 1):
+        data = yield last(partial(exchange, current.data), final and s == p - 2)
         idx = (idx - 1) % p
         current = coder.received(data, chunks[idx])
         pieces.append(Piece(offsets[idx], current))
@@ -189,7 +199,9 @@ def reduce_scatter_pieces(
     return [Piece(0, q) for q in received]
 
 
-def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int) -> Pieces:
+def _ps(
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int, final: bool
+) -> Pieces:
     g = P.group_rank(group)
     codec = coder.plain
     summable = codec.summable
@@ -207,7 +219,7 @@ def _ps(x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Cod
             codec.decode(q, out=work, accumulate=True)
         agg = coder.encode(work, "ps-aggregate", at=starts[g])
     pieces, offset = [], 0
-    for j, data in enumerate((yield partial(P.all_gather_bytes, agg.data, group, level))):
+    for j, data in enumerate((yield last(partial(P.all_gather_bytes, agg.data, group, level), final))):
         pieces.append(Piece(offset, coder.received(data, parts[j])))
         offset += parts[j].numel()
     return pieces

@@ -276,7 +276,7 @@ class FsdpCompression:
         flat = shard.view(-1)
 
         def program() -> Program:
-            pieces = yield from run_strategy(flat, group, "replicate", coder, strategy, rank)
+            pieces = yield from run_strategy(flat, group, "replicate", coder, strategy, rank, final=True)
             return partial(apply_pieces, pieces, flat, coder.plain, 1.0 / r)
 
         with P.record_traffic() as t:

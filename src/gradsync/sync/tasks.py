@@ -11,8 +11,10 @@ compression and communication. Here every bucket's synchronization is a step pro
 - the **communication thread** runs the communication steps, strictly task after task in
   submission order, and within a task in program order. Since every rank submits the same tasks
   in the same order, every rank issues the same collectives in the same order: the one rule
-  torch.distributed imposes. As soon as a task's last step is issued the thread moves on to the
-  next task, while the compute thread decodes the previous one.
+  torch.distributed imposes. As soon as a task's last step has run the thread moves on to the
+  next task, while the compute thread decodes the previous one: a step the program marked as its
+  last (:func:`~gradsync.collectives.program.last`) says so at once; otherwise the thread learns
+  it when the compute thread resumes the program and sees it return.
 
 A step's dependencies are explicit: it waits for the compute segment that produced it, and the
 segment after it waits for its result. While one task communicates, the next task's packing
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from gradsync.collectives import primitives as P
-from gradsync.collectives.program import Program, Step
+from gradsync.collectives.program import AFTER_LAST, LastStep, Program, ProgramError, Step
 from gradsync.collectives.topology import use_device
 
 
@@ -258,7 +260,8 @@ class TaskManager:
                     task.spans.append(Span("compute", t0, t1))
                 with self._cv:
                     task._comm_done = True
-                    task.comm_done_at = time.perf_counter()
+                    if task.comm_done_at is None:
+                        task.comm_done_at = time.perf_counter()
                     self._cv.notify_all()
                 self._finish(task, stop.value)
                 continue
@@ -269,6 +272,9 @@ class TaskManager:
             task.compute_s += t1 - t0
             if task.spans is not None:
                 task.spans.append(Span("compute", t0, t1))
+            if task._comm_done:  # set before the task came back here: its last step has run
+                self._fail(task, ProgramError(AFTER_LAST))
+                continue
             with self._cv:
                 task._step = step
                 self._cv.notify_all()
@@ -331,6 +337,11 @@ class TaskManager:
                 log.clear()
             with self._cv:
                 task._result = result
+                if isinstance(step, LastStep):  # the program only finishes now: next task's turn
+                    task._comm_done = True
+                    task.comm_done_at = t1
+                    if self._comm and self._comm[0] is task:
+                        self._comm.popleft()
                 heapq.heappush(self._compute, (task.seq, task))
                 self._cv.notify_all()
 
