@@ -403,33 +403,6 @@ def test_a_last_step_hands_the_network_to_the_next_task_while_the_compute_thread
     tm.close()
 
 
-def test_a_finisher_waits_for_the_work_that_feeds_the_network():
-    """When a's program has ended and b's next segment is ready too, b's segment (it leads to
-    b's next collective) runs before a's finisher (the decoding only the step's end needs)."""
-    events = []
-
-    def a():
-        yield last(lambda: "a")
-        return lambda: events.append("a-finish")
-
-    def b():
-        yield lambda: "b"
-        events.append("b-segment")
-        yield last(lambda: events.append("b-comm"))
-        return None
-
-    def c():  # holds the compute thread while a's and b's collectives run
-        time.sleep(0.3)
-        yield lambda: None
-        return None
-
-    tm = TaskManager("t")
-    tasks = [tm.submit(a(), "a"), tm.submit(b(), "b"), tm.submit(c(), "c")]
-    tm.wait(tasks, timeout=10)
-    assert events.index("b-segment") < events.index("a-finish"), events
-    tm.close()
-
-
 def test_a_step_after_the_last_one_is_refused_by_both_drivers():
     def rogue():
         yield last(lambda: 1)

@@ -7,8 +7,7 @@ compression and communication. Here every bucket's synchronization is a step pro
 - the **compute thread** runs the tasks' local work (packing gradients, encoding, merging,
   decoding: everything between two communication steps, then the finisher). Of the segments that
   are ready it always runs the one of the oldest task, so the communication thread is fed in
-  order; a finisher (the decoding after a task's last collective) runs only when no segment is
-  ready, since a segment feeds the network and a finisher only the end of the step;
+  order;
 - the **communication thread** runs the communication steps, strictly task after task in
   submission order, and within a task in program order. Since every rank submits the same tasks
   in the same order, every rank issues the same collectives in the same order: the one rule
@@ -108,8 +107,7 @@ class TaskManager:
         self.name = name
         self.device = device
         self._cv = threading.Condition()
-        # heap of (1 for a finisher else 0, submission order, task): segments first, oldest first
-        self._compute: list[tuple[int, int, Task]] = []
+        self._compute: list[tuple[int, Task]] = []  # heap by submission order
         self._comm: deque[Task] = deque()
         self._seq = 0
         self._error: BaseException | None = None
@@ -153,7 +151,7 @@ class TaskManager:
             if self._record:
                 task.spans = []
             self._seq += 1
-            heapq.heappush(self._compute, (0, task.seq, task))
+            heapq.heappush(self._compute, (task.seq, task))
             self._comm.append(task)
             self._cv.notify_all()
         return task
@@ -244,13 +242,10 @@ class TaskManager:
                     self._cv.wait()
                 if not self._compute:
                     return
-                finishing, _, task = heapq.heappop(self._compute)
+                _, task = heapq.heappop(self._compute)
                 if task._done.is_set():  # failed meanwhile
                     continue
                 value, task._result = task._result, None
-            if finishing:
-                self._finish(task, value)
-                continue
             t0 = time.perf_counter()
             try:
                 if task._started:
@@ -267,9 +262,8 @@ class TaskManager:
                     task._comm_done = True
                     if task.comm_done_at is None:
                         task.comm_done_at = time.perf_counter()
-                    task._result = stop.value  # the finisher: it waits for every ready segment
-                    heapq.heappush(self._compute, (1, task.seq, task))
                     self._cv.notify_all()
+                self._finish(task, stop.value)
                 continue
             except BaseException as e:
                 self._fail(task, e)
@@ -348,7 +342,7 @@ class TaskManager:
                     task.comm_done_at = t1
                     if self._comm and self._comm[0] is task:
                         self._comm.popleft()
-                heapq.heappush(self._compute, (0, task.seq, task))
+                heapq.heappush(self._compute, (task.seq, task))
                 self._cv.notify_all()
 
 

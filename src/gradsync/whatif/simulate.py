@@ -9,8 +9,7 @@ Three threads, as in the sync engine (:mod:`gradsync.sync.tasks`) and in PyTorch
   each gradient ready at its profiled offset), the hooks' work (DDP's communication hooks compress
   there), waits for the synchronization, then the optimizer;
 - the **compute thread** runs the tasks' local work (packing, encoding, decoding); of the stages
-  that are ready it runs the oldest task's, a task's last stage (its decoding, after its last
-  transfer) only when no other stage is ready;
+  that are ready it runs the oldest task's;
 - the **communication thread** runs the tasks' communication, task after task in submission order
   (the order every rank issues its collectives in), each for the time the cost model gives.
 
@@ -280,22 +279,16 @@ def simulate(
                 running[MAIN] = _Work("optimizer", optimizer, True, t)
             elif phase == "finishing":
                 phase = "done"
-        # compute thread: the oldest task whose next stage is ready compute work, stages that
-        # feed a transfer before the finishing ones
+        # compute thread: the oldest task whose next stage is ready compute work
         if running[COMPUTE] is None:
-            pick = None
             for lv in live:
                 ready_stage = lv.current
                 if ready_stage is not None and lv.stage_ready and ready_stage.thread == COMPUTE:
-                    if lv.comm_left():
-                        pick = lv
-                        break
-                    pick = pick or lv
-            if pick is not None:
-                st = pick.current
-                assert st is not None
-                running[COMPUTE] = _Work(st.label, st.seconds, st.cpu, t, task=pick.seq)
-                pick.stage_ready = False
+                    running[COMPUTE] = _Work(
+                        ready_stage.label, ready_stage.seconds, ready_stage.cpu, t, task=lv.seq
+                    )
+                    lv.stage_ready = False
+                    break
         # communication thread: task after task in submission order
         while running[COMM] is None and comm_ptr < len(live):
             lv = live[comm_ptr]
