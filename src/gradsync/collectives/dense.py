@@ -141,17 +141,18 @@ def dense_steps(buf: torch.Tensor, topo: Topology, algorithm: str, ws: Workspace
     if algorithm == "flat":
         yield last(partial(P.all_reduce, buf, topo.world_group, "world"))
         return None
+    if topo.per_node == 1:  # no node-internal phase: one all-reduce across the nodes (no copies)
+        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
+        return None
     if algorithm == "hierarchical":
         return (yield from hierarchical(buf, topo))
     return (yield from torus2d(buf, topo, ws))
 
 
 def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
-    """Paper 03's three phases on a flat buffer (sum). A phase over a group of one rank is left
-    out (every step is a hand-over between the engine's threads); the last step is marked last."""
-    if topo.per_node == 1:
-        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
-        return None
+    """Paper 03's three phases on a flat buffer (sum), with more than one rank per node. The
+    inter-node phase is left out on a single node (every step is a hand-over between the engine's
+    threads); the last step is marked last."""
     yield partial(P.reduce, buf, topo.leader, topo.intra_group, "intra")
     if topo.local_rank == 0 and topo.nodes > 1:  # the leaders' group is the one of local index 0
         yield partial(P.all_reduce, buf, topo.inter_group, "inter")
@@ -160,11 +161,8 @@ def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
 
 
 def torus2d(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
-    """Paper 01's 2D-torus all-reduce on a flat buffer (sum). With one rank per node it is one
-    all-reduce across the nodes (no shard copies); a single node skips the inter-node phase."""
-    if topo.per_node == 1:
-        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
-        return None
+    """Paper 01's 2D-torus all-reduce on a flat buffer (sum), with more than one rank per node; a
+    single node skips the inter-node phase."""
     padded, shard = shard_buffers(buf, topo, ws)
     scratch = ws.get("rs", padded.numel(), buf.dtype, buf.device)
     yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
