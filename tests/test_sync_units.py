@@ -293,6 +293,54 @@ def test_planner_fuses_neighbouring_dense_buckets_again():
     ]
 
 
+def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_launch():
+    """Two 1 MiB top-k buckets (1 % payload, nothing to encode) on 4 x 1 ranks at 100 Mbit/s,
+    a small dense bucket between them. A compressed bucket of S bytes is one fixed-slot
+    all-gather: ``c(S) = alpha log2(4) + 3 * 0.01 S * beta``. By hand, with the ready times 0, 1
+    and 2 ms and the buckets taken one after another:
+
+    - alpha 5 ms: apart 2 c(S) + d = 25 ms + d; merged (dense first, then 2 MiB at 2 ms) about
+      2 ms + d + c(2S) = 17 ms + d: merged;
+    - alpha 0 and the second bucket ready at 50 ms: apart 50 ms + c(S) = 52.5 ms, merged
+      50 ms + c(2S) = 55 ms: kept apart."""
+    scheme = Scheme.parse("allgather/topk")
+    codec = CodecCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.01))
+    beta = 8 / 100e6
+    groups = [([0], 0), ([1], -1), ([2], 0)]
+    mib = 1 << 20
+    nbytes = [mib, 1024, mib]
+
+    def plan(alpha, ready, fuse=64 << 20, kinds=None):
+        model = CostModel(CostParams(Link(0.0, 1e-10), Link(alpha, beta), 0.0), 4, 1)
+        return make_plan(groups, nbytes, scheme, model, {0: codec}, "auto", "auto", 1, fuse_bytes=fuse,
+                         kinds=kinds, ready=ready)  # fmt: skip
+
+    def c(size, alpha):
+        return alpha * 2 + 3 * 0.01 * size * beta
+
+    merged = plan(5e-3, [0.0, 1e-3, 2e-3])
+    assert [(b.slots, b.compress) for b in merged.buckets] == [([1], False), ([0, 2], True)]
+    assert merged.buckets[1].compressed_ms == pytest.approx(c(2 * mib, 5e-3) * 1e3)
+    d = merged.buckets[0].dense_ms / 1e3
+    apart_s, merged_s = 2 * c(mib, 5e-3) + d, max(1e-3 + d, 2e-3) + c(2 * mib, 5e-3)
+    assert merged_s < apart_s
+    # the span the re-cut minimizes, written out, for both plans
+    from gradsync.sync.recut import span
+
+    assert span(merged.buckets, [0.0, 1e-3, 2e-3]) == pytest.approx(merged_s)
+    apart = plan(5e-3, None)  # no ready times: no re-cut
+    assert [b.slots for b in apart.buckets] == [[0], [1], [2]]
+    assert span(apart.buckets, [0.0, 1e-3, 2e-3]) == pytest.approx(apart_s)
+    # no start-up to save and a late second bucket: merging would only delay the first
+    late = plan(0.0, [0.0, 1e-3, 50e-3])
+    assert [b.slots for b in late.buckets] == [[0], [1], [2]]
+    assert 50e-3 + c(mib, 0.0) < 50e-3 + c(2 * mib, 0.0)
+    # never across dtypes or devices, never past the fusion size
+    soon = [0.0, 1e-3, 2e-3]
+    assert [b.slots for b in plan(5e-3, soon, kinds=["f32", "f32", "f16"]).buckets] == [[0], [1], [2]]
+    assert [b.slots for b in plan(5e-3, soon, fuse=mib + 1024).buckets] == [[0], [1], [2]]
+
+
 def test_plan_round_trips_through_a_tensor_and_a_state():
     scheme = Scheme.parse("hitopk:density=0.01")
     plan = make_plan([([2, 0], 0), ([1], -1)], [4096, 4, 4096], scheme, _model(1e9, 12.5e6),

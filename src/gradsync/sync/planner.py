@@ -33,6 +33,7 @@ from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot, build_groups
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.plan import BucketPlan, Plan
+from gradsync.sync.recut import merge_compressed
 from gradsync.sync.scheme import Scheme
 
 DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
@@ -126,6 +127,7 @@ def make_plan(
     dense_overhead: Callable[[float], float] | None = None,
     schemes: Sequence[Scheme] | None = None,
     candidates: Sequence[int] = (),
+    ready: Sequence[float] | None = None,
 ) -> Plan:
     """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
 
@@ -147,16 +149,17 @@ def make_plan(
     1 Gbit/s).
 
     ``rejects(codec_id, slots, partitions)`` says why the codec cannot compress a bucket (None
-    when it can); such a bucket stays dense with ``dense_reason="codec"``, in every mode."""
-    plan = Plan()
-    for slots, codec_id in groups:
+    when it can); such a bucket stays dense with ``dense_reason="codec"``, in every mode.
+
+    With ``ready`` (each slot's ready time, seconds after the step's first gradient) and
+    ``fuse_bytes``, compressed buckets of one codec are merged where the saved fixed costs
+    outweigh the later launch (:func:`gradsync.sync.recut.merge_compressed`), before the dense
+    buckets are fused."""
+
+    def decide(slots: list[int], codec_id: int) -> BucketPlan:
         size = float(sum(nbytes[s] for s in slots))
         if scheme.kind == "dense":
-            algo = scheme.algorithm
-            plan.buckets.append(
-                BucketPlan(slots, -1, False, 1, algo, predict(scheme, model, size, None) * 1e3)
-            )
-            continue
+            return BucketPlan(slots, -1, False, 1, scheme.algorithm, predict(scheme, model, size, None) * 1e3)
         algo, t_dense = best_dense(model, size, dense_algorithm)
         if dense_overhead is not None:
             t_dense += dense_overhead(size)
@@ -179,7 +182,15 @@ def make_plan(
                 b.compress, b.partitions, b.dense_reason = False, 1, "codec"
             elif b.compress:
                 b.codec_id = cid
-        plan.buckets.append(b)
+        return b
+
+    plan = Plan([decide(slots, codec_id) for slots, codec_id in groups])
+    if ready is not None and fuse_bytes is not None:
+        classes = [c for _, c in groups]
+        merged, _ = merge_compressed(
+            plan.buckets, classes, ready, decide, nbytes, kinds or [None] * len(nbytes), fuse_bytes
+        )
+        plan = Plan(merged)
     if fuse_bytes is not None:
 
         def dense_cost(size: float) -> tuple[str, float]:
@@ -290,10 +301,22 @@ def first_step_groups(
     order = list(first.order)
     seen = set(order)
     order += [s.index for s in reversed(slots) if s.index not in seen]
-    times = [t if t is not None else math.inf for t in first.ready_at]
-    t0 = min((t for t in times if t != math.inf), default=0.0)
-    rel = [t - t0 if t != math.inf else 1e9 for t in times]
+    rel = [1e9 if t is None else t for t in relative_ready(first)]
     return build_groups(slots, order, rel, classes, bucket_bytes, timeout_s)
+
+
+def relative_ready(first: FirstStep) -> list[float | None]:
+    """Each gradient's ready time in seconds after the first one (None: never ready)."""
+    t0 = min((t for t in first.ready_at if t is not None), default=0.0)
+    return [None if t is None else t - t0 for t in first.ready_at]
+
+
+def launch_ready(first: FirstStep) -> list[float]:
+    """The ready times the planner's re-cut weighs (:func:`gradsync.sync.recut.merge_compressed`):
+    :func:`relative_ready`, with a gradient never ready taken as ready with the last one."""
+    rel = relative_ready(first)
+    last = max((t for t in rel if t is not None), default=0.0)
+    return [last if t is None else t for t in rel]
 
 
 def decide_plan(
@@ -319,7 +342,7 @@ def decide_plan(
     plan = make_plan(
         groups, [s.nbytes for s in slots], scheme, model, costs, config.plan, config.dense_algorithm,
         config.partitions, fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
-        schemes=schemes, candidates=candidates,
+        schemes=schemes, candidates=candidates, ready=launch_ready(first),
     )  # fmt: skip
     return plan, costs
 

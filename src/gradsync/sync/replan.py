@@ -25,6 +25,7 @@ from gradsync.sync.plan import Plan
 from gradsync.sync.planner import (
     FirstStep,
     first_step_groups,
+    launch_ready,
     make_plan,
     plan_after_first_step,
     share_plan,
@@ -172,7 +173,7 @@ class Replanner:
             groups, nbytes, self.scheme, model, fit.codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
             fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.rejects,
             margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead, schemes=c.schemes,
-            candidates=c.candidates,
+            candidates=c.candidates, ready=launch_ready(ready),
         )  # fmt: skip
         before, after = (
             plan_seconds(p, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead, c.schemes)

@@ -37,7 +37,7 @@ from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, 
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.planner import FirstStep, first_step_groups, make_plan, predict
+from gradsync.sync.planner import FirstStep, first_step_groups, launch_ready, make_plan, predict
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
 from gradsync.whatif.workload import Workload
@@ -350,7 +350,7 @@ def _gradsync_program(
     plan = make_plan(
         groups, nbytes, scheme, model, codec_costs, config.plan, config.dense_algorithm, config.partitions,
         fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], schemes=schemes,
-        candidates=candidates,
+        candidates=candidates, ready=launch_ready(FirstStep(order, ready)),
     )  # fmt: skip
     for b, bp in enumerate(plan.buckets):
         members = [m for m in bp.slots if workload.tensors[m].ready is not None]
