@@ -444,6 +444,45 @@ def check_auto_plan_is_logged_and_calibrated(topo):
     assert "synchronized as" in table and "dense" in table  # small tensors stay dense
 
 
+def check_recut_merges_compressed_buckets_across_dense_ones(topo):
+    """Where start-ups dominate (20 ms a collective, the links assumed with calibration off), the
+    planner merges the weights' compressed buckets, cut one per tensor by a zero fusion timeout,
+    into one bucket that launches after the biases' dense one. The gradients stay the plain
+    all-reduce's (a lossless codec)."""
+    from gradsync.collectives.cost import CostParams, Link
+    from gradsync.sync import planner
+
+    rank = dist.get_rank()
+    assumed = planner.DEFAULT_PARAMS
+    planner.DEFAULT_PARAMS = CostParams(Link(20e-3, 1 / 10e9), Link(20e-3, 8 / 10e9), 1e-10)
+    base = mlp(seed=11)
+    model = gradsync.wrap(copy.deepcopy(base), "allgather/none", topo, plan="compress",
+                          min_compress_bytes=1024, bucket_timeout_ms=0, **FAST)  # fmt: skip
+    ref = copy.deepcopy(base)
+    try:
+        with expect_all() as expect:
+            for step in range(3):
+                x, y = batch(step, rank)
+                for m in (model, ref):
+                    m.zero_grad()
+                    nn.functional.cross_entropy(m(x), y).backward()
+                want = mean_grads(ref)
+                with expect(f"step {step}: every rank's gradients averaged"):
+                    for p, g in zip(model.parameters(), want, strict=True):
+                        torch.testing.assert_close(p.grad, g)
+            buckets = model.engine.plan.buckets
+            names = [s.name for s in model.engine.slots]
+            with expect("one compressed bucket of the three weights, after the dense biases"):
+                compressed = [b for b in buckets if b.compress]
+                assert len(compressed) == 1, model.plan_table()
+                assert sorted(names[i] for i in compressed[0].slots) == ["0.weight", "2.weight", "4.weight"]
+                assert buckets[-1].compress and not buckets[0].compress, model.plan_table()
+                assert model.last_stats.compressed_buckets == 1
+    finally:
+        planner.DEFAULT_PARAMS = assumed
+        model.close()
+
+
 PER_TOPOLOGY = (
     check_dense_schemes_equal_ddp,
     check_hook_matches_wrap,
@@ -467,6 +506,7 @@ def world_checks():
         named_check(check_every_scheme_trains_like_ddp, topos[0]),
         named_check(check_overlap_is_real, topos[0]),
         named_check(check_auto_plan_is_logged_and_calibrated, topos[0]),
+        named_check(check_recut_merges_compressed_buckets_across_dense_ones, topos[0]),
     )
 
 

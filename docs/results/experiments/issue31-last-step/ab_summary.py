@@ -2,6 +2,7 @@
 change, read from ``ab/TAG-{old,new}-R.json``: each contender's step per run and old/new per pair.
 
     python ab_summary.py 2x1
+    python ab_summary.py 4x1-100mbit-vgg-small ../issue31-recut/ab   (another experiment's runs)
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import pathlib
 import sys
 
 
-def main(tag: str) -> None:
-    here = pathlib.Path(__file__).parent / "ab"
+def main(tag: str, folder: str | None = None) -> None:
+    here = pathlib.Path(folder) if folder else pathlib.Path(__file__).parent / "ab"
     runs: dict[str, dict[str, list[tuple[float, float | None]]]] = {}
     for version in ("old", "new"):
         for path in sorted(here.glob(f"{tag}-{version}-*.json")):
@@ -35,4 +36,4 @@ def main(tag: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
