@@ -4,8 +4,8 @@ The fusion timeout (:func:`gradsync.sync.buckets.build_groups`) cuts buckets whe
 become ready far apart, for the sake of overlap. On a slow network with small compressed
 payloads that is the wrong trade: each compressed bucket costs its own collectives (two
 all-gathers for a PowerSGD bucket, one per part for top-k), and each of those pays the link's
-start-up whatever it carries. A 4 x 1 run of vgg-small at 100 Mbit/s measured 7-9 ms per such
-collective in the engine, for 2 to 15 kB of payload, while its whole backward pass took 15-25 ms.
+start-up whatever it carries. A 4 x 1 run of vgg-small at 100 Mbit/s measured 7-15 ms per such
+collective in the engine, for 2 to 15 kB of payload, while its whole backward pass took 12-33 ms.
 
 So once the planner has decided each bucket, it merges two compressed buckets of the same codec
 (the later one taking the earlier one's gradients) when the merged plan is predicted to finish
