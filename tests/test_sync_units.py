@@ -339,6 +339,18 @@ def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_lau
     soon = [0.0, 1e-3, 2e-3]
     assert [b.slots for b in plan(5e-3, soon, kinds=["f32", "f32", "f16"]).buckets] == [[0], [1], [2]]
     assert [b.slots for b in plan(5e-3, soon, fuse=mib + 1024).buckets] == [[0], [1], [2]]
+    # many buckets, each merge a small share of the whole span: 40 buckets of 64 kB ready 1 ms
+    # apart, each 10 ms of start-up and 0.16 ms of transfer, take about 406 ms one after
+    # another; merged, one bucket launched at 39 ms takes 10 ms + 40 x 0.16 ms
+    many = [([i], 0) for i in range(40)]
+    model = CostModel(CostParams(Link(0.0, 1e-10), Link(5e-3, beta), 0.0), 4, 1)
+    sizes = [64 << 10] * 40
+    one = make_plan(many, sizes, scheme, model, {0: codec}, "auto", "auto", 1, fuse_bytes=64 << 20,
+                    ready=[i * 1e-3 for i in range(40)])  # fmt: skip
+    assert [b.slots for b in one.buckets] == [list(range(40))]
+    by_hand = 39e-3 + c(40 * (64 << 10), 5e-3)
+    assert span(one.buckets, [i * 1e-3 for i in range(40)]) == pytest.approx(by_hand)
+    assert by_hand < 40 * c(64 << 10, 5e-3)
 
 
 def test_plan_round_trips_through_a_tensor_and_a_state():
