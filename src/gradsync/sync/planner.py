@@ -186,11 +186,8 @@ def make_plan(
 
     plan = Plan([decide(slots, codec_id) for slots, codec_id in groups])
     if ready is not None and fuse_bytes is not None:
-        classes = [c for _, c in groups]
-        merged, _ = merge_compressed(
-            plan.buckets, classes, ready, decide, nbytes, kinds or [None] * len(nbytes), fuse_bytes
-        )
-        plan = Plan(merged)
+        classes, each_kind = [c for _, c in groups], kinds or [None] * len(nbytes)
+        plan = Plan(merge_compressed(plan.buckets, classes, ready, decide, nbytes, each_kind, fuse_bytes))
     if fuse_bytes is not None:
 
         def dense_cost(size: float) -> tuple[str, float]:

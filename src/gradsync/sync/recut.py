@@ -16,7 +16,7 @@ launches the earlier bucket's gradients later and saves one bucket's fixed costs
 only where it saves at least ``MIN_GAIN`` of what the earlier bucket was predicted to take, so
 that a few microseconds of jitter in the measured ready times do not flip the plan from one
 re-plan to the next. Passes over the plan, each merging where it pays, keep the work near
-quadratic in the number of buckets (a best-merge-first search was cubic: half a minute for 400).
+quadratic in the number of buckets (a best-merge-first search is cubic).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def merge_compressed(
     kinds: Sequence[object],
     max_bytes: int,
     min_gain: float = MIN_GAIN,
-) -> tuple[list[BucketPlan], list[int]]:
+) -> list[BucketPlan]:
     """Merge compressed buckets while a merge shortens the predicted :func:`span`.
 
     ``buckets`` in launch order, ``classes`` each one's codec class (what ``decide`` takes),
@@ -73,7 +73,7 @@ def merge_compressed(
     share a ``kinds`` entry and hold at most ``max_bytes`` together; the merged bucket takes the
     later one's place, and may merge on in turn. A merge is made when it saves at least
     ``min_gain`` of the earlier bucket's predicted time; passes over the plan repeat until none
-    is. Returns the buckets and their classes."""
+    is. Returns the buckets."""
     buckets, classes = list(buckets), list(classes)
     cache: dict[tuple[tuple[int, ...], int], BucketPlan] = {}
 
@@ -102,7 +102,7 @@ def merge_compressed(
                         del classes[i]  # the merged bucket has the class both had
                         continue  # the bucket now at i is the next one; the merged one comes later
             i += 1
-    return buckets, classes
+    return buckets
 
 
 def _next_of_its_codec(buckets: Sequence[BucketPlan], classes: Sequence[int], i: int) -> int | None:
