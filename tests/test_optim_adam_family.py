@@ -84,6 +84,15 @@ BAD = [
     (ZeroOneAdam, {"max_sync_interval": 0}, "max_sync_interval must be an integer >= 1"),
     (OneBitLamb, {"ratio_bounds": (0.0, 2.0)}, r"ratio_bounds\[0\] must be > 0"),
     (OneBitLamb, {"ratio_bounds": (0.5, 0.9)}, r"ratio_bounds\[1\] must be >= 1"),
+    (OneBitLamb, {"ratio_change": -0.1}, "ratio_change must be >= 0"),
+    # the optimizer owns the momentum: error feedback's own momentum or clipping is refused
+    (
+        OneBitAdam,
+        {"codec": "topk:density=0.1+ef:momentum=0.9"},
+        r"codec .*momentum exchange takes plain error feedback .*allowed: .*'onebit\+ef'",
+    ),
+    (ZeroOneAdam, {"codec": "onebit+ef:clip=1.0"}, "codec .*momentum exchange takes plain error feedback"),
+    (OneBitLamb, {"codec": "onebit+ef:clip=0.5"}, "codec .*momentum exchange takes plain error feedback"),
 ]
 
 
@@ -196,47 +205,75 @@ def _check_lossless_compressed_stage_matches_frozen_adam() -> None:
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
 
 
-def _lamb_reference(steps: int, freeze: int, world: int) -> list[torch.Tensor]:
-    """Float64 1-bit LAMB with a lossless exchange: LAMB on the mean gradient for ``freeze``
-    steps, keeping bias-corrected running means (decay B1) of each adapted layer's ratio |w|/|u|,
-    |u| and |w|; then v frozen and the ratio R * clip(U/|u| * |w|/W, 0.1, 10)."""
+def _lamb_reference(
+    steps: int, freeze: int, world: int, bounds: tuple[float, float] = (0.5, 4.0), change: float = 0.1
+) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """Float64 1-bit LAMB (Li et al. 2021) with a lossless exchange, written out per layer: LAMB
+    on the mean gradient for ``freeze`` steps with a bias-corrected running mean (decay B1) of
+    each adapted layer's trust ratio |w|/|u|; then v frozen, a fresh variance v' fed by the
+    gradient the momentum implies, and the ratio R * f with f = max(d / d') blended by the
+    weight-decay share, clipped to ``bounds`` and to ``change`` of the previous f. Returns the
+    parameters, the last factors f and the momentum scales (mean layer rms / layer rms)."""
     x = [p.detach().double().clone() for p in _params()]
     m = [torch.zeros_like(t) for t in x]
     v = [torch.zeros_like(t) for t in x]
     wd, adapt, eps = [WD, WD, 0.0], [True, True, False], 1e-6
-    means = [[0.0, 0.0, 0.0] for _ in x]  # ratio, |u|, |w|
+    mean_ratio = [0.0 for _ in x]
+    fresh: list[torch.Tensor] = []
+    last = [1.0 for _ in x]
+    scales: list[float] = []
     for t in range(1, steps + 1):
         per_rank = [_grads(t, r) for r in range(world)]
         g = [sum(pr[i].double() for pr in per_rank) / world for i in range(len(x))]
-        tv = min(t, freeze)
         for i in range(len(x)):
+            prev = m[i].clone()
             m[i] = B1 * m[i] + (1 - B1) * g[i]
             if t <= freeze:
                 v[i] = B2 * v[i] + (1 - B2) * g[i] ** 2
-            u = (m[i] / (1 - B1**t)) / ((v[i] / (1 - B2**tv)).sqrt() + eps) + wd[i] * x[i]
+            d = (v[i] / (1 - B2 ** min(t, freeze))).sqrt() + eps
+            u0 = (m[i] / (1 - B1**t)) / d
+            u = u0 + wd[i] * x[i]
             un, wn = float(u.norm()), float(x[i].norm())
-            if not adapt[i]:
-                ratio = 1.0
-            elif t <= freeze:
+            if t <= freeze:
                 ratio = wn / un
-                means[i] = [B1 * a + (1 - B1) * b for a, b in zip(means[i], (ratio, un, wn), strict=True)]
+                mean_ratio[i] = B1 * mean_ratio[i] + (1 - B1) * ratio
             else:
-                r, uu, ww = (a / (1 - B1**freeze) for a in means[i])
-                ratio = r * min(max(uu / un * wn / ww, 0.1), 10.0)
-            x[i] = x[i] - LR * ratio * u
-    return x
+                g_implied = (m[i] - B1 * prev) / (1 - B1)
+                fresh[i] = B2 * fresh[i] + (1 - B2) * g_implied**2
+                d_fresh = (fresh[i] / (1 - B2**t)).sqrt() + eps
+                f = float((d / d_fresh).max())
+                if wd[i] > 0:
+                    q = min(1.0, float(u0.norm()) / un)
+                    f = q * f + (1 - q)
+                f = min(max(f, bounds[0]), bounds[1])
+                f = min(max(f, last[i] * (1 - change)), last[i] * (1 + change))
+                last[i] = f
+                ratio = mean_ratio[i] / (1 - B1**freeze) * f
+            x[i] = x[i] - LR * (ratio if adapt[i] else 1.0) * u
+        if t == freeze:
+            fresh = [t_.clone() for t_ in v]
+            rms = [float(t_.norm()) / math.sqrt(t_.numel()) for t_ in m]
+            scales = [sum(rms) / len(rms) / r for r in rms]
+    return x, last, scales
 
 
 def _check_lossless_lamb_matches_its_formula() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    want = _lamb_reference(8, 3, world)
+    want, factors, scales = _lamb_reference(10, 3, world)
     ours = _params()
     opt = OneBitLamb(_groups(ours), lr=LR, betas=(B1, B2), eps=1e-6, freeze_step=3, codec="none")
-    for step in range(1, 9):
+    for step in range(1, 11):
         _set_grads(ours, _grads(step, rank))
         opt.step()
-    for a, b in zip(ours, want, strict=True):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    with expect_all() as expect:
+        with expect("the reference's fresh-variance factors moved (the check is not vacuous)"):
+            assert any(abs(f - 1.0) > 0.05 for f in factors[:2]), factors
+        with expect("parameters as the float64 formula"):
+            for a, b in zip(ours, want, strict=True):
+                torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+        with expect("the fresh-variance factors and the momentum scales as the formula's"):
+            torch.testing.assert_close(opt.last_factor.double(), torch.tensor(factors, dtype=torch.float64))
+            torch.testing.assert_close(opt.momentum_scale.double(), torch.tensor(scales, dtype=torch.float64))
 
 
 def _check_onebit_error_feedback_and_identical_ranks() -> None:
@@ -322,12 +359,18 @@ def _check_state_dict_round_trip_resumes_identically() -> None:
 def _check_bytes_counted() -> None:
     """The bytes counted are the collectives' payloads: a float32 ring all-reduce in the warm-up,
     then CaSync-PS of onebit payloads (24-byte header + one bit per element, padded to 8 bytes);
-    the start-up agreement (one all-gather of AGREEMENT_WORDS int64 words) is counted too."""
+    the start-up agreement (one all-gather of AGREEMENT_WORDS int64 words) is counted too; so
+    are the has-a-gradient flags, a float32 per parameter tensor (in the warm-up's all-reduce,
+    an all-reduce of their own in a compressed step, with 0/1 Adam's per-parameter decays in
+    float64 before an exchange)."""
     rank, p = dist.get_rank(), dist.get_world_size()
     n = sum(math.prod(s) for s in SHAPES)  # 70
+    tensors = len(SHAPES)
     parts = [n // p + (1 if i < n % p else 0) for i in range(p)]
     payload = [HEADER_BYTES + -(-k // 64) * 8 for k in parts]  # sections aligned to 8 bytes
-    dense = 2 * (p - 1) / p * 4 * n
+    dense = 2 * (p - 1) / p * 4 * (n + tensors)
+    flags = 2 * (p - 1) / p * 4 * tensors
+    before_exchange = 2 * (p - 1) / p * 8 * 2 * tensors
     agreement = (p - 1) * 8 * AGREEMENT_WORDS
     # all-to-all: sizes, then the partitions for the others; all-gather: sizes, then the owners'
     # aggregates padded to the largest
@@ -349,9 +392,11 @@ def _check_bytes_counted() -> None:
             mine = sum(opt.traffic.take().values())
             assert outer.total() == mine, "the enclosing count sees the optimizer's bytes"
             sent.append(mine)
-        want = [agreement + dense, dense, compressed, compressed, compressed, compressed]
-        if cls is ZeroOneAdam:  # 3: variance refresh (dense); 4: interval 1; 5: local; 6: exchange
-            want = [agreement + dense, dense, dense, compressed, 0, compressed]
+        step = compressed + flags
+        want = [agreement + dense, dense, step, step, step, step]
+        if cls is ZeroOneAdam:  # 3: variance refresh (dense); 4: local, interval 1; 5: local; 6: exchange
+            exchange = compressed + before_exchange
+            want = [agreement + dense, dense, dense, exchange, 0, exchange]
         assert sent == pytest.approx(want), f"{cls.__name__}: {sent} != {want}"
         assert opt.traffic.total_sent == pytest.approx(sum(want))
 
@@ -375,6 +420,132 @@ def _check_bf16_parameters() -> None:
             same_on_every_rank(params, f"{cls.__name__}: bf16 parameters")
 
 
+ROWS, SEEN = 10, 6  # an embedding of ROWS rows of which only the first SEEN ever get a gradient
+
+
+def _sparse_params() -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(5)
+    return [nn.Parameter(torch.randn(ROWS, 4, generator=g)), nn.Parameter(torch.randn(7, generator=g))]
+
+
+def _sparse_grads(step: int, rank: int) -> list[torch.Tensor]:
+    """Rows SEEN.. of the embedding get an exactly-zero gradient on every rank and step."""
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    emb = torch.randn(ROWS, 4, generator=g) * (1 + rank)
+    emb[SEEN:] = 0.0
+    return [emb, torch.randn(7, generator=g)]
+
+
+OWN_EXCHANGE = (
+    (OneBitAdam, {}),
+    # local steps from step 5, exchanges every 2 steps
+    (ZeroOneAdam, {"var_freeze_step": 4, "sync_growth": 1, "max_sync_interval": 2}),
+)
+
+
+def _check_zero_gradient_rows_do_not_move() -> None:
+    """Rows whose gradient is exactly zero everywhere (v = 0) take no step past the warm-up, with
+    the default onebit exchange: as torch's AdamW, they are only decayed (the group's weight
+    decay); under 1-bit LAMB without weight decay they stay put. The rows that are used still
+    train, and the ranks agree."""
+    rank = dist.get_rank()
+    cases = [*OWN_EXCHANGE, (OneBitLamb, {})]
+    for cls, extra in cases:
+        wd = 0.0 if cls is OneBitLamb else 0.1
+        ours, ref = _sparse_params(), _sparse_params()
+        start = [q.detach().clone() for q in ours]
+        opt = cls([{"params": ours, "weight_decay": wd}], lr=1e-3, freeze_step=2, **extra)
+        adamw = torch.optim.AdamW([{"params": ref, "weight_decay": wd}], lr=1e-3)
+        for step in range(1, 9):
+            grads = _sparse_grads(step, rank)
+            _set_grads(ours, grads)
+            _set_grads(ref, _mean(grads))
+            opt.step()
+            adamw.step()
+        opt.synchronize()
+        name = cls.__name__
+        with expect_all() as expect:
+            with expect(f"{name}: the rows never used moved as torch's AdamW moved them (decay only)"):
+                torch.testing.assert_close(ours[0][SEEN:], ref[0][SEEN:], rtol=1e-6, atol=0.0)
+                if wd == 0.0:
+                    assert torch.equal(ours[0][SEEN:], start[0][SEEN:])
+            with expect(f"{name}: the rows used trained"):
+                assert not torch.equal(ours[0][:SEEN], start[0][:SEEN])
+            with expect(f"{name}: the momentum of the rows never used is zero"):
+                assert not opt.exp_avg[SEEN * 4 : ROWS * 4].any()
+            same_on_every_rank([*ours, opt.exp_avg], f"{name}: parameters and momentum")
+
+
+def _check_parameters_without_gradient_are_skipped() -> None:
+    """Torch's AdamW skips a parameter whose .grad is None: no decay, no step. A frozen
+    parameter (requires_grad=False, so None on every rank) stays bit for bit as it was, through
+    the warm-up, the compressed steps and 0/1 Adam's local steps; one that has a gradient on
+    rank 0 only moves as AdamW moves it on the mean gradient (rank 1's counted as zeros: DDP's
+    rule for unused parameters), here during the warm-up."""
+    rank = dist.get_rank()
+    for cls, extra in (*OWN_EXCHANGE, (OneBitLamb, {})):
+        ours, ref = _params(), _params()
+        ours[1].requires_grad_(False)
+        start = [q.detach().clone() for q in ours]
+        groups = [{"params": ours, "weight_decay": 0.1}]
+        opt = cls(groups, lr=1e-3, betas=(B1, B2), eps=EPS, freeze_step=3, **extra)
+        adamw = torch.optim.AdamW([{"params": ref, "weight_decay": 0.1}], lr=1e-3, betas=(B1, B2), eps=EPS)
+        for step in range(1, 9):
+            grads = _grads(step, rank)
+            _set_grads(ours, grads)
+            ours[1].grad = None
+            if rank == 1:
+                ours[2].grad = None
+                grads[2] = torch.zeros_like(grads[2])
+            if step <= 3:
+                _set_grads(ref, _mean(grads))
+                ref[1].grad = None
+                adamw.step()
+            opt.step()
+            if step == 3 and cls is not OneBitLamb:
+                with expect_all() as expect, expect(f"{cls.__name__}: the warm-up as AdamW's"):
+                    for a, b in zip(ours, ref, strict=True):
+                        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        opt.synchronize()
+        with expect_all() as expect:
+            with expect(f"{cls.__name__}: the frozen parameter neither decayed nor moved"):
+                assert torch.equal(ours[1], start[1])
+            with expect(f"{cls.__name__}: the others trained"):
+                assert not torch.equal(ours[0], start[0]) and not torch.equal(ours[2], start[2])
+            same_on_every_rank(ours, f"{cls.__name__}: parameters")
+
+
+def _check_add_param_group() -> None:
+    """A group added before the first step trains as if it had been passed to the constructor
+    (the warm-up equals torch's AdamW with both groups); after the first step add_param_group
+    raises a ValueError saying why and what to do, on every rank alike."""
+    rank = dist.get_rank()
+    for cls in (OneBitAdam, ZeroOneAdam):
+        ours, ref = _params(), _params()
+        groups = _groups(ours)
+        opt = cls([groups[0]], lr=LR, betas=(B1, B2), eps=EPS, freeze_step=5)
+        opt.add_param_group(groups[1])
+        adamw = torch.optim.AdamW(_groups(ref), lr=LR, betas=(B1, B2), eps=EPS)
+        for step in range(1, 5):
+            grads = _grads(step, rank)
+            _set_grads(ours, grads)
+            _set_grads(ref, _mean(grads))
+            opt.step()
+            adamw.step()
+        with expect_all() as expect, expect(f"{cls.__name__}: the added group trains as AdamW's"):
+            for a, b in zip(ours, ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        with pytest.raises(
+            ValueError, match=r"add_param_group after the first step is not supported.*before the"
+        ):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        assert len(opt.param_groups) == 2
+    opt = OneBitLamb([{"params": _params()[:1]}], freeze_step=2)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: betas and eps must be the same"):
+        opt.add_param_group({"params": _params()[1:], "betas": (0.5, 0.9)})
+    assert len(opt.param_groups) == 1
+
+
 def _world_checks() -> None:
     torch.manual_seed(0)
     run_checks(
@@ -387,6 +558,9 @@ def _world_checks() -> None:
         _check_state_dict_round_trip_resumes_identically,
         _check_bytes_counted,
         _check_bf16_parameters,
+        _check_zero_gradient_rows_do_not_move,
+        _check_parameters_without_gradient_are_skipped,
+        _check_add_param_group,
     )
 
 

@@ -31,9 +31,33 @@ Transformer LM of docs/benchmarks.md, 1-bit Adam ended further from dense AdamW 
 against 5.31 perplexity after 6 of 12 epochs), and a lossless exchange was no better than
 onebit there (5.42): the frozen variance, not the compression, made the gap.
 
+Elements and parameters that get no gradient (torch's AdamW as the reference):
+
+- **A parameter whose** ``.grad`` **is None on every rank** (a frozen layer, ``requires_grad=False``;
+  a branch no rank used) is skipped on that step, as :class:`torch.optim.AdamW` skips it: no
+  weight decay, no moment update, no move. Where some ranks have a gradient and others not, the
+  missing ones count as zeros (what DDP does with unused parameters). The ranks learn which
+  parameters somebody had a gradient for from a flag per parameter: in the dense steps it rides in
+  the gradient's all-reduce, in the compressed steps it is one more small all-reduce
+  (4 bytes per parameter tensor), and 0/1 Adam's local steps send it with the next exchange.
+- **An element whose second moment** ``v`` **is exactly zero** has never had a nonzero averaged
+  gradient (an embedding row no batch used, a dead unit). ``v`` comes from all-reduced gradients
+  only (the dense steps), so it is the same on every rank, and so is the mask ``v > 0`` taken
+  from it. Masked elements are left out of the compressed exchange (the exchanged tensor is the
+  gather of the unmasked ones: a sign codec cannot send a zero, and its error feedback would
+  grow there without bound) and their momentum is held at zero, so they take no Adam step; they
+  are still decayed when their parameter has a gradient, as AdamW decays them. An element that
+  first gets a gradient after ``v`` froze stays masked (1-bit Adam, 1-bit LAMB) or until 0/1
+  Adam's next variance refresh sees it: its frozen denominator would be ``eps``. When the set of
+  exchanged elements changes, the exchange's residuals are dropped (they were laid out for the
+  old set).
+
 Limits: no GradScaler (a rank that skips a step for an overflow would leave the others waiting in
-a collective; bf16 autocast needs none); parameters without a gradient count as a zero gradient
-(the ranks must agree on every element); all parameters on one device.
+a collective; bf16 autocast needs none); all parameters on one device; every param group added
+before the first step (the moments are one flat buffer with one step count, see
+:meth:`CompressedMomentumOptimizer.add_param_group`). The bias corrections use the optimizer's
+step count, not a count per parameter: a parameter skipped on some steps is corrected as if it
+had been stepped on all of them (torch keeps a count per parameter).
 """
 
 from __future__ import annotations
@@ -47,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec, codec_names
+from gradsync.codecs.feedback import FeedbackConfig
 from gradsync.collectives import STRATEGIES, Topology, Traffic, compressed_allreduce
 from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import default_topology
@@ -93,6 +118,14 @@ def build_exchange_codec(spec: object) -> Compressor:
         raise ValueError(
             f"codec {spec!r} is low-rank; the momentum exchange takes element-wise codecs "
             f"(e.g. onebit, terngrad, topk:density=0.01, none)"
+        )
+    if isinstance(codec, ErrorFeedback) and codec.config != FeedbackConfig():
+        # the optimizer owns the momentum: a second one (ef:momentum) would apply it twice, and
+        # clipping the momentum (ef:clip) would bias what every rank agrees on
+        raise ValueError(
+            f"codec {spec!r}: the momentum exchange takes plain error feedback ('+ef' with no "
+            f"options, or no '+ef' at all), got '+{codec.config.spec()}'; allowed: a codec spec "
+            f"such as 'onebit' or 'onebit+ef'"
         )
     return codec if isinstance(codec, ErrorFeedback) else ErrorFeedback(codec.plain)
 
@@ -162,6 +195,14 @@ class MomentumExchange:
             P.all_reduce(flat, topo.world_group, topo.level_of(topo.world_group))
         flat.div_(topo.world)
 
+    def flags_mean(self, flags: torch.Tensor) -> None:
+        """``flags`` (a small float tensor) becomes its mean over the ranks (a plain all-reduce)."""
+        self.dense_mean(flags)
+
+    def forget(self, key: str) -> None:
+        """Drop the error-feedback streams of ``key`` (its layout changed: they no longer fit)."""
+        self.codec.drop_streams(lambda k: not (k == key or k.startswith(key + "/")))
+
     def compressed_mean(self, flat: torch.Tensor, key: str) -> None:
         """``flat`` becomes the compressed mean over the ranks, the same on every rank; ``key``
         names the error-feedback streams (one per stage and partition)."""
@@ -212,14 +253,18 @@ class FlatState:
                 raise ValueError(f"params: floating-point parameters only, got {p.dtype}")
         self.slices: list[slice] = []
         self.segments: list[slice] = []
+        self.group_of: list[int] = []
+        """The param group of each parameter."""
         at = 0
-        for g in groups:
+        for i, g in enumerate(groups):
             start = at
             for p in g["params"]:
                 self.slices.append(slice(at, at + p.numel()))
+                self.group_of.append(i)
                 at += p.numel()
             self.segments.append(slice(start, at))
         self.numel = at
+        self._sizes = torch.tensor([p.numel() for p in self.params], device=self.device)
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
@@ -231,6 +276,16 @@ class FlatState:
                 out[s].zero_()
             else:
                 out[s].copy_(p.grad.reshape(-1))
+
+    def present(self) -> torch.Tensor:
+        """1.0 for each parameter with a gradient on this rank, 0.0 where ``.grad`` is None."""
+        return torch.tensor(
+            [p.grad is not None for p in self.params], dtype=torch.float32, device=self.device
+        )
+
+    def expand(self, per_param: torch.Tensor) -> torch.Tensor:
+        """A value per parameter repeated over that parameter's elements (flat)."""
+        return per_param.repeat_interleave(self._sizes, output_size=self.numel)
 
     def read_params(self, out: torch.Tensor) -> None:
         for p, s in zip(self.params, self.slices, strict=True):
@@ -249,9 +304,10 @@ class FlatState:
 class CompressedMomentumOptimizer(torch.optim.Optimizer):
     """Base of the optimizers that own their synchronization (see the module).
 
-    Subclasses implement :meth:`_update` (one step on the flat buffers) and may add state with
-    :meth:`_extra_state` / :meth:`_load_extra_state`. ``betas`` and ``eps`` are the same for
-    every param group (the moments are one flat buffer); ``lr`` and ``weight_decay`` may differ.
+    Subclasses implement :meth:`_update` (one step on the flat buffers), may add state with
+    :meth:`_extra_state` / :meth:`_load_extra_state` and buffers sized by the parameters in
+    :meth:`_build_state`. ``betas`` and ``eps`` are the same for every param group (the moments
+    are one flat buffer); ``lr`` and ``weight_decay`` may differ.
     """
 
     kind = "compressed-momentum"
@@ -278,26 +334,63 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         if not isinstance(precondition, bool):
             raise ValueError(f"precondition must be True or False, got {precondition!r}")
         self.precondition = precondition
-        defaults = dict(lr=float(lr), betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay))
-        super().__init__(params, defaults)
-        for i, g in enumerate(self.param_groups):
-            check_number(f"param_groups[{i}]['lr']", g["lr"], 0.0)
-            check_number(f"param_groups[{i}]['weight_decay']", g["weight_decay"], 0.0)
-            if tuple(g["betas"]) != (b1, b2) or g["eps"] != eps:
-                raise ValueError(
-                    f"param_groups[{i}]: betas and eps must be the same in every group "
-                    f"(the moments are one flat buffer), got {g['betas']} and {g['eps']}"
-                )
-        self.flat = FlatState(self.param_groups)
         self.exchange = MomentumExchange(codec, strategy, topology)
         self.step_count = 0
+        defaults = dict(lr=float(lr), betas=(b1, b2), eps=float(eps), weight_decay=float(weight_decay))
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self._build_state()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; only before the first step.
+
+        The moments are flat buffers over every group with one step count: a group added later
+        would start with the others' step count (a wrong bias correction), with ``v = 0`` past
+        the warm-up (masked out for good, see the module), and would change the layout the
+        exchange's residuals and the ranks' agreement were made for. So it is refused after the
+        first step, on every rank alike (nothing is communicated)."""
+        if self.step_count > 0:
+            raise ValueError(
+                f"{self.kind}: add_param_group after the first step is not supported (the moments "
+                f"are one flat buffer with one step count, and the ranks agreed on its layout); pass "
+                f"every param group to the constructor, or add it before the first step()"
+            )
+        super().add_param_group(param_group)
+        try:
+            self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if hasattr(self, "flat"):  # after the constructor: the flat state follows the new parameters
+            self._build_state()
+
+    def _check_group(self, i: int, g: dict[str, Any]) -> None:
+        b1, b2 = self.defaults["betas"]
+        check_number(f"param_groups[{i}]['lr']", g["lr"], 0.0)
+        check_number(f"param_groups[{i}]['weight_decay']", g["weight_decay"], 0.0)
+        if tuple(g["betas"]) != (b1, b2) or g["eps"] != self.defaults["eps"]:
+            raise ValueError(
+                f"param_groups[{i}]: betas and eps must be the same in every group "
+                f"(the moments are one flat buffer), got {g['betas']} and {g['eps']}"
+            )
+
+    def _build_state(self) -> None:
+        """The flat state and work buffers for the current param groups (all zero: no step yet)."""
+        self.flat = FlatState(self.param_groups)
+        n = self.flat.numel
         self.exp_avg = self.flat.zeros()
         self.exp_avg_sq = self.flat.zeros()
-        # work buffers, not state
-        self._grad = self.flat.zeros()
+        # work buffers, not state. The gradient buffer has one more slot per parameter: the
+        # "has a gradient" flags travel in the dense all-reduce with it
+        self._gradbuf = torch.zeros(n + len(self.flat.params), dtype=torch.float32, device=self.flat.device)
+        self._grad = self._gradbuf[:n]
         self._x = self.flat.zeros()
-        self._agreed = False
+        self._denom = self.flat.zeros()
         self._frozen: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._layouts: dict[str, torch.Tensor | None] = {}
+        """Per exchange key, the elements it exchanged last (None: all): a change of layout
+        drops that key's residuals."""
+        self._agreed = False
 
     # ------------------------------------------------------------------ the step
     @property
@@ -325,7 +418,7 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         self.flat.read_grads(self._grad)
         self.flat.read_params(self._x)
-        self._update(self.step_count, self._grad, self._x)
+        self._update(self.step_count, self._grad, self._x, self.flat.present())
         self.flat.write_params(self._x)
         return loss
 
@@ -336,45 +429,130 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
             "precondition": self.precondition,
         }  # fmt: skip
 
-    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
+    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor, here: torch.Tensor) -> None:
+        """One step on the flat buffers: ``g`` this rank's gradient, ``x`` the parameters,
+        ``here`` this rank's flags (1.0 per parameter with a gradient)."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
         """Bring the ranks' parameters into agreement now (before an evaluation or a checkpoint);
         a no-op for the optimizers that keep them in agreement after every step."""
 
+    # ------------------------------------------------------------------ who has a gradient
+    def _agreed_present(self, flags: torch.Tensor) -> torch.Tensor | None:
+        """The parameters some rank had a gradient for, from the flags' mean over the ranks
+        (bool per parameter), or None when that is every parameter (the common case)."""
+        present = flags > 0
+        return None if bool(present.all()) else present
+
+    def _present_now(self, here: torch.Tensor) -> torch.Tensor | None:
+        """The agreed flags of a compressed step: one small all-reduce."""
+        flags = here.clone()
+        self.exchange.flags_mean(flags)
+        return self._agreed_present(flags)
+
+    def _slices_of(self, present: torch.Tensor | None) -> list[tuple[int, slice]]:
+        """(parameter index, slice) of the parameters in ``present`` (all when None)."""
+        keep = [True] * len(self.flat.slices) if present is None else present.tolist()
+        return [(i, s) for i, (s, ok) in enumerate(zip(self.flat.slices, keep, strict=True)) if ok]
+
+    def _element_mask(self, present: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The elements to exchange: of a present parameter, and unmasked (None: all)."""
+        if present is None:
+            return mask
+        elements = self.flat.expand(present)
+        return elements if mask is None else elements & mask
+
     # ------------------------------------------------------------------ shared pieces
-    def _dense_moments(self, t: int, g: torch.Tensor, span: int = 1) -> None:
-        """Warm-up: average ``g`` densely, then Adam's moment updates; ``v`` as if ``g * g`` had
-        been seen on each of the last ``span`` steps (0/1 Adam's refreshes after a gap)."""
+    def _dense_moments(
+        self, t: int, g: torch.Tensor, here: torch.Tensor, span: int = 1
+    ) -> torch.Tensor | None:
+        """Dense step: average ``g`` (and the has-a-gradient flags, in the same all-reduce), then
+        Adam's moment updates for the parameters some rank had a gradient for; ``v`` as if
+        ``g * g`` had been seen on each of the last ``span`` steps (0/1 Adam's refreshes after a
+        gap). Returns the agreed parameters (None: all)."""
         b1, b2 = self.defaults["betas"]
-        self.exchange.dense_mean(g)
-        self.exp_avg.lerp_(g, 1.0 - b1)
+        flags = self._gradbuf[self.flat.numel :]
+        flags.copy_(here)
+        self.exchange.dense_mean(self._gradbuf)
+        present = self._agreed_present(flags)
         keep = b2**span
-        self.exp_avg_sq.mul_(keep).addcmul_(g, g, value=1.0 - keep)
+        if present is None:
+            self.exp_avg.lerp_(g, 1.0 - b1)
+            self.exp_avg_sq.mul_(keep).addcmul_(g, g, value=1.0 - keep)
+        else:
+            for _, s in self._slices_of(present):
+                self.exp_avg[s].lerp_(g[s], 1.0 - b1)
+                self.exp_avg_sq[s].mul_(keep).addcmul_(g[s], g[s], value=1.0 - keep)
+        return present
 
-    def _compressed_momentum(self, g: torch.Tensor, denom: torch.Tensor) -> None:
-        """Compressed stage: local momentum, then its compressed mean on every rank."""
+    def _local_momentum(
+        self, g: torch.Tensor, present: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> None:
+        """``m = b1 m + (1 - b1) g`` for the ``present`` parameters; held at zero where masked."""
         b1 = self.defaults["betas"][0]
-        self.exp_avg.lerp_(g, 1.0 - b1)
-        self._compressed_mean(self.exp_avg, denom, "momentum")
+        if present is None:
+            self.exp_avg.lerp_(g, 1.0 - b1)
+        else:
+            for _, s in self._slices_of(present):
+                self.exp_avg[s].lerp_(g[s], 1.0 - b1)
+        if mask is not None:
+            self.exp_avg.mul_(mask)
 
-    def _compressed_mean(self, t: torch.Tensor, denom: torch.Tensor, key: str) -> None:
-        """``t`` becomes its compressed mean over the ranks. With ``precondition`` it travels
-        divided by the frozen denominator (the same on every rank, so the mean is unchanged):
-        Adam's per-element normalization makes the elements of all layers comparable, which a
-        codec with one scale per partition (onebit) needs; the residuals are in those units."""
+    def _compressed_momentum(
+        self, g: torch.Tensor, denom: torch.Tensor, present: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> None:
+        """Compressed stage: local momentum, then its compressed mean on every rank."""
+        self._local_momentum(g, present, mask)
+        self._compressed_mean(self.exp_avg, denom, "momentum", self._element_mask(present, mask))
+
+    def _compressed_mean(
+        self,
+        t: torch.Tensor,
+        denom: torch.Tensor,
+        key: str,
+        elements: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> None:
+        """``t`` becomes its compressed mean over the ranks on ``elements`` (a bool mask the same
+        on every rank; None: all), the others untouched. With ``precondition`` it travels divided
+        by the frozen denominator (the same on every rank, so the mean is unchanged): Adam's
+        per-element normalization makes the elements of all layers comparable, which a codec
+        with one scale per partition (onebit) needs; the residuals are in those units. ``scale``
+        (flat, the same on every rank): a factor it travels multiplied by (1-bit LAMB's)."""
+        if key in self._layouts:
+            before = self._layouts[key]
+            same = (before is None and elements is None) or (
+                before is not None and elements is not None and torch.equal(before, elements)
+            )
+            if not same:
+                self.exchange.forget(key)  # its residuals were laid out for other elements
+        self._layouts[key] = elements
+        index = None if elements is None else elements.nonzero().squeeze(1)
+        work = t if index is None else t[index]
+        d = denom if index is None else denom[index]
+        k = None if scale is None else scale if index is None else scale[index]
+        if k is not None:
+            work.mul_(k)
         if self.precondition:
-            t.div_(denom)
-        self.exchange.compressed_mean(t, key)
+            work.div_(d)
+        if work.numel():
+            self.exchange.compressed_mean(work, key)
         if self.precondition:
-            t.mul_(denom)
+            work.mul_(d)
+        if k is not None:
+            work.div_(k)
+        if index is not None:
+            t.index_copy_(0, index, work)
 
     def _denominator(self, v_steps: int) -> torch.Tensor:
-        """``sqrt(v / (1 - b2^v_steps)) + eps`` (into a work buffer)."""
+        """``sqrt(v / (1 - b2^v_steps)) + eps`` (into a work buffer); also sets the mask of the
+        elements whose ``v`` is zero (see the module)."""
         b2 = self.defaults["betas"][1]
         c2 = 1.0 - b2**v_steps
-        out = torch.sqrt(self.exp_avg_sq, out=self._denom_buffer())
+        mask = self.exp_avg_sq > 0
+        self._mask = None if bool(mask.all()) else mask
+        out = torch.sqrt(self.exp_avg_sq, out=self._denom)
         return out.div_(math.sqrt(c2)).add_(self.defaults["eps"])
 
     def _frozen_denominator(self) -> torch.Tensor:
@@ -383,15 +561,17 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
             self._frozen = self._denominator(self.freeze_step).clone()
         return self._frozen
 
-    def _denom_buffer(self) -> torch.Tensor:
-        if not hasattr(self, "_denom"):
-            self._denom = self.flat.zeros()
-        return self._denom
-
-    def _adamw_update(self, t: int, x: torch.Tensor, m: torch.Tensor, denom: torch.Tensor) -> None:
-        """``x = x (1 - lr wd) - lr / (1 - b1^t) * m / denom`` per param group (torch's AdamW order)."""
+    def _adamw_update(
+        self, t: int, x: torch.Tensor, m: torch.Tensor, denom: torch.Tensor, present: torch.Tensor | None
+    ) -> None:
+        """``x = x (1 - lr wd) - lr / (1 - b1^t) * m / denom`` (torch's AdamW order) for the
+        ``present`` parameters (None: all), each with its group's ``lr`` and ``weight_decay``."""
         c1 = 1.0 - self.defaults["betas"][0] ** t
-        for group, seg in zip(self.param_groups, self.flat.segments, strict=True):
+        if present is None:
+            parts = [(g, seg) for g, seg in zip(self.param_groups, self.flat.segments, strict=True)]
+        else:
+            parts = [(self.param_groups[self.flat.group_of[i]], s) for i, s in self._slices_of(present)]
+        for group, seg in parts:
             lr, wd = group["lr"], group["weight_decay"]
             if wd:
                 x[seg].mul_(1.0 - lr * wd)
@@ -409,6 +589,7 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
             "exp_avg": self.exp_avg.clone(),
             "exp_avg_sq": self.exp_avg_sq.clone(),
             "exchange": self.exchange.state_dict(),
+            "layouts": {k: None if v is None else v.clone() for k, v in self._layouts.items()},
             **self._extra_state(),
         }
         return out
@@ -432,7 +613,10 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self.exp_avg.copy_(ours["exp_avg"].to(dev))
         self.exp_avg_sq.copy_(ours["exp_avg_sq"].to(dev))
         self.exchange.load_state_dict(ours["exchange"], dev)
+        self._layouts = {k: None if v is None else v.to(dev) for k, v in ours.get("layouts", {}).items()}
         self._frozen = None
+        self._mask = None
+        self._agreed = False
         self._load_extra_state(ours)
 
     def _extra_state(self) -> dict[str, Any]:

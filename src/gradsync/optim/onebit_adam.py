@@ -8,16 +8,19 @@ its bias correction ``1 - b2^freeze_step``. From then on, at step ``t``, every r
     m = compressed_mean(m)                               (onebit + error feedback, both stages)
     w = w * (1 - lr * wd) - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^freeze_step)) + eps)
 
-and every rank keeps the averaged ``m`` as its momentum, so the ranks stay in agreement (bit for
-bit: they decode the same payloads). With a frozen ``v`` the update is linear in ``m``, so
-averaging the momentum instead of the gradient is what Adam would do, and the error left out by
-the compression is carried to the next step by the residuals.
+(elements whose frozen ``v`` is zero, and parameters no rank has a gradient for, are left out:
+see :mod:`gradsync.optim.compressed_momentum`) and every rank keeps the averaged ``m`` as its
+momentum, so the ranks stay in agreement (bit for bit: they decode the same payloads). With a
+frozen ``v`` the update is linear in ``m``, so averaging the momentum instead of the gradient is
+what Adam would do, and the error left out by the compression is carried to the next step by the
+residuals.
 
 Traffic per rank and compressed step with ``onebit`` over CaSync-PS and ``p`` ranks: about
-``2 (p - 1) / p * n / 8`` bytes for ``n`` parameters (plus a 24-byte header per payload and the
-sizes' exchange), 32x less than the warm-up's float32 all-reduce ``2 (p - 1) / p * 4 n``. Over a
-whole run of ``T`` steps the saving is ``1 / (f + (1 - f) / 32)`` for a warm-up share
-``f = freeze_step / T``: keep the warm-up short (16x needs ``f`` below about 3 %).
+``2 (p - 1) / p * n / 8`` bytes for ``n`` parameters (plus a 24-byte header per payload, the
+sizes' exchange and a 4-byte flag per parameter tensor), 32x less than the warm-up's float32
+all-reduce ``2 (p - 1) / p * 4 n``. Over a whole run of ``T`` steps the saving is
+``1 / (f + (1 - f) / 32)`` for a warm-up share ``f = freeze_step / T``: keep the warm-up short
+(16x needs ``f`` below about 3 %).
 
 The model must not be synchronized by anything else (see
 :mod:`gradsync.optim.compressed_momentum`).
@@ -72,11 +75,12 @@ class OneBitAdam(CompressedMomentumOptimizer):
             params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology, precondition
         )
 
-    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
+    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor, here: torch.Tensor) -> None:
         if t <= self.freeze_step:
-            self._dense_moments(t, g)
+            present = self._dense_moments(t, g, here)
             denom = self._denominator(t)
         else:
+            present = self._present_now(here)
             denom = self._frozen_denominator()
-            self._compressed_momentum(g, denom)
-        self._adamw_update(t, x, self.exp_avg, denom)
+            self._compressed_momentum(g, denom, present, self._mask)
+        self._adamw_update(t, x, self.exp_avg, denom, present)

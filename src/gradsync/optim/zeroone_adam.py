@@ -21,7 +21,9 @@ step number (so every rank knows them without talking):
       w = w_anchor * prod(1 - lr_k * wd) - mean(u) / denom      (w_anchor: the last synchronized w)
       m = (1 - b1^t) * mean(u) / sum(lr_k)                     (the lr-weighted mean momentum)
 
-  so the ranks agree again (bit for bit). ``I`` starts at 1 and doubles every
+  so the ranks agree again (bit for bit). The decay is per parameter, over the local steps
+  it had a gradient on (a parameter without one is skipped, as AdamW skips it; the flags and
+  decays travel in one small all-reduce before the exchange). ``I`` starts at 1 and doubles every
   ``sync_growth`` steps up to ``max_sync_interval``. With one local step and a lossless codec
   this is exactly AdamW with a frozen ``v``. The weight-decay factor is applied to the anchor
   only (the decay of the interval's own updates, a second-order term, is left out).
@@ -80,12 +82,20 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         super().__init__(
             params, lr, betas, eps, weight_decay, freeze_step, codec, strategy, topology, precondition
         )
+
+    def _build_state(self) -> None:
+        super()._build_state()
+        dev = self.flat.device
         self.v_steps = 0
         self.last_sync = 0
         self.anchor = self.flat.zeros()
         self.accum = self.flat.zeros()
         self.lr_sum = [0.0] * len(self.param_groups)
-        self.decay = [1.0] * len(self.param_groups)
+        # per parameter, over the local steps since the last exchange: the product of the weight
+        # decay factors of the steps it had a gradient on this rank, and how many such steps
+        self.decay = torch.ones(len(self.flat.params), dtype=torch.float64, device=dev)
+        self.seen = torch.zeros(len(self.flat.params), dtype=torch.float64, device=dev)
+        self._new_m = self.flat.zeros()
         self._denom_ok = False
 
     def _config(self) -> dict[str, Any]:
@@ -116,33 +126,41 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         if not self._denom_ok:
             self._denominator(self.v_steps)
             self._denom_ok = True
-        return self._denom_buffer()
+        return self._denom
 
-    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor) -> None:
+    def _update(self, t: int, g: torch.Tensor, x: torch.Tensor, here: torch.Tensor) -> None:
         if self.is_variance_step(t):  # the warm-up and the variance refreshes: dense AdamW
             # v moves as Adam's would have over the steps since its last update (span): the
             # fresh g * g stands for each of them, so v keeps Adam's time scale, 1 / (1 - b2)
             # steps, instead of needing 1 / (1 - b2) refreshes to forget the warm-up
-            self._dense_moments(t, g, span=t - self.v_steps)
+            present = self._dense_moments(t, g, here, span=t - self.v_steps)
             self.v_steps = t
             self._denom_ok = False
-            self._adamw_update(t, x, self.exp_avg, self._denominator_now())
+            self._adamw_update(t, x, self.exp_avg, self._denominator_now(), present)
             self._synced(t, x)
         elif t <= self.var_freeze_step:  # 1-bit Adam: compressed momentum on every step
+            present = self._present_now(here)
             denom = self._denominator_now()
-            self._compressed_momentum(g, denom)
-            self._adamw_update(t, x, self.exp_avg, denom)
+            self._compressed_momentum(g, denom, present, self._mask)
+            self._adamw_update(t, x, self.exp_avg, denom, present)
             self._synced(t, x)
-        else:  # a local step, then an exchange when the interval is over
-            b1 = self.defaults["betas"][0]
-            self.exp_avg.lerp_(g, 1.0 - b1)
-            c1 = 1.0 - b1**t
-            for i, (group, seg) in enumerate(zip(self.param_groups, self.flat.segments, strict=True)):
-                lr, wd = group["lr"], group["weight_decay"]
-                self.accum[seg].add_(self.exp_avg[seg], alpha=lr / c1)
-                self.lr_sum[i] += lr
-                self.decay[i] *= 1.0 - lr * wd
-            self._adamw_update(t, x, self.exp_avg, self._denominator_now())
+        else:  # a local step (this rank's own gradients decide), then an exchange when due
+            mine = self._agreed_present(here)
+            denom = self._denominator_now()
+            self._local_momentum(g, mine, self._mask)
+            c1 = 1.0 - self.defaults["betas"][0] ** t
+            for i, group in enumerate(self.param_groups):
+                self.lr_sum[i] += group["lr"]
+            factors = []
+            for i, s in self._slices_of(mine):
+                group = self.param_groups[self.flat.group_of[i]]
+                self.accum[s].add_(self.exp_avg[s], alpha=group["lr"] / c1)
+                factors.append((i, 1.0 - group["lr"] * group["weight_decay"]))
+            index = torch.tensor([i for i, _ in factors], dtype=torch.long, device=self.decay.device)
+            values = torch.tensor([f for _, f in factors], dtype=torch.float64, device=self.decay.device)
+            self.decay.index_copy_(0, index, self.decay[index] * values)
+            self.seen.index_add_(0, index, torch.ones_like(values))
+            self._adamw_update(t, x, self.exp_avg, denom, mine)
             if t - self.last_sync >= self.sync_interval(t):
                 self._exchange(t, x)
 
@@ -150,21 +168,34 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         self.anchor.copy_(x)
         self.accum.zero_()
         self.lr_sum = [0.0] * len(self.lr_sum)
-        self.decay = [1.0] * len(self.decay)
+        self.decay.fill_(1.0)
+        self.seen.zero_()
         self.last_sync = t
 
     def _exchange(self, t: int, x: torch.Tensor) -> None:
         """Average the accumulated update and restart every rank from the same point."""
         denom = self._denominator_now()
-        self._compressed_mean(self.accum, denom, "update")
+        # which parameters some rank stepped, and their decay: one small all-reduce. Where the
+        # ranks disagree about a parameter's steps, its decay is the mean of theirs
+        n = len(self.flat.params)
+        info = torch.cat([self.seen, self.decay])
+        self.exchange.flags_mean(info)
+        present = self._agreed_present(info[:n])
+        self._compressed_mean(self.accum, denom, "update", self._element_mask(present, self._mask))
+        # the elements left out hold no update (no rank stepped them, or their v is zero)
         c1 = 1.0 - self.defaults["betas"][0] ** t
+        torch.mul(self.anchor, self.flat.expand(info[n:].to(torch.float32)), out=x)
+        x.addcdiv_(self.accum, denom, value=-1.0)
+        new_m = self._new_m
         for i, seg in enumerate(self.flat.segments):
-            torch.mul(self.anchor[seg], self.decay[i], out=x[seg])
-            x[seg].addcdiv_(self.accum[seg], denom[seg], value=-1.0)
             if self.lr_sum[i] > 0:
-                torch.mul(self.accum[seg], c1 / self.lr_sum[i], out=self.exp_avg[seg])
+                torch.mul(self.accum[seg], c1 / self.lr_sum[i], out=new_m[seg])
             else:  # no learning rate in the interval: nothing moved; the same zero momentum everywhere
-                self.exp_avg[seg].zero_()
+                new_m[seg].zero_()
+        if present is None:
+            self.exp_avg.copy_(new_m)
+        else:  # a parameter no rank stepped keeps its momentum, as AdamW keeps a skipped one's
+            torch.where(self.flat.expand(present), new_m, self.exp_avg, out=self.exp_avg)
         self._synced(t, x)
 
     @torch.no_grad()
@@ -184,7 +215,8 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
             "anchor": self.anchor.clone(),
             "accum": self.accum.clone(),
             "lr_sum": list(self.lr_sum),
-            "decay": list(self.decay),
+            "decay": self.decay.clone(),
+            "seen": self.seen.clone(),
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
@@ -194,5 +226,6 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
         self.anchor.copy_(state["anchor"].to(dev))
         self.accum.copy_(state["accum"].to(dev))
         self.lr_sum = [float(v) for v in state["lr_sum"]]
-        self.decay = [float(v) for v in state["decay"]]
+        self.decay.copy_(state["decay"].to(dev))
+        self.seen.copy_(state["seen"].to(dev))
         self._denom_ok = False
