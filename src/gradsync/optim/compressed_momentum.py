@@ -616,7 +616,6 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self._layouts = {k: None if v is None else v.to(dev) for k, v in ours.get("layouts", {}).items()}
         self._frozen = None
         self._mask = None
-        self._agreed = False
         self._load_extra_state(ours)
 
     def _extra_state(self) -> dict[str, Any]:
