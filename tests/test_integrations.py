@@ -118,6 +118,29 @@ def lightning_world(tmp):
             with expect("resumed: 40 steps restored, 4 more"):
                 assert resumed.hook_state is not None and resumed.hook_state.step == 44
 
+    def check_model_checkpoint_prunes_every_ranks_part():
+        """ModelCheckpoint keeping one checkpoint removes the older ones' per-rank compression
+        state too: every part left belongs to a checkpoint that is left."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        folder = os.path.join(tmp, "pruned")
+        torch.manual_seed(0)
+        module = Classifier()
+        module.losses = []
+        keep = ModelCheckpoint(dirpath=folder, save_top_k=1, every_n_train_steps=4)
+        strategy = gradsync.lightning.Strategy("topk:density=0.05", sync_options={"min_compress_bytes": 0})
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=12, logger=False, callbacks=[keep],
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(dataset(), batch_size=8, shuffle=True))
+        dist.barrier()
+        names = sorted(os.listdir(folder))
+        ckpts = [n for n in names if n.endswith(".ckpt")]
+        parts = sorted(n for n in names if ".gradsync-rank" in n)
+        assert len(ckpts) == 1, names
+        assert parts == [f"{ckpts[0]}.gradsync-rank{r}.pt" for r in range(2)], names
+
     def check_error_feedback_told_the_loss_scale_under_16_mixed():
         from lightning.pytorch.plugins import MixedPrecision
 
@@ -188,6 +211,7 @@ def lightning_world(tmp):
         check_fsdp2_under_model_parallel_strategy,
         check_none_is_lightnings_own_ddp,
         check_compressed_with_accumulation_and_a_checkpoint,
+        check_model_checkpoint_prunes_every_ranks_part,
         check_error_feedback_told_the_loss_scale_under_16_mixed,
         check_options_are_checked_before_anything_starts,
     )

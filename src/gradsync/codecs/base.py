@@ -70,6 +70,16 @@ StreamT = TypeVar("StreamT", bound=Stream)
 """The stream type of a codec: ``class PowerSGD(Codec[PowersgdStream])``."""
 
 
+def follow_device(stream: StreamT, device: torch.device) -> StreamT:
+    """Move a stream's tensors (not its CPU generator) to ``device``, where its input now is:
+    state loaded with ``map_location="cpu"`` follows the gradient on first use."""
+    for f in dataclasses.fields(stream):
+        v = getattr(stream, f.name)
+        if isinstance(v, torch.Tensor) and v.device != device:
+            setattr(stream, f.name, v.to(device))
+    return stream
+
+
 class Codec(Compressor, Generic[StreamT]):
     """Base class: input checks, streams, state, payload plumbing, the operator backend."""
 
@@ -134,7 +144,7 @@ class Codec(Compressor, Generic[StreamT]):
         """Run ``encode`` on the stream of ``ctx.key`` for the flat input ``flat``: its size checked
         first, under the codec's operator backend, the stream's call counted after."""
         self.check_numel(flat.numel())
-        stream = self.stream(ctx.key)
+        stream = follow_device(self.stream(ctx.key), flat.device)
         with self._ops_backend():
             payload = encode(stream)
         stream.calls += 1

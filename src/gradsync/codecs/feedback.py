@@ -38,6 +38,7 @@ size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -84,6 +85,22 @@ class FeedbackStream:
     pending_u: torch.Tensor | None = None
     # committed since begin_round(): the previous residual / momentum are in spare / spare_u
     committed: bool = False
+
+
+def _warn_lost(key: str, s: FeedbackStream, numel: int) -> None:
+    """A stream handed a gradient of another size: its residual cannot be placed in it. The
+    layers above take a stream before its layout changes (:mod:`gradsync.sync.carry`); reaching
+    this is a caller that did not, so what is dropped is said, never silently."""
+    assert s.residual is not None
+    lost = float(torch.linalg.vector_norm(s.residual.double())) / s.scale
+    if lost > 0 or (s.momentum is not None and bool(s.momentum.any())):
+        warnings.warn(
+            f"gradsync: error-feedback stream {key!r} held {s.residual.numel()} elements and was "
+            f"handed {numel}: its residual (norm {lost:.3g}) is dropped; the tensors it belonged "
+            "to changed (a parameter's requires_grad toggled, or another layout)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _buffer(spare: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -268,10 +285,20 @@ class ErrorFeedback(Compressor):
         s = self._streams.setdefault(key, FeedbackStream())
         s.offset = offset
         n = flat.numel()
-        if s.residual is None or s.residual.numel() != n or s.residual.dtype != work_dtype:
+        if s.residual is not None and s.residual.numel() != n:
+            _warn_lost(key, s, n)
+            s.residual = None
+        if s.residual is None:
             s.residual = torch.zeros(n, dtype=work_dtype, device=flat.device)
             s.momentum = None
             s.scale = loss_scale
+        elif s.residual.device != flat.device or s.residual.dtype != work_dtype:
+            # state loaded with map_location="cpu", or a gradient whose dtype changed: the
+            # residual follows the gradient (its values kept, nothing owed is dropped)
+            s.residual = s.residual.to(flat.device, work_dtype)
+            if s.momentum is not None:
+                s.momentum = s.momentum.to(flat.device, work_dtype)
+            s.spare = s.spare_u = None
         if loss_scale != s.scale:
             ratio = loss_scale / s.scale
             s.residual.mul_(ratio)

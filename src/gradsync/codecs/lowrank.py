@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
+from gradsync.codecs.base import Codec, EncodeContext, Stream, follow_device, nonfinite_flag
 from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig, check_range
 from gradsync.codecs.ops import orthogonalize_, tensor_stats
@@ -88,6 +88,7 @@ class PowerSGD(Codec[PowersgdStream]):
         """``P = M Q`` with the stream's Q (drawn from its generator on first use)."""
         cols = m.shape[1]
         r = self.config.rank
+        follow_device(stream, m.device)
         if stream.q is None or stream.q.shape != (cols, r) or not self.config.warm_start:
             assert stream.generator is not None
             q = torch.randn(

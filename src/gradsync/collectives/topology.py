@@ -141,10 +141,13 @@ class Topology:
         self.world = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
         self.backend = dist.get_backend() if initialized else "gloo"
-        self.comm_device = backend_device(self.backend) if initialized else torch.device("cpu")
-        """Where the tensors of gradsync's collectives live: the current GPU under NCCL, else the CPU."""
         self.device = self._device if self._device is not None else default_device()
         """The device this rank computes on; gradsync's threads make it their current device."""
+        comm = backend_device(self.backend) if initialized else torch.device("cpu")
+        if comm.type == "cuda" and self.device.type == "cuda":
+            comm = self.device  # Topology(device=...) wins over the building thread's current GPU
+        self.comm_device = comm
+        """Where the tensors of gradsync's collectives live: this rank's GPU under NCCL, else the CPU."""
         if nodes is None:
             nodes, per_node, node_rank, local_rank = self._from_env()
         else:

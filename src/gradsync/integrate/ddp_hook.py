@@ -36,13 +36,18 @@ What error feedback owes is never lost (:mod:`gradsync.sync.carry`), as with ``w
 - A stream whose bucket DDP no longer forms (a rebuild), and every stream at the start of a
   dense iteration (``dense_from_step``, and the first iteration after :meth:`HookState.load_state_dict`,
   which runs dense so that DDP's first-iteration bucket rebuild happens on dense buckets), ends;
-  what it owed is added to its parameters' gradients in the next iteration. Parameters are
-  named when ``model`` is given; without it, owed gradient follows a bucket only while DDP keeps
-  that bucket.
+  what it owed is added to its parameters' gradients in the next iteration.
+
+State is kept per parameter, never per bucket shape. Parameters take their names from ``model``
+when it is given; a hook made without it (as PyTorch's docs make hooks) names each parameter by
+where DDP's bucket held it when the hook first saw it. Those names agree across ranks and
+survive DDP's bucket rebuild; across a checkpoint they hold when the new DDP model forms its
+first buckets as the old one did (the same model and ``bucket_cap_mb``), and a checkpoint whose
+owed gradient does not fit a parameter is refused. Pass ``model`` to key state by the model's
+own names.
 """
 
 import dataclasses
-import hashlib
 import logging
 import warnings
 from typing import Any
@@ -148,13 +153,27 @@ class HookState:
         self.manager.device = topo.device  # the threads start with the first bucket
         return topo
 
+    def names(self, bucket: dist.GradBucket) -> list[str]:
+        """The names of the bucket's parameters, in its order. With ``model`` they are the
+        model's; without it a parameter is named when the hook first sees it, by where it lay
+        then (``ddp.b<bucket>.<position>``): DDP forms the same buckets on every rank, so the
+        names agree across ranks, and a parameter keeps its name (and its residual) when DDP
+        rebuilds its buckets. State is never keyed by shapes: two layers of the same shape are
+        two streams."""
+        out = []
+        for i, p in enumerate(bucket.parameters()):
+            name = self._names.get(id(p))
+            if name is None:
+                name = self._names[id(p)] = f"ddp.b{bucket.index()}.{i}"
+            out.append(name)
+        return out
+
     def key(self, bucket: dist.GradBucket) -> str:
-        params = bucket.parameters()
-        names = [n for p in params if (n := self._names.get(id(p))) is not None]
-        if params and len(names) == len(params):  # every parameter has a name
-            return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-        shapes = ";".join(str(tuple(p.shape)) for p in params)
-        return f"ddp-bucket:{hashlib.blake2b(shapes.encode(), digest_size=6).hexdigest()}"
+        """The bucket's state key: its first and last parameter's names."""
+        names = self.names(bucket)
+        if not names:
+            return f"ddp-bucket{bucket.index()}"
+        return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 
     def dense_step(self) -> bool:
         """Whether this iteration is dense for everyone (warm-up, the switch to dense, or the
@@ -167,12 +186,9 @@ class HookState:
         )
 
     # ------------------------------------------------------------------ one iteration
-    def members(self, bucket: dist.GradBucket, key: str) -> list[tuple[str, int]]:
-        """The bucket's parameters as (name, numel), in its order (a name made from the key where
-        the parameter has none)."""
-        return [
-            (self._names.get(id(p)) or f"{key}/{i}", p.numel()) for i, p in enumerate(bucket.parameters())
-        ]
+    def members(self, bucket: dist.GradBucket) -> list[tuple[str, int]]:
+        """The bucket's parameters as (name, numel), in its order."""
+        return [(n, p.numel()) for n, p in zip(self.names(bucket), bucket.parameters(), strict=True)]
 
     def begin(self, joined: bool) -> Iteration:
         """The first bucket of an iteration (every bucket of the last one is done by now)."""
@@ -307,10 +323,9 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
     parts = None
     if codec.lowrank:
-        names = [state._names.get(id(p)) for p in bucket.parameters()]
         parts = [
-            (g.view(p.shape), n if n is not None else f"{key}/{i}")
-            for i, (g, p, n) in enumerate(zip(bucket.gradients(), bucket.parameters(), names, strict=True))
+            (g.view(p.shape), n)
+            for g, p, n in zip(bucket.gradients(), bucket.parameters(), state.names(bucket), strict=True)
         ]
     return (
         yield from bucket_program(buf, topo, scheme, codec, key, state.loss_scale, ws, lowrank_parts=parts)
@@ -331,7 +346,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     first, last = bucket.index() == 0, bucket.is_last()
     # DDP's Join mirrors a step on zero buckets outside backward, for a rank out of data
     it = state.begin(joined=not _in_backward()) if first or state.iteration is None else state.iteration
-    it.members[key] = state.ledger.layouts[key] = state.members(bucket, key)
+    it.members[key] = state.ledger.layouts[key] = state.members(bucket)
     why = state.why_dense(buf, key)
     if why is None:
         it.compressed.add(key)

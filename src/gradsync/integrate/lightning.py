@@ -112,6 +112,17 @@ class Strategy(DDPStrategy):
         fs = fsspec.core.url_to_fs(part)[0]
         fs.mv(tmp, part)  # a reader never sees half a file under the real name
 
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Lightning removes the checkpoint on rank 0 (``ModelCheckpoint``'s pruning calls this on
+        every rank); each rank removes its own compression-state part with it."""
+        super().remove_checkpoint(filepath)
+        import fsspec
+
+        part = self._part(filepath)
+        fs = fsspec.core.url_to_fs(part)[0]
+        if fs.exists(part):
+            fs.rm(part)
+
     def load_checkpoint(self, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(
             checkpoint_path, *args, **kwargs

@@ -126,6 +126,8 @@ class Carry:
         t = table.get(name)
         if t is None:
             t = table[name] = torch.zeros(numel, dtype=dtype, device=values.device)
+        elif t.device != values.device:  # loaded elsewhere: it follows the residuals
+            t = table[name] = t.to(values.device)
         t[at : at + values.numel()].add_(values.reshape(-1).to(t.dtype))
 
     def add_owed(self, owed: Iterable[Owed], layouts: Layouts, strict: bool = True) -> list[str]:
@@ -143,16 +145,32 @@ class Carry:
     def add_mean(self, name: str, values: torch.Tensor) -> None:
         self._add(self.mean, name, values.numel(), 0, values)
 
+    @staticmethod
+    def _placed(table: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """``table[name]`` on ``grad``'s device (moved there for good: state loaded with
+        ``map_location="cpu"`` follows the gradient on first use), checked to fit it."""
+        t = table.get(name)
+        if t is None:
+            return None
+        if t.numel() != grad.numel():
+            raise ValueError(
+                f"gradsync: the gradient owed to parameter {name!r} has {t.numel()} elements, the "
+                f"parameter {grad.numel()}: the state was saved for another model or layout"
+            )
+        if t.device != grad.device:
+            t = table[name] = t.to(grad.device)
+        return t
+
     def inject(self, name: str, grad: torch.Tensor, scale: float) -> None:
         """Add this rank's share of ``name`` (times the loss ``scale``) to its flat gradient
         ``grad`` (a bucket's region): it is synchronized with it."""
-        t = self.local.get(name)
+        t = self._placed(self.local, name, grad)
         if t is not None:
             grad.add_(t.to(grad.dtype) if scale == 1.0 else (t * scale).to(grad.dtype))
 
     def apply_mean(self, name: str, grad: torch.Tensor, scale: float) -> None:
         """Add the agreed share of ``name`` (times ``scale``) to its synchronized gradient."""
-        t = self.mean.get(name)
+        t = self._placed(self.mean, name, grad)
         if t is not None:
             grad.add_(t.view(grad.shape).to(grad.dtype), alpha=scale)
 

@@ -451,13 +451,22 @@ class ClosedLoop:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"replans": self.replans, "settled": self.settled}
+        """The count, whether the loop settled, and the revert guard: the plan before the last
+        switch with its measured span (a run resumed between a switch and its check still
+        reverts a switch that measures slower)."""
+        state: dict[str, Any] = {"replans": self.replans, "settled": self.settled}
+        if self.before is not None:
+            state["before_plan"] = self.before[0].to_state()
+            state["before_span"] = float(self.before[1])
+        return state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore the count and whether the loop settled; a resumed run measures afresh."""
+        """Restore :meth:`state_dict`; a resumed run measures the current plan afresh."""
         state = state or {}
         self.replans = int(state.get("replans", 0))
         self.settled = bool(state.get("settled", False))
+        plan, span = state.get("before_plan"), state.get("before_span")
+        self.before = None if plan is None or span is None else (Plan.from_state(plan), float(span))
         self.restart()
 
 

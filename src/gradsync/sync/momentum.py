@@ -80,6 +80,14 @@ class SyncMomentum:
                 self._released[name] = released
         self._undo = keep[::-1]
 
+    def _velocity(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """``name``'s momentum on ``device`` (state loaded with ``map_location="cpu"`` follows
+        the gradient on first use), or None."""
+        v = self.velocity.get(name)
+        if v is not None and v.device != device:
+            v = self.velocity[name] = v.to(device)
+        return v
+
     def _remember(self, name: str) -> None:
         self._undo.append((name, self.velocity.get(name), self._released.get(name, 0)))
 
@@ -88,7 +96,7 @@ class SyncMomentum:
         m = self.momentum
         for name, grad in zip(names, grads, strict=True):
             g = _work(grad) / scale  # a new tensor: grad is overwritten below
-            old = self.velocity.get(name)
+            old = self._velocity(name, grad.device)
             self._remember(name)
             u = g.clone() if old is None else torch.add(g, old, alpha=m)
             self.velocity[name] = u
@@ -101,7 +109,7 @@ class SyncMomentum:
         from earlier dense steps still contributes, in place; nothing without such momentum."""
         m = self.momentum
         for name, grad in zip(names, grads, strict=True):
-            old = self.velocity.get(name)
+            old = self._velocity(name, grad.device)
             if old is None:
                 continue
             self._remember(name)
@@ -119,7 +127,7 @@ class SyncMomentum:
         """Add ``u`` (flat, unscaled, in units of the mean gradient) to ``name``'s momentum,
         between steps: the momentum a compressed stream had built up when the stream ended (see
         :mod:`gradsync.sync.carry`). A dense step continues it; a compressed one releases it."""
-        old = self.velocity.get(name)
+        old = self._velocity(name, u.device)
         self.velocity[name] = u.clone() if old is None else old + u.to(old.dtype)
         self._released[name] = 0
 

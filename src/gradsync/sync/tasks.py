@@ -29,10 +29,12 @@ finisher runs any more: nothing a failed step half-computed reaches the gradient
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import heapq
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +45,31 @@ import torch
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import AFTER_LAST, LastStep, Program, ProgramError, Step
 from gradsync.collectives.topology import use_device
+
+_running: weakref.WeakSet[TaskManager] = weakref.WeakSet()
+"""Managers whose threads run, for :func:`_close_running` (filled as threads start)."""
+_exit_hook = False
+
+
+def _stop_at_exit(manager: TaskManager) -> None:
+    """Have the interpreter stop ``manager``'s threads before it shuts down.
+
+    The threads are daemons (a script that never calls ``close()`` must still end), but at
+    shutdown CPython ends a daemon thread abruptly wherever it next takes the GIL; inside a
+    torch or gloo C++ frame that unwinding aborts the process ("terminate called without an
+    active exception", SIGABRT, and torchrun reports a failed job). An ``atexit`` callback runs
+    before that point, so the threads finish their queue and return normally."""
+    global _exit_hook
+    _running.add(manager)
+    if not _exit_hook:
+        atexit.register(_close_running)
+        _exit_hook = True
+
+
+def _close_running() -> None:
+    for manager in list(_running):
+        with contextlib.suppress(Exception):
+            manager.close()
 
 
 class TaskError(RuntimeError):
@@ -194,6 +221,7 @@ class TaskManager:
     def _start(self) -> None:
         if self._threads:
             return
+        _stop_at_exit(self)
         for target, role in ((self._compute_loop, "compute"), (self._comm_loop, "comm")):
             t = threading.Thread(
                 target=self._on_device, args=(target,), name=f"{self.name}-{role}", daemon=True

@@ -1,0 +1,167 @@
+"""What the synchronization core guarantees to every front, checked where the fronts used to
+differ: state keyed per parameter (never per shape), state that follows the gradient's device
+after a load, and a revert guard that survives a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsync
+from gradsync.codecs import build_codec
+from gradsync.codecs.lowrank import PowerSGD
+from gradsync.sync.carry import Carry
+from gradsync.sync.closed_loop import ClosedLoop
+from gradsync.sync.momentum import SyncMomentum
+from gradsync.sync.plan import BucketPlan, Plan
+from worlds import expect_all, run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+TOL = 2e-5  # float32 sums over a few steps, against float64 references
+
+
+# ------------------------------------------------------------- a hook made without model=
+class Repeated(nn.Module):
+    """Four blocks of one shape; block 2 is multiplied by zero, so its true gradient is exactly 0
+    on every rank and every step (its parameters still get a gradient tensor, of zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = x + (0.0 if i == 2 else 1.0) * torch.tanh(block(x))
+        return x
+
+
+def hook_without_model_world() -> None:
+    """The hook as PyTorch's docs make one (no ``model=``), on a model of repeated blocks with a
+    bucket per parameter: each parameter keeps its own residual. Block 2 must get exactly zero
+    every step (a shared residual leaked other layers' gradients into it), and for every
+    parameter, in float64, the mean of the ranks' raw gradients summed over the steps equals the
+    synchronized gradients applied plus what the ranks still owe."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = Repeated()
+    twin = copy.deepcopy(module)
+    ddp = DistributedDataParallel(module, bucket_cap_mb=0.0005)  # one bucket per parameter
+    state, hook = gradsync.ddp_comm_hook(
+        "allgather/topk:density=0.1", plan="compress", min_compress_bytes=0, log_plan=False
+    )
+    ddp.register_comm_hook(state, hook)
+    names = [n for n, _ in module.named_parameters()]
+    wanted = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in module.named_parameters()}
+    applied = {n: torch.zeros_like(w) for n, w in wanted.items()}
+    gen = torch.Generator().manual_seed(100 + rank)
+    with expect_all() as expect:
+        for step in range(6):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            nn.functional.mse_loss(twin(x), y).backward()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            for n, p in twin.named_parameters():
+                g = p.grad.double().reshape(-1)
+                dist.all_reduce(g)
+                wanted[n] += g / world
+            for n, p in module.named_parameters():
+                applied[n] += p.grad.double().reshape(-1)
+                if n.startswith("blocks.2."):
+                    with expect(f"step {step}, {n}: got {float(p.grad.abs().max()):.3g}, not exactly 0"):
+                        assert float(p.grad.abs().max()) == 0.0
+            twin.zero_grad(set_to_none=True)
+            ddp.zero_grad(set_to_none=True)
+        owed = state.owed_gradients()
+        with expect(f"one stream per parameter: owed names {sorted(owed)}"):
+            assert len(owed) == len(names)
+        # the hook's names are its own (no model given): match them to the model by bucket order
+        by_size = {}
+        for key, t in owed.items():
+            total = t.double().clone()
+            dist.all_reduce(total)
+            by_size[key] = total
+        totals = sorted(by_size.values(), key=lambda t: float(t.abs().sum()))
+        left = sum(float(t.abs().sum()) for t in totals)
+        with expect("something is owed (the test has teeth)"):
+            assert left > 0
+        for n in names:
+            gap = applied[n] - wanted[n]
+            match = [
+                k
+                for k, t in by_size.items()
+                if t.numel() == gap.numel() and torch.allclose(t, -gap, atol=TOL)
+            ]
+            with expect(f"{n}: applied + owed != the mean of the raw gradients"):
+                assert match, f"largest gap {float(gap.abs().max()):.3g}"
+    state.close()
+
+
+def test_a_hook_made_without_model_keeps_each_layers_residual():
+    run_world(2, hook_without_model_world)
+
+
+# ----------------------------------------------------------- state follows the gradient's device
+def test_state_loaded_elsewhere_follows_the_gradient_on_first_use():
+    """State loaded with ``map_location="cpu"`` must follow a CUDA gradient on first use. Here the
+    ``meta`` device stands for the GPU (this machine has none; tests/test_gpu.py runs a resumed
+    CUDA run): every holder of state is handed a gradient on another device than its state and
+    must move its state there, keeping what it held."""
+    other = torch.device("meta")
+    # error feedback: residual and momentum
+    ef = build_codec("topk:density=0.5+ef:momentum=0.9")
+    ef.encode(torch.randn(64), loss_scale=1.0)
+    loaded = build_codec("topk:density=0.5+ef:momentum=0.9")
+    loaded.load_state_dict(ef.state_dict())
+    loaded.accumulate(torch.randn(64, device=other))
+    stream = loaded._streams[""]
+    assert stream.residual is not None and stream.residual.device == other
+    assert stream.momentum is not None and stream.momentum.device == other
+    # the carry (owed gradient of ended streams), both shares
+    carry = Carry()
+    carry.add_mean("w", torch.ones(8))
+    carry.load_state_dict({"local": {"w": torch.ones(8)}, "mean": {"w": torch.ones(8)}})
+    grad = torch.zeros(8, device=other)
+    carry.inject("w", grad, 1.0)
+    carry.apply_mean("w", grad, 1.0)
+    assert carry.local["w"].device == other and carry.mean["w"].device == other
+    with pytest.raises(ValueError, match="'w' has 8 elements, the parameter 4"):
+        carry.inject("w", torch.zeros(4, device=other), 1.0)
+    # momentum correction's sync momentum
+    momentum = SyncMomentum(0.9, False)
+    momentum.dense(["w"], [torch.ones(8)])
+    resumed = SyncMomentum(0.9, False)
+    resumed.load_state_dict(momentum.state_dict())
+    resumed.dense(["w"], [torch.ones(8, device=other)])
+    assert resumed.velocity["w"].device == other
+    # PowerSGD's warm start
+    psgd = build_codec("powersgd:rank=2")
+    psgd.encode(torch.randn(8, 6))
+    again = build_codec("powersgd:rank=2")
+    again.load_state_dict(psgd.state_dict())
+    stream = again.stream("")
+    assert isinstance(again, PowerSGD)
+    again.project(torch.randn(8, 6, device=other), stream)
+    assert stream.q is not None and stream.q.device == other
+
+
+# ------------------------------------------------------------------- the closed loop's guard
+def test_the_revert_guard_survives_a_checkpoint():
+    """A run saved between a re-plan and its check keeps the plan to go back to and its
+    measured span, readable with ``weights_only=True``."""
+    plan = Plan([BucketPlan([0, 1], 0, compress=True), BucketPlan([2], -1)])
+    loop = ClosedLoop(replan=2, steps=3, gain=0.1, replans=1, before=(plan, 0.25))
+    buf = io.BytesIO()
+    torch.save(loop.state_dict(), buf)
+    buf.seek(0)
+    resumed = ClosedLoop(replan=2, steps=3, gain=0.1)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert resumed.before is not None and resumed.before[1] == 0.25
+    assert resumed.before[0].to_state() == plan.to_state()
+    assert resumed.worse_than_before(0.3) and not resumed.worse_than_before(0.26)
