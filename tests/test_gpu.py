@@ -84,11 +84,11 @@ def ddp(module, device):
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def train(model, device, steps=STEPS):
-    """SGD on this rank's batches; the gradients of the last step."""
+def train(model, device, steps=STEPS, start=0):
+    """SGD on this rank's batches (from step ``start``); the gradients of the last step."""
     rank = dist.get_rank()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
+    for step in range(start, start + steps):
         x, y = batch(step, rank, device)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -322,6 +322,62 @@ def check_the_threads_work_on_this_ranks_gpu(device):
     assert seen == [device.index] * 4, f"current devices {seen}, this rank's GPU is {device.index}"
 
 
+# --------------------------------------------------------------------- resume from the CPU
+RESUME = ("topk:density=0.1", "dgc:density=0.1+ef:momentum=0.9", "powersgd:rank=2")
+
+
+def _through_the_cpu(state):
+    """``state`` saved and read back as a trainer or Lightning reads it: onto the CPU."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=True)
+
+
+def check_state_loaded_on_the_cpu_resumes_on_the_device(device):
+    """A run stopped after 3 steps and resumed from compression state loaded with
+    ``map_location="cpu"`` (residuals, carried gradient, momentum correction, PowerSGD's warm
+    start) trains on the device: with wrap it ends where the uninterrupted run ends; the hook
+    (whose first iteration after a load is dense) leaves finite gradients, the same on every rank."""
+    base = mlp(seed=7)
+    topo = topology()
+    with expect_all() as expect:
+        for scheme in RESUME:
+            for how in ("wrap", "hook"):
+                if how == "hook" and "ef:momentum" in scheme:
+                    continue  # the hook refuses momentum correction
+
+                def make(module, how=how, scheme=scheme):
+                    module = copy.deepcopy(module).to(device)
+                    if how == "wrap":
+                        m = gradsync.wrap(module, scheme, topo, plan="compress", min_compress_bytes=0, **FAST)
+                        return m, m, m.sync_state_dict, m.load_sync_state_dict
+                    d = ddp(module, device)
+                    st = gradsync.register_comm_hook(d, scheme, topo, min_compress_bytes=0, log_plan=False)
+                    return d, st, st.state_dict, st.load_state_dict
+
+                whole, closer, _, _ = make(base)
+                train(whole, device, steps=3)
+                train(whole, device, steps=3, start=3)
+                closer.close()
+                first, closer, save, _ = make(base)
+                train(first, device, steps=3)
+                saved = _through_the_cpu(save())
+                closer.close()
+                second, closer, _, load = make(first.module)
+                load(saved)
+                grads = train(second, device, steps=3, start=3)
+                closer.close()
+                with expect(f"{how} {scheme}: resumed on {device} from state loaded on the CPU"):
+                    on_device_and_finite(grads, device)
+                    same_on_every_rank(grads, "gradients")
+                    if how == "wrap":
+                        for a, b in zip(whole.parameters(), second.parameters(), strict=True):
+                            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------- worlds
 def nccl_world(device_type):
     device = device_of(device_type)
@@ -332,6 +388,7 @@ def nccl_world(device_type):
         named_check(check_lossy_schemes_with_the_hook, device),
         named_check(check_autocast_with_a_grad_scaler, device),
         named_check(check_the_threads_work_on_this_ranks_gpu, device),
+        named_check(check_state_loaded_on_the_cpu_resumes_on_the_device, device),
         *([named_check(check_planner_times_codecs_on_the_gradients_device, device)] if planned else []),
     )
 
