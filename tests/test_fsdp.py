@@ -8,6 +8,8 @@ a float64 top-k with error feedback written out here for the compressed collecti
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from gradsync.fsdp import compress_fsdp, replicate
+from gradsync.fsdp import FsdpCompression, compress_fsdp, replicate
 from worlds import expect_all, run_checks, run_world, same_on_every_rank
 
 
@@ -407,6 +409,13 @@ def check_bad_input() -> None:
         (sub, {"scheme": "topk", "min_compress_bytes": 1.5}, "min_compress_bytes must be an integer >= 0"),
         (sub, {"scheme": "topk", "error_feedback": "yes"}, "error_feedback must be None, True or False"),
         (native, {"scheme": "topk", "replicate_group": group}, "HSDP or replicate"),
+        (sub, {"scheme": "topk+ef:momentum=0.9", "replicate_group": group}, "ef momentum"),
+        (sub, {"scheme": "topk", "grad_scaler": "yes"}, "grad_scaler must be None or a torch.amp.GradScaler"),
+        (
+            shard(make(), mesh["shard"], mp_policy=MixedPrecisionPolicy(torch.float16, torch.float32)),
+            {"scheme": "topk", "replicate_group": group},
+            "computes in float16.*pass grad_scaler=",
+        ),
     ]
     with expect_all() as expect:
         for module, kw, words in cases:
@@ -416,6 +425,8 @@ def check_bad_input() -> None:
             (("hitopk",), {}, "hierarchical"),
             (("topk",), {"where": "shard"}, "replicate_group and where are its own"),
             (("topk",), {"dense_warmup_steps": -1}, "dense_warmup_steps must be an integer >= 0"),
+            (("topk+ef:momentum=0.9",), {}, "ef momentum"),
+            (("topk",), {"nosuch": 1}, "unknown option"),
         ):
             early = pytest.raises(ValueError, match=words)
             with expect(f"replicate() checks {kw or args} before building the mesh"), early:
@@ -424,6 +435,258 @@ def check_bad_input() -> None:
     refused = pytest.raises(ValueError, match="hold different parameters")
     with expect_all() as expect, expect("replicas holding different parameters are refused"), refused:
         compress_fsdp(apart, "topk", replicate_group=group)
+
+
+# ---------------------------------------------------------------------- the reviewer's defects
+def _divide(m: nn.Module, factor: float) -> None:
+    for sub in m.modules():
+        if hasattr(sub, "set_gradient_divide_factor"):
+            sub.set_gradient_divide_factor(factor)
+
+
+def _grads(m: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.full_tensor().detach().reshape(-1) for p in m.parameters()])
+
+
+def _one_backward(m: nn.Module, step: int = 0) -> torch.Tensor:
+    m.b.use_side = True
+    x, y = batch(step)
+    (m(x) - y).square().mean().backward()
+    return _grads(m)
+
+
+def check_divide_factor_as_native() -> None:
+    """set_gradient_divide_factor(f): FSDP divides the sum over every rank by f alone (native HSDP
+    sums across the replicas); the emulated HSDP and replicate() must not divide by the replicate
+    size again."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    with expect_all() as expect:
+        # gloo has no PREMUL_SUM: a factor of the shard size makes FSDP's reduce-scatter a mean
+        native = shard(make(), mesh)
+        _divide(native, 2.0)
+        ours = shard(make(), mesh["shard"])
+        compress_fsdp(ours, "none", replicate_group=group)
+        _divide(ours, 2.0)
+        with expect("HSDP, factor 2: none == native HSDP"):
+            torch.testing.assert_close(_one_backward(ours), _one_backward(native), rtol=1e-6, atol=1e-7)
+        ref = make()
+        for block in blocks(ref):
+            torch_replicate(block)
+        torch_replicate(ref)
+        _divide(ref, 3.0)
+        rep = make()
+        replicate(rep, "none", blocks=blocks(rep))
+        _divide(rep, 3.0)
+        with expect("replicate(), factor 3: none == torch replicate()"):
+            torch.testing.assert_close(_one_backward(rep), _one_backward(ref), rtol=1e-6, atol=1e-7)
+        # a compressed all-reduce: the factor scales the result, nothing else (top-k picks the
+        # same elements of a gradient scaled by a power of two)
+        plain = shard(make(), mesh["shard"])
+        compress_fsdp(plain, "onebit", replicate_group=group, where="both", min_compress_bytes=0)
+        scaled = shard(make(), mesh["shard"])
+        compress_fsdp(scaled, "onebit", replicate_group=group, where="both", min_compress_bytes=0)
+        _divide(scaled, 2.0)
+        with expect("HSDP both, onebit, factor 2 == world / 2 x the mean"):
+            torch.testing.assert_close(_one_backward(scaled), _one_backward(plain) * 2, rtol=1e-5, atol=1e-6)
+
+
+def _scaled_train(
+    m: nn.Module, scaler: torch.amp.GradScaler, steps: int, poison: tuple[int, int] | None = None
+) -> list[torch.Tensor]:
+    """Train with a GradScaler; ``poison=(step, rank)``: that rank's input is inf at that step.
+    Returns the parameters after every step."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.2)
+    after = []
+    for s in range(steps):
+        m.b.use_side = s % 2 == 1
+        x, y = batch(s)
+        if poison == (s, dist.get_rank()):
+            x[0, 0] = float("inf")
+        loss = (m(x).float() - y).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        after.append(full(m))
+    return after
+
+
+def check_grad_scaler() -> None:
+    """Residuals are kept unscaled (a run under a loss scale of 1024 is the run without one), and
+    an overflow on one rank skips the step on every rank and leaves every rank's residuals as
+    they were."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+
+    def build(**kw: object) -> tuple[Net, FsdpCompression]:
+        m = shard(make(), mesh["shard"])
+        return m, compress_fsdp(m, "topk:density=0.1", replicate_group=group, min_compress_bytes=0, **kw)
+
+    with expect_all() as expect:
+        m0, c0 = build()
+        train(m0, 4)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        m1, c1 = build(grad_scaler=scaler)
+        _scaled_train(m1, scaler, 4)
+        with expect("a loss scale of 1024 changes neither the parameters nor the residuals"):
+            torch.testing.assert_close(full(m1), full(m0), rtol=1e-6, atol=1e-7)
+            assert abs(c1.residual_norm() - c0.residual_norm()) < 1e-5 * c0.residual_norm()
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        m2, c2 = build(grad_scaler=scaler)
+        _scaled_train(m2, scaler, 3)
+        owed = {k: v.clone() for k, v in c2.owed_gradients().items()}
+        before = full(m2)
+        _scaled_train_from = _scaled_train(m2, scaler, 1, poison=(0, 1))  # rank 1 overflows
+        with expect("an overflow on rank 1: every rank skips the step"):
+            assert torch.equal(_scaled_train_from[-1], before)
+            assert scaler.get_scale() == 512.0
+        with expect("... and every rank's residuals are those before the step"):
+            now = c2.owed_gradients()
+            assert set(now) == set(owed) and all(torch.equal(now[k], owed[k]) for k in owed)
+        half = shard(make(), mesh["shard"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+        hscaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        compress_fsdp(
+            half, "topk:density=0.1", replicate_group=group, min_compress_bytes=0, grad_scaler=hscaler
+        )
+        _scaled_train(half, hscaler, 2)
+        with expect("fp16 compute and reduction with a GradScaler: trains, finite"):
+            assert torch.isfinite(full(half)).all()
+        same_on_every_rank([full(half)], "fp16: every rank holds the same parameters")
+
+
+def _local_grads(
+    m: nn.Module, params: dict[str, torch.Tensor], step: int, frozen: set[str]
+) -> dict[str, torch.Tensor]:
+    """This rank's own gradient at ``step`` for parameters ``params`` (float64, no FSDP)."""
+    ref = make().double()
+    ref.load_state_dict({k: params[k].view_as(t) for k, t in ref.state_dict().items()})
+    ref.b.use_side = step % 2 == 1
+    x, y = batch(step)
+    (ref(x.double()) - y.double()).square().mean().backward()
+    return {
+        n: (
+            torch.zeros(p.numel(), dtype=torch.float64)
+            if n in frozen or p.grad is None
+            else p.grad.reshape(-1)
+        )
+        for n, p in ref.named_parameters()
+    }
+
+
+def check_owed_conservation() -> None:
+    """float64: over several steps (with a parameter frozen for two of them, which changes its
+    module's flat layout), what the ranks computed (sum of their gradients / world) equals what
+    was applied (the synchronized gradients) plus what owed_gradients() says is still owed,
+    summed over the ranks. Nothing error feedback held back is dropped."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    world = dist.get_world_size()
+    with expect_all() as expect:
+        for where in ("both", "replicate"):
+            m = shard(make().double(), mesh["shard"])
+            comp = compress_fsdp(
+                m, "topk:density=0.2", replicate_group=group, where=where, min_compress_bytes=0
+            )
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            names = [n for n, _ in m.named_parameters()]
+            computed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in m.named_parameters()}
+            applied = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in m.named_parameters()}
+            waited = False
+            for step in range(6):
+                frozen = {"b.lin.bias"} if step in (2, 3) else set()
+                m.b.lin.bias.requires_grad_(not frozen)
+                params = {n: p.full_tensor().detach().reshape(-1).clone() for n, p in m.named_parameters()}
+                for n, g in _local_grads(m, params, step, frozen).items():
+                    total = g.clone()
+                    dist.all_reduce(total)
+                    computed[n] += total / world
+                m.b.use_side = step % 2 == 1
+                x, y = batch(step)
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    (m(x.double()) - y.double()).square().mean().backward()
+                waited |= any("waits until they train again" in str(w.message) for w in seen)
+                for n, p in m.named_parameters():
+                    if p.grad is not None:
+                        applied[n] += p.grad.full_tensor().detach().reshape(-1)
+                opt.step()
+                opt.zero_grad()
+            owed = comp.owed_gradients()
+            with expect(f"{where}: owed_gradients is per parameter name, flat, float64"):
+                assert set(owed) <= set(names), sorted(owed)
+                assert all(t.dtype == torch.float64 and t.dim() == 1 for t in owed.values())
+                assert sum(float(t.abs().sum()) for t in owed.values()) > 0
+            for n in names:
+                mine = owed.get(n, torch.zeros_like(computed[n]))
+                dist.all_reduce(mine)
+                with expect(f"{where}: {n}: computed == applied + owed"):
+                    torch.testing.assert_close(applied[n] + mine, computed[n], rtol=0, atol=1e-10)
+            with expect(f"{where}: freezing a parameter warns that what it is owed waits"):
+                assert waited
+
+
+def check_ranks_agree() -> None:
+    """Different schemes on different ranks: every rank raises, naming the ranks, before any
+    other collective (one top-k density against another; "none" against top-k)."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    me = dist.get_rank()
+    with expect_all() as expect:
+        for mine in (f"topk:density={0.05 if me < 2 else 0.2}", "none" if me == 3 else "topk"):
+            sub = shard(make(), mesh["shard"])
+            with (
+                expect(f"compress_fsdp {mine}: refused on every rank"),
+                pytest.raises(ValueError, match=r"ranks disagree on config: rank 0=.*rank 3="),
+            ):
+                compress_fsdp(sub, mine, replicate_group=group)
+            with (
+                expect(f"replicate {mine}: refused on every rank"),
+                pytest.raises(ValueError, match=r"ranks disagree on config: rank 0=.*rank 3="),
+            ):
+                replicate(make(), mine)
+        sub = shard(make(), mesh["shard"])
+        bad = "nosuchcodec" if me == 1 else "topk"
+        with expect("a bad scheme on one rank fails every rank"), pytest.raises(ValueError, match="rank 1="):
+            compress_fsdp(sub, bad, replicate_group=group)
+
+
+def check_fp16_spec_and_loaded_state() -> None:
+    """ "fp16" / "bf16" are their codecs (16-bit payloads); a dense algorithm's /fp16 is refused
+    with the spellings that work. State saved, loaded with map_location="cpu" and
+    weights_only, gives the same state and the same owed gradients."""
+    mesh = meshes()
+    group = mesh["replicate"].get_group()
+    with expect_all() as expect:
+        for spec in ("fp16", "bf16"):
+            m = shard(make(width=64), mesh["shard"])
+            comp = compress_fsdp(m, spec, replicate_group=group, min_compress_bytes=0)
+            losses = train(m, 10)
+            with expect(f"{spec}: compressed with the codec, trains"):
+                assert {r["sync"] for r in comp.summary()} == {"compressed"}, comp.summary()
+                assert comp.traffic.sent["replicate"] > 0
+                assert sum(losses[-3:]) < sum(losses[:3]), losses
+        with (
+            expect("hybrid/fp16 is refused naming the accepted spellings"),
+            pytest.raises(ValueError, match=r"spelled 'fp16' or 'bf16'"),
+        ):
+            compress_fsdp(shard(make(), mesh["shard"]), "hybrid/fp16", replicate_group=group)
+        m = shard(make(), mesh["shard"])
+        comp = compress_fsdp(m, "topk:density=0.1", replicate_group=group, where="both", min_compress_bytes=0)
+        train(m, 3)
+        buf = io.BytesIO()
+        torch.save(comp.state_dict(), buf)
+        buf.seek(0)
+        loaded = torch.load(buf, map_location="cpu", weights_only=True)
+        again = compress_fsdp(
+            shard(make(), mesh["shard"]), "topk:density=0.1", replicate_group=group, where="both",
+            min_compress_bytes=0,
+        )  # fmt: skip
+        again.load_state_dict(loaded)
+        with expect("the loaded state owes what the saved one did, tensors where they were loaded"):
+            a, b = comp.owed_gradients(), again.owed_gradients()
+            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+            assert all(t.device.type == "cpu" for t in b.values())
 
 
 def fsdp_world() -> None:
@@ -439,6 +702,11 @@ def fsdp_world() -> None:
         check_tutorial_script,
         check_says_what_it_compresses,
         check_bad_input,
+        check_divide_factor_as_native,
+        check_grad_scaler,
+        check_owed_conservation,
+        check_ranks_agree,
+        check_fp16_spec_and_loaded_state,
     )
 
 

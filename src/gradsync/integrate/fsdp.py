@@ -24,28 +24,47 @@ The scheme ``"none"`` installs the same plumbing with PyTorch's own collectives 
 so its gradients are bit for bit those of plain FSDP2 (the tests check it). Compressed schemes:
 any codec of :mod:`gradsync.codecs` except low-rank ones (PowerSGD factors matrices; a shard is
 a flat slice of several parameters), with error feedback added where the codec is biased (as
-everywhere in gradsync). Hierarchical schemes (``hitopk``, ``+local``) and ``auto`` are refused:
+everywhere in gradsync), but without momentum correction (``ef:momentum``: the optimizer keeps
+its momentum). Plain ``fp16`` / ``bf16`` are those codecs (16-bit payloads). Hierarchical schemes (``hitopk``, ``+local``) and ``auto`` are refused:
 under FSDP the hierarchy is the mesh.
 
 What error feedback owes is kept per FSDP module and role (``<module>/rs``, ``<module>/ar``); the
 layout of a module's flat gradient is fixed by making FSDP reduce zero gradients for parameters
 that got none (``set_reduce_scatter_unused_params``): with error feedback a parameter unused in
-one step still has gradient owed to it. Memory: the reduce-scatter's residual is as large as the
-module's *unsharded* gradient (each rank compresses its whole local gradient), the all-reduce's
-as large as the shard.
+one step still has gradient owed to it. Each stream remembers its layout (which parameters, which
+of FSDP's dim-0 chunks of each, the factor to the final gradient); when it changes (a parameter's
+``requires_grad`` toggled, another dtype) the stream's residuals are traced back to parameters
+through it and kept in a :class:`~gradsync.sync.carry.Carry` until a reduction of the module
+takes them in; :meth:`FsdpCompression.owed_gradients` reports the residuals and the carry per
+parameter name. Memory: the reduce-scatter's residual is as large as the module's *unsharded*
+gradient (each rank compresses its whole local gradient), the all-reduce's as large as the shard.
+
+Divide factors: FSDP divides by the world size (a mean) unless ``set_gradient_divide_factor``
+gave a factor, which it then divides the sum over every rank by. The replicate all-reduce takes
+the mean over the replicas in the first case and their sum in the second, as native HSDP does.
+
+Mixed precision: with ``grad_scaler=`` the loss scale is read once per round (a backward pass)
+and error feedback keeps its residuals unscaled; every reduction of the round first agrees on
+inf/NaN in any rank's gradient (one tiny all-reduce over the default group), and from the first
+overflow on, every rank undoes what the round did to its residuals and the carry and fills the
+remaining reductions with NaN, so that every rank's GradScaler skips the step. Float16 compute
+or reduction with a compressed scheme needs ``grad_scaler``; bfloat16 does not.
 
 Dense warm-up (``dense_warmup_steps``), small modules (``min_compress_bytes``) and sizes the
 codec refuses go through the dense collective; the same decision is made on every rank (it
-depends on sizes and call counts only). float16 reduction is refused for compressed schemes
-(the residuals would carry a GradScaler's loss scale); use bfloat16 (``MixedPrecisionPolicy``).
-:meth:`FsdpCompression.state_dict` saves the residuals and call counts of this rank.
+depends on sizes and call counts only). At construction every rank checks its arguments, then
+all ranks of the default group compare their configuration and model (hashes in one small
+all-gather) before any other collective. :meth:`FsdpCompression.state_dict` saves the residuals,
+carry, layouts and call counts of this rank; loading keeps tensors on the device they were
+loaded to, and they follow the gradient's device at first use.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -60,12 +79,17 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.pieces import apply_pieces
 from gradsync.collectives.program import Program, run
 from gradsync.collectives.strategies import Coder, reduce_scatter_pieces, run_strategy
+from gradsync.integrate.agreement import explain_models, model_fingerprint
+from gradsync.sync.bucket_sync import nonfinite_flag
+from gradsync.sync.carry import Carry, Layouts
+from gradsync.sync.codec_set import sync_momentum
 from gradsync.sync.scheme import Scheme
 
 log = logging.getLogger("gradsync")
 
 WHERE = ("shard", "replicate", "both")
-STATE_FORMAT = "gradsync.fsdp/1"
+STATE_FORMAT = "gradsync.fsdp/2"
+_OLDER_FORMATS = ("gradsync.fsdp/1",)  # no carry, no layouts: loaded with empty ones
 
 
 def _mesh_kind(group: Any) -> str:
@@ -88,6 +112,136 @@ def _reduce_dtype(group: Any) -> torch.dtype:
     mp: MixedPrecisionPolicy = group.mp_policy
     first = group.fsdp_params[0].sharded_param
     return mp.reduce_dtype or mp.param_dtype or first.dtype
+
+
+def _post_divide(group: Any) -> float:
+    """The factor FSDP divides the reduced shard by after the reduce-scatter and the all-reduce
+    hook (1 unless it reduces in float16, where it splits the mean's division around the sum)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    _, post, _, _ = _get_gradient_divide_factors(
+        group._reduce_scatter_process_group if _mesh_kind(group) == "fsdp" else None,
+        None,
+        group._reduce_dtype or _reduce_dtype(group),
+        group.device.type,
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
+    )
+    return float(post or 1.0)
+
+
+# ---------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class _Member:
+    """A parameter in an FSDP module's flat gradient: its name (relative to the module given to
+    :func:`compress_fsdp`), its numel, and the numel of one rank's padded dim-0 chunk of it."""
+
+    name: str
+    numel: int
+    chunk: int
+
+
+def _members(group: Any, names: dict[int, str]) -> tuple[_Member, ...] | None:
+    """The parameters FSDP reduces this step, in its order (those that train: with a compressed
+    scheme it reduces zeros for unused ones), or None where the layout is not FSDP's plain one
+    (a parameter sharded on another dim than 0, or one without a name)."""
+    out = []
+    for fp in group.fsdp_params:
+        if not fp.sharded_param.requires_grad:
+            continue
+        placement = getattr(fp, "fsdp_placement", None)
+        name = names.get(id(fp.sharded_param))
+        if name is None or (placement is not None and placement.dim != 0):
+            return None
+        out.append(_Member(name, int(fp._orig_size.numel()), int(fp.padded_sharded_param_size.numel())))
+    return tuple(out)
+
+
+def _accumulate(table: dict[str, torch.Tensor], name: str, numel: int, at: int, values: torch.Tensor) -> None:
+    """Add ``values`` at ``at`` into ``table[name]`` (flat, ``numel`` long; float32, or float64
+    for float64 values; made on the values' device when absent)."""
+    t = table.get(name)
+    if t is None:
+        dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+        t = table[name] = torch.zeros(numel, dtype=dtype, device=values.device)
+    t[at : at + values.numel()].add_(values.reshape(-1).to(t.device, t.dtype))
+
+
+def _piece(name: str, j: int) -> str:
+    return f"{name}@{j}"
+
+
+@dataclass
+class _StreamLayout:
+    """How one stream's flat input (``<module>/rs``: the module's whole gradient, rank j's chunk
+    of every parameter in row j; ``<module>/ar``: this rank's row) maps to parameters, and the
+    factor that turns its elements into the final gradient's units (``to_final``)."""
+
+    members: tuple[_Member, ...]
+    rows: tuple[int, ...]  # the chunk index of each row of the input
+    dtype: str
+    to_final: float
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        return (self.members, self.rows, self.dtype)
+
+    def layouts(self, module_key: str) -> Layouts:
+        """As :class:`~gradsync.sync.carry.Layouts` over chunks (``name@j``) of the parameters."""
+        return Layouts(
+            [(module_key, [(_piece(m.name, j), m.chunk) for j in self.rows for m in self.members])]
+        )
+
+    def numel(self) -> int:
+        return len(self.rows) * sum(m.chunk for m in self.members)
+
+    def fold(self, by_piece: dict[str, torch.Tensor], into: Carry, factor: float) -> None:
+        """Add chunk values (``name@j``) into ``into.local`` per parameter, times ``factor``,
+        dropping FSDP's padding."""
+        numels = {m.name: m.numel for m in self.members}
+        for piece, values in by_piece.items():
+            name, _, j = piece.rpartition("@")
+            lo = int(j) * values.numel()
+            n = min(values.numel(), numels[name] - lo)
+            if n > 0:
+                _accumulate(into.local, name, numels[name], lo, values[:n] * factor)
+
+    def inject(self, flat: torch.Tensor, carry: Carry, factor: float) -> list[tuple[str, torch.Tensor]]:
+        """Add what ``carry`` holds for these parameters into ``flat`` (times ``factor``) at
+        their chunks, and take it out of ``carry``: returns what was taken."""
+        taken = []
+        at = 0
+        for j in self.rows:
+            for m in self.members:
+                owed = carry.local.get(m.name)
+                lo = j * m.chunk
+                n = min(m.chunk, m.numel - lo)
+                if owed is not None and n > 0:
+                    region = flat[at : at + n]
+                    region.add_((owed[lo : lo + n] * factor).to(region.device, region.dtype))
+                at += m.chunk
+        for m in self.members:
+            owed = carry.local.pop(m.name, None)
+            if owed is not None:
+                taken.append((m.name, owed))
+        return taken
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "members": [[m.name, m.numel, m.chunk] for m in self.members],
+            "rows": list(self.rows),
+            "dtype": self.dtype,
+            "to_final": self.to_final,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _StreamLayout:
+        return cls(
+            tuple(_Member(str(n), int(c), int(k)) for n, c, k in state["members"]),
+            tuple(int(j) for j in state["rows"]),
+            str(state["dtype"]),
+            float(state["to_final"]),
+        )
 
 
 class _CompressedReduceScatter(ReduceScatter):
@@ -128,6 +282,7 @@ class FsdpCompression:
         error_feedback: bool | None,
         dense_warmup_steps: int,
         min_compress_bytes: int,
+        grad_scaler: Any | None = None,
     ) -> None:
         self.scheme = _parse_scheme(scheme)
         self.where = where
@@ -135,6 +290,7 @@ class FsdpCompression:
         self.codec: Compressor | None = self.scheme.build(error_feedback)
         self.dense_warmup_steps = dense_warmup_steps
         self.min_compress_bytes = min_compress_bytes
+        self.grad_scaler = grad_scaler
         self.calls: dict[str, int] = {}
         """Collective calls so far per stream (``<module>/rs``, ``<module>/ar``)."""
         self.traffic = P.Traffic()
@@ -142,7 +298,23 @@ class FsdpCompression:
         """Per stream, after its first call past the warm-up: why it goes dense (None: compressed)."""
         self.streams: set[str] = set()
         """The streams :func:`compress_fsdp` installed (``<module>/rs``, ``<module>/ar``)."""
+        self.carry = Carry()
+        """What streams whose layout changed still owed, per parameter, in the final gradient's
+        units (unscaled; ``carry.local`` only), until a reduction takes it."""
+        self.layouts: dict[str, _StreamLayout] = {}
+        """Each stream's layout at its last call (what its residual's elements belong to)."""
+        self.loss_scale = 1.0
+        """The loss scale the gradients of this round carry (read from ``grad_scaler``)."""
         self._warned = False
+        self._warned_waiting: set[str] = set()
+        # the synchronization round (one backward pass): streams called in it, whether some rank
+        # overflowed in it, and the carry taken into its inputs (given back if it overflows)
+        self._round: set[str] = set()
+        self._overflow = False
+        self._taken: list[tuple[str, torch.Tensor]] = []
+        # set by compress_fsdp: the FSDP module of each module key, parameter names by id
+        self._modules: dict[str, FSDPModule] = {}
+        self._names: dict[int, str] = {}
 
     # ------------------------------------------------------------------ decisions
     def _dense_reason(self, key: str, numel: int, parts: int, itemsize: int) -> str | None:
@@ -198,13 +370,122 @@ class FsdpCompression:
         for level, n in before.sent.items():
             self.traffic.add(level, n)
 
-    @staticmethod
-    def _check_dtype(key: str, dtype: torch.dtype) -> None:
-        if dtype == torch.float16:
+    def _check_dtype(self, key: str, dtype: torch.dtype) -> None:
+        if dtype == torch.float16 and self.grad_scaler is None:
             raise ValueError(
-                f"compress_fsdp: {key} reduces in float16; compressed schemes take float32 or bfloat16 "
-                "reduction (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 or torch.float32))"
+                f"compress_fsdp: {key} reduces in float16, which trains with loss scaling: pass "
+                "grad_scaler= (the torch.amp.GradScaler that scales the loss; residuals are then kept "
+                "unscaled and an overflowing step is skipped on every rank), or reduce in bfloat16 or "
+                "float32 (MixedPrecisionPolicy(param_dtype=torch.bfloat16) or reduce_dtype=torch.float32)"
             )
+
+    # ------------------------------------------------------------------ rounds and overflow
+    def _enter(self, key: str) -> None:
+        """A stream's call: the first call of a round (a stream called again starts the next
+        one) opens it for rollback and reads the loss scale."""
+        if self._round and key not in self._round:
+            self._round.add(key)
+            return
+        self._round = {key}
+        self._overflow = False
+        self._taken = []
+        if self.codec is not None:
+            self.codec.begin_round()
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            self.loss_scale = float(scaler.get_scale())
+
+    def _overflowed(self, flat: torch.Tensor) -> bool:
+        """Whether some rank's gradient overflowed in this round, agreed by every rank (a tiny
+        all-reduce per reduction, with ``grad_scaler`` and a compressed scheme only). The first
+        time: every rank undoes what the round did to its residuals and to the carry."""
+        if self._overflow:
+            return True
+        if self.grad_scaler is None or self.codec is None:
+            return False
+        flag = nonfinite_flag(flat).to(torch.float32).reshape(1)
+        P.all_reduce(flag, None, "control", op=dist.ReduceOp.MAX)
+        if float(flag) == 0.0:
+            return False
+        self._overflow = True
+        self.codec.rollback_round()
+        for name, owed in self._taken:
+            _accumulate(self.carry.local, name, owed.numel(), 0, owed)
+        self._taken = []
+        return True
+
+    # ------------------------------------------------------------------ layouts and carry
+    def _layout(
+        self, module_key: str, flat: torch.Tensor, rows: tuple[int, ...], to_final: float
+    ) -> _StreamLayout | None:
+        m = self._modules.get(module_key)
+        if m is None:
+            return None
+        groups = _groups(m)
+        members = _members(groups[0], self._names) if groups else None
+        if members is None:
+            return None
+        layout = _StreamLayout(members, rows, str(flat.dtype), to_final)
+        return layout if layout.numel() == flat.numel() else None
+
+    def _settle_layout(
+        self, key: str, module_key: str, flat: torch.Tensor, layout: _StreamLayout | None, inject: bool
+    ) -> None:
+        """Before a stream encodes: if its layout changed since its last call (a parameter's
+        ``requires_grad`` was toggled, another dtype), what its residuals owed goes to the
+        carry; then what the carry holds for this module's parameters goes into ``flat``."""
+        before = self.layouts.get(key)
+        if (
+            self.codec is not None
+            and before is not None
+            and (layout is None or before.signature != layout.signature)
+        ):
+            owed = self.codec.take_streams(lambda k: not k.startswith(f"{key}/"))
+            pieces = Carry()
+            pieces.add_owed(owed, before.layouts(module_key), strict=False)
+            before.fold(pieces.local, self.carry, before.to_final)
+        if layout is None:
+            self.layouts.pop(key, None)
+            return
+        self.layouts[key] = layout
+        if inject and self.carry.local:
+            factor = self.loss_scale / layout.to_final
+            self._taken += layout.inject(flat, self.carry, factor)
+            here = {m.name for m in layout.members}
+            waiting = sorted(
+                n for n in self.carry.local if n not in here and n in self._params_of(module_key)
+            )
+            if waiting and module_key not in self._warned_waiting:
+                self._warned_waiting.add(module_key)
+                warnings.warn(
+                    f"gradsync fsdp: {module_key}: gradient that error feedback owed to {len(waiting)} "
+                    f"parameters ({', '.join(waiting[:3])}) waits until they train again (their "
+                    "requires_grad is False); owed_gradients() shows it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _params_of(self, module_key: str) -> set[str]:
+        m = self._modules.get(module_key)
+        if m is None:
+            return set()
+        return {
+            self._names[id(fp.sharded_param)]
+            for g in _groups(m)
+            for fp in g.fsdp_params
+            if id(fp.sharded_param) in self._names
+        }
+
+    def _replicate_sums(self, module_key: str) -> bool:
+        """Whether the replicate all-reduce sums instead of averaging: FSDP then divides by the
+        user's ``set_gradient_divide_factor`` factor alone, as native HSDP does."""
+        m = self._modules.get(module_key)
+        return m is not None and any(g.gradient_divide_factor is not None for g in _groups(m))
+
+    def _post(self, module_key: str) -> float:
+        m = self._modules.get(module_key)
+        groups = _groups(m) if m is not None else []
+        return _post_divide(groups[0]) if groups else 1.0
 
     # ------------------------------------------------------------------ the two collectives
     def reduce_scatter(
@@ -220,15 +501,11 @@ class FsdpCompression:
         shard), honouring FSDP's reduce op (sum, mean, or a sum pre-scaled by its divide factor)."""
         key = f"{module_key}/rs"
         p = group.size()
-        why = self._dense_reason(key, inp.numel(), p, inp.element_size())
-        self._note(key, why)
-        self.calls[key] = self.calls.get(key, 0) + 1
-        if why is not None:
-            dist.reduce_scatter_tensor(out, inp, op=op, group=group)
-            self.traffic.add("shard", (p - 1) / p * inp.numel() * inp.element_size(), "reduce_scatter")
+        self._enter(key)
+        if self._overflowed(inp):
+            out.fill_(float("nan"))  # every rank's GradScaler skips the step
+            self.calls[key] = self.calls.get(key, 0) + 1
             return
-        self._check_dtype(module_key, inp.dtype)
-        assert self.codec is not None
         if op == dist.ReduceOp.SUM:
             scale = 1.0
         elif op == dist.ReduceOp.AVG:
@@ -239,10 +516,26 @@ class FsdpCompression:
             raise ValueError(
                 f"compress_fsdp: {module_key}: FSDP asked for reduce op {op!r}, which gradsync cannot apply"
             )
-        coder = Coder(self.codec, key, 1.0)
+        to_final = scale / self._post(module_key)
+        if self.where == "both" and self.replicate_group is not None and not self._replicate_sums(module_key):
+            to_final /= self.replicate_group.size()
+        flat = inp.view(-1)
+        self._settle_layout(
+            key, module_key, flat, self._layout(module_key, flat, tuple(range(p)), to_final), True
+        )
+        why = self._dense_reason(key, inp.numel(), p, inp.element_size())
+        self._note(key, why)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        if why is not None:
+            dist.reduce_scatter_tensor(out, inp, op=op, group=group)
+            self.traffic.add("shard", (p - 1) / p * inp.numel() * inp.element_size(), "reduce_scatter")
+            return
+        self._check_dtype(module_key, inp.dtype)
+        assert self.codec is not None
+        coder = Coder(self.codec, key, self.loss_scale)
 
         def program() -> Program:
-            pieces = yield from reduce_scatter_pieces(inp.view(-1), group, "shard", coder)
+            pieces = yield from reduce_scatter_pieces(flat, group, "shard", coder)
             return partial(apply_pieces, pieces, out.view(-1), coder.plain, scale)
 
         with P.record_traffic() as t:
@@ -250,13 +543,30 @@ class FsdpCompression:
         self._count(t)
 
     def all_reduce(self, module_key: str, shard: torch.Tensor) -> None:
-        """The replicate dimension's all-reduce (mean) of one module's reduced shard, in place."""
+        """The replicate dimension's all-reduce of one module's reduced shard, in place: the mean
+        over the replicas, or their sum where the module has a gradient divide factor
+        (``set_gradient_divide_factor``: FSDP divides by it alone, as native HSDP does)."""
         group = self.replicate_group
         assert group is not None
         key = f"{module_key}/ar"
         r = group.size()
         if r == 1:
             return
+        self._enter(key)
+        if self._overflowed(shard):
+            shard.fill_(float("nan"))
+            self.calls[key] = self.calls.get(key, 0) + 1
+            return
+        summed = self._replicate_sums(module_key)
+        scale = 1.0 if summed else 1.0 / r
+        m = self._modules.get(module_key)
+        groups = _groups(m) if m is not None else []
+        own = 0  # the row of the module's gradient this rank's shard is
+        if groups and _mesh_kind(groups[0]) == "fsdp":
+            own = max(dist.get_rank(groups[0]._reduce_scatter_process_group), 0)
+        flat = shard.view(-1)
+        layout = self._layout(module_key, flat, (own,), scale / self._post(module_key))
+        self._settle_layout(key, module_key, flat, layout, self.where == "replicate")
         strategy = self.scheme.strategy or "allgather"
         why = self._dense_reason(
             key, shard.numel(), r if strategy != "allgather" else 1, shard.element_size()
@@ -264,43 +574,69 @@ class FsdpCompression:
         self._note(key, why)
         self.calls[key] = self.calls.get(key, 0) + 1
         if why is not None:
-            dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=group)
+            dist.all_reduce(shard, op=dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG, group=group)
             self.traffic.add(
                 "replicate", 2 * (r - 1) / r * shard.numel() * shard.element_size(), "all_reduce"
             )
             return
         self._check_dtype(module_key, shard.dtype)
         assert self.codec is not None
-        coder = Coder(self.codec, key, 1.0)
+        coder = Coder(self.codec, key, self.loss_scale)
         rank = dist.get_rank()
-        flat = shard.view(-1)
 
         def program() -> Program:
             pieces = yield from run_strategy(flat, group, "replicate", coder, strategy, rank, final=True)
-            return partial(apply_pieces, pieces, flat, coder.plain, 1.0 / r)
+            return partial(apply_pieces, pieces, flat, coder.plain, scale)
 
         with P.record_traffic() as t:
             run(program())
         self._count(t)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ what is owed
     def residual_norm(self) -> float:
         """The L2 norm of everything error feedback still owes on this rank (0 without it)."""
         norm = self.codec.residual_norm() if self.codec is not None else None
         return float(norm or 0.0)
 
+    def owed_gradients(self) -> dict[str, torch.Tensor]:
+        """What this rank still owes the mean gradient, per parameter name (relative to the
+        module given to :func:`compress_fsdp`): flat, unscaled, in the units of the gradient
+        FSDP leaves in ``param.grad`` (the mean over the ranks, or the sum divided by
+        ``set_gradient_divide_factor``'s factor). The ranks' values add up to everything error
+        feedback held back and has not applied yet, as ``HookState.owed_gradients`` for the DDP
+        hook and ``engine.owed_gradients`` for ``wrap``. Call it between steps."""
+        total = Carry()
+        for name, t in self.carry.local.items():
+            _accumulate(total.local, name, t.numel(), 0, t)
+        if self.codec is not None:
+            owed = self.codec.owed()
+            for key, layout in self.layouts.items():
+                module_key = key.rsplit("/", 1)[0]
+                pieces = Carry()
+                pieces.add_owed(
+                    [o for o in owed if o.key.startswith(f"{key}/")], layout.layouts(module_key), strict=False
+                )
+                layout.fold(pieces.local, total, layout.to_final)
+        return total.owed(1)
+
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals, codec streams and call counts (save one per rank)."""
+        """This rank's residuals, codec streams, carry, layouts and call counts (save one per
+        rank): tensors and plain values, as they are (``torch.load(..., weights_only=True)``)."""
         return {
             "format": STATE_FORMAT,
             "scheme": self.scheme.text,
             "where": self.where,
             "calls": dict(self.calls),
             "codec": self.codec.state_dict() if self.codec is not None else {},
+            "carry": self.carry.state_dict(),
+            "layouts": {k: v.to_state() for k, v in self.layouts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        """Restore :meth:`state_dict`. Tensors stay where they were loaded (``map_location``):
+        each follows its gradient's device at its first use."""
+        if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, *_OLDER_FORMATS):
             raise ValueError(f"FsdpCompression.load_state_dict: not a {STATE_FORMAT} state")
         for field in ("scheme", "where"):
             mine = self.scheme.text if field == "scheme" else self.where
@@ -312,15 +648,23 @@ class FsdpCompression:
         self.calls = {str(k): int(v) for k, v in state["calls"].items()}
         if self.codec is not None:
             self.codec.load_state_dict(state["codec"])
+        self.carry.load_state_dict(state.get("carry"))
+        self.layouts = {str(k): _StreamLayout.from_state(v) for k, v in (state.get("layouts") or {}).items()}
+        self._round = set()
 
 
 def _parse_scheme(scheme: str) -> Scheme:
     parsed = Scheme.parse(scheme)
+    if parsed.kind == "dense" and parsed.comm_dtype is not None and "/" not in parsed.text:
+        # plain fp16 / bf16: under FSDP, the codec (16-bit payloads in the reduce-scatter and
+        # the replicate all-reduce); FSDP has no dense algorithms of its own to pick from
+        parsed = Scheme(parsed.text, "compressed", codec=parsed.text)
     if parsed.kind == "dense":
-        if parsed.algorithm != "flat" or parsed.comm_dtype is not None:
+        if parsed.algorithm != "flat":
             raise ValueError(
                 f"compress_fsdp: scheme {scheme!r}: the dense schemes FSDP takes are 'none' (PyTorch's own "
-                "collectives); for half-precision communication use the codec fp16 or bf16"
+                "collectives); 16-bit communication is spelled 'fp16' or 'bf16' (or "
+                "'allgather/fp16', 'ring/bf16', 'ps/fp16'), not a dense algorithm such as hybrid/fp16"
             )
         return parsed
     if parsed.candidates or parsed.text.strip().startswith("auto"):
@@ -339,12 +683,91 @@ def _parse_scheme(scheme: str) -> Scheme:
             f"compress_fsdp: scheme {scheme!r}: low-rank codecs (powersgd) need whole matrices; FSDP "
             "reduces flat shards of several parameters. Use a sparsifying or quantizing codec"
         )
+    if sync_momentum([codec]) is not None:
+        raise ValueError(
+            f"compress_fsdp: scheme {scheme!r}: ef momentum (momentum correction) is not supported "
+            "under FSDP: it moves the optimizer's momentum into the synchronization, and FSDP's "
+            "hooks cannot give it to the reductions that go dense; use ef without momentum (e.g. "
+            "topk:density=0.01+ef) and the optimizer's momentum, or gradsync.wrap"
+        )
     return parsed.resolve(1, 1)
 
 
 def _check_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"compress_fsdp: {name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _check_scaler(grad_scaler: object) -> None:
+    methods = ("get_scale", "is_enabled")
+    if grad_scaler is not None and not all(callable(getattr(grad_scaler, m, None)) for m in methods):
+        raise ValueError(
+            "compress_fsdp: grad_scaler must be None or a torch.amp.GradScaler (something with "
+            f"get_scale() and is_enabled()), got {type(grad_scaler).__name__}"
+        )
+
+
+def _describe(
+    scheme: str,
+    replicate_group: dist.ProcessGroup | None,
+    where: str | None,
+    error_feedback: bool | None,
+    dense_warmup_steps: int,
+    min_compress_bytes: int,
+    grad_scaler: Any | None,
+) -> str:
+    """The configuration as text, compared across ranks at start-up."""
+    replicas = replicate_group.size() if isinstance(replicate_group, dist.ProcessGroup) else None
+    return (
+        f"scheme={Scheme.parse(scheme).text if isinstance(scheme, str) else scheme!r} where={where} "
+        f"replicas={replicas} error_feedback={error_feedback} dense_warmup_steps={dense_warmup_steps} "
+        f"min_compress_bytes={min_compress_bytes} grad_scaler={grad_scaler is not None}"
+    )
+
+
+_OPTIONS = ("error_feedback", "dense_warmup_steps", "min_compress_bytes", "grad_scaler")
+
+
+def describe_options(scheme: str, options: dict[str, Any]) -> str:
+    """The configuration :func:`gradsync.fsdp.replicate` passes on, checked (``ValueError`` for a
+    bad scheme or option) and as text for the start-up agreement."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"gradsync.fsdp.replicate: unknown option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(_OPTIONS)} (and blocks=, mp_policy=)"
+        )
+    _parse_scheme(scheme)
+    error_feedback = options.get("error_feedback")
+    if error_feedback not in (None, True, False):
+        raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")
+    warmup = _check_int("dense_warmup_steps", options.get("dense_warmup_steps", 0))
+    min_bytes = _check_int("min_compress_bytes", options.get("min_compress_bytes", 16384))
+    _check_scaler(options.get("grad_scaler"))
+    return _describe(scheme, None, "replicate", error_feedback, warmup, min_bytes, options.get("grad_scaler"))
+
+
+def agree(build: Callable[[], Any], describe: Callable[[], str], module: nn.Module | None) -> Any:
+    """``build()`` (which checks the arguments and may raise ``ValueError``/``TypeError``), then,
+    before any other collective, check that every rank of the default process group was given
+    the same configuration and model (hashes exchanged as one small tensor, as
+    :func:`gradsync.integrate.agreement.agreed` does for wrap and the DDP hook): a rank that
+    differs, or failed, makes every rank raise an error that names the differing ranks."""
+    error: Exception | None = None
+    value = None
+    try:
+        value = build()
+        text = describe()
+    except (ValueError, TypeError) as e:
+        error, text = e, f"invalid: {e}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        P.check_same(
+            None, "gradsync fsdp start-up", {"parameters": explain_models},
+            config=text, parameters=model_fingerprint(module),
+        )  # fmt: skip
+    if error is not None:
+        raise error
     return value
 
 
@@ -357,6 +780,7 @@ def compress_fsdp(
     error_feedback: bool | None = None,
     dense_warmup_steps: int = 0,
     min_compress_bytes: int = 16384,
+    grad_scaler: Any | None = None,
 ) -> FsdpCompression:
     """Compress the gradient synchronization of every FSDP module in ``module`` (after
     ``fully_shard``, before the first backward pass).
@@ -365,17 +789,58 @@ def compress_fsdp(
     ``"replicate"`` (the all-reduce across ``replicate_group``, done by the hook; the default
     with it) or ``"both"``. ``error_feedback``: None adds it to biased codecs, True always, False
     never. The first ``dense_warmup_steps`` synchronizations of each module are dense, and so
-    is every module gradient under ``min_compress_bytes``.
+    is every module gradient under ``min_compress_bytes``. ``grad_scaler``: the
+    ``torch.amp.GradScaler`` that scales the loss (needed for float16 compute or reduction with
+    a compressed scheme): residuals are kept unscaled, and a step in which any rank's gradient
+    overflowed is skipped by every rank's scaler and leaves every rank's residuals as they were.
 
-    Every argument is checked, on every rank, before any collective runs; then the ranks of
-    ``replicate_group`` check that they hold the same parameters (one small all-gather).
+    Every argument is checked on every rank, then every rank of the default process group
+    checks that all were given the same configuration and model (one small all-gather), before
+    any other collective; then the ranks of ``replicate_group`` check that they hold the same
+    parameters (one small all-gather).
     """
+    options = (replicate_group, where, error_feedback, dense_warmup_steps, min_compress_bytes, grad_scaler)
+    comp = agree(lambda: _build(module, scheme, *options), lambda: _describe(scheme, *options), module)
+    assert isinstance(comp, FsdpCompression)
+    modules = _fsdp_modules(module)
+    replicating = comp.where in ("replicate", "both")
+    if replicating:
+        _check_replicas(modules, replicate_group)
+    compressing = comp.codec is not None
+    comp._names = {id(p): n for n, p in module.named_parameters()}
+    for name, m in modules:
+        if not _groups(m):
+            continue
+        comp._modules[name] = m
+        if comp.where in ("shard", "both"):
+            m.set_custom_reduce_scatter(_CompressedReduceScatter(comp, name, m))
+            comp.streams.add(f"{name}/rs")
+        if replicating:
+            m.set_all_reduce_hook(partial(comp.all_reduce, name))
+            comp.streams.add(f"{name}/ar")
+        if compressing:
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+    return comp
+
+
+def _build(
+    module: nn.Module,
+    scheme: str,
+    replicate_group: dist.ProcessGroup | None,
+    where: str | None,
+    error_feedback: bool | None,
+    dense_warmup_steps: int,
+    min_compress_bytes: int,
+    grad_scaler: Any | None,
+) -> FsdpCompression:
+    """Check every argument (no collective) and build the compression."""
     if where is None:
         where = "replicate" if replicate_group is not None else "shard"
     if where not in WHERE:
         raise ValueError(f"compress_fsdp: where must be one of {', '.join(WHERE)}, got {where!r}")
     _check_int("dense_warmup_steps", dense_warmup_steps)
     _check_int("min_compress_bytes", min_compress_bytes)
+    _check_scaler(grad_scaler)
     if error_feedback not in (None, True, False):
         raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")
     replicating = where in ("replicate", "both")
@@ -407,8 +872,8 @@ def compress_fsdp(
         error_feedback=error_feedback,
         dense_warmup_steps=dense_warmup_steps,
         min_compress_bytes=min_compress_bytes,
+        grad_scaler=grad_scaler,
     )
-    compressing = comp.codec is not None
     for name, m in modules:
         groups = _groups(m)
         if len(groups) > 1:
@@ -425,21 +890,14 @@ def compress_fsdp(
                     "replicate_group=mesh['replicate'].get_group(); for replicate() use "
                     "gradsync.fsdp.replicate"
                 )
-            if compressing:
-                comp._check_dtype(name, _reduce_dtype(g))
-    if replicating:
-        _check_replicas(modules, replicate_group)
-    for name, m in modules:
-        if not _groups(m):
-            continue
-        if where in ("shard", "both"):
-            m.set_custom_reduce_scatter(_CompressedReduceScatter(comp, name, m))
-            comp.streams.add(f"{name}/rs")
-        if replicating:
-            m.set_all_reduce_hook(partial(comp.all_reduce, name))
-            comp.streams.add(f"{name}/ar")
-        if compressing:
-            m.set_reduce_scatter_unused_params(True, recurse=False)
+            if comp.codec is not None:
+                comp._check_dtype(f"FSDP module {name}", _reduce_dtype(g))
+                if g.mp_policy.param_dtype == torch.float16 and grad_scaler is None:
+                    raise ValueError(
+                        f"compress_fsdp: FSDP module {name} computes in float16 (param_dtype), which trains "
+                        "with loss scaling: pass grad_scaler= (the torch.amp.GradScaler that scales the "
+                        "loss), or compute in bfloat16 (MixedPrecisionPolicy(param_dtype=torch.bfloat16))"
+                    )
     return comp
 
 

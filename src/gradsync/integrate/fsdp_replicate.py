@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gradsync.integrate.fsdp import FsdpCompression, _check_int, _parse_scheme, compress_fsdp
+from gradsync.integrate.fsdp import FsdpCompression, agree, compress_fsdp, describe_options
 
 
 def replicate(
@@ -34,14 +34,17 @@ def replicate(
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradsync.fsdp.replicate needs an initialized process group")
-    if "replicate_group" in options or "where" in options:
-        raise ValueError(
-            "gradsync.fsdp.replicate: replicate_group and where are its own (the world, 'replicate')"
-        )
-    _parse_scheme(scheme)  # checked before any collective (building the mesh is one)
-    for name in ("dense_warmup_steps", "min_compress_bytes"):
-        if name in options:
-            _check_int(name, options[name])
+
+    def check() -> None:
+        if "replicate_group" in options or "where" in options:
+            raise ValueError(
+                "gradsync.fsdp.replicate: replicate_group and where are its own (the world, 'replicate')"
+            )
+        describe_options(scheme, options)  # raises for a bad scheme or option
+
+    # every rank checks its arguments and that all ranks got the same ones before building the
+    # mesh (a collective), so that a bad or differing argument fails on every rank alike
+    agree(check, lambda: describe_options(scheme, options), module)
     params = list(module.parameters())
     device_type = params[0].device.type if params else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
