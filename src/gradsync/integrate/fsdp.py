@@ -25,8 +25,8 @@ so its gradients are bit for bit those of plain FSDP2 (the tests check it). Comp
 any codec of :mod:`gradsync.codecs` except low-rank ones (PowerSGD factors matrices; a shard is
 a flat slice of several parameters), with error feedback added where the codec is biased (as
 everywhere in gradsync), but without momentum correction (``ef:momentum``: the optimizer keeps
-its momentum). Plain ``fp16`` / ``bf16`` are those codecs (16-bit payloads). Hierarchical schemes (``hitopk``, ``+local``) and ``auto`` are refused:
-under FSDP the hierarchy is the mesh.
+its momentum). Plain ``fp16`` / ``bf16`` are those codecs (16-bit payloads). Hierarchical
+schemes (``hitopk``, ``+local``) and ``auto`` are refused: under FSDP the hierarchy is the mesh.
 
 What error feedback owes is kept per FSDP module and role (``<module>/rs``, ``<module>/ar``); the
 layout of a module's flat gradient is fixed by making FSDP reduce zero gradients for parameters
