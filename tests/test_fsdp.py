@@ -555,11 +555,9 @@ def check_grad_scaler() -> None:
         same_on_every_rank([full(half)], "fp16: every rank holds the same parameters")
 
 
-def _local_grads(
-    m: nn.Module, params: dict[str, torch.Tensor], step: int, frozen: set[str]
-) -> dict[str, torch.Tensor]:
+def _local_grads(params: dict[str, torch.Tensor], step: int, frozen: set[str]) -> dict[str, torch.Tensor]:
     """This rank's own gradient at ``step`` for parameters ``params`` (float64, no FSDP)."""
-    ref = make().double()
+    ref = make(width=ODD).double()
     ref.load_state_dict({k: params[k].view_as(t) for k, t in ref.state_dict().items()})
     ref.b.use_side = step % 2 == 1
     x, y = batch(step)
@@ -574,17 +572,21 @@ def _local_grads(
     }
 
 
+ODD = 31  # a width that FSDP pads: dim 0 of 31 rows does not split evenly over 2 shards
+
+
 def check_owed_conservation() -> None:
     """float64: over several steps (with a parameter frozen for two of them, which changes its
     module's flat layout), what the ranks computed (sum of their gradients / world) equals what
     was applied (the synchronized gradients) plus what owed_gradients() says is still owed,
-    summed over the ranks. Nothing error feedback held back is dropped."""
+    summed over the ranks. Nothing error feedback held back is dropped. The width makes FSDP pad
+    parameters (odd dim 0), so that what is owed is traced through FSDP's padded chunks."""
     mesh = meshes()
     group = mesh["replicate"].get_group()
     world = dist.get_world_size()
     with expect_all() as expect:
         for where in ("both", "replicate"):
-            m = shard(make().double(), mesh["shard"])
+            m = shard(make(width=ODD).double(), mesh["shard"])
             comp = compress_fsdp(
                 m, "topk:density=0.2", replicate_group=group, where=where, min_compress_bytes=0
             )
@@ -597,7 +599,7 @@ def check_owed_conservation() -> None:
                 frozen = {"b.lin.bias"} if step in (2, 3) else set()
                 m.b.lin.bias.requires_grad_(not frozen)
                 params = {n: p.full_tensor().detach().reshape(-1).clone() for n, p in m.named_parameters()}
-                for n, g in _local_grads(m, params, step, frozen).items():
+                for n, g in _local_grads(params, step, frozen).items():
                     total = g.clone()
                     dist.all_reduce(total)
                     computed[n] += total / world
