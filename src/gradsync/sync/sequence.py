@@ -13,15 +13,28 @@ The same all-reduce carries one more word: how long this rank waited in the prev
 check (microseconds). Its MAX is the previous step's lag of the slowest rank behind the fastest
 (the fastest rank waits longest), a telemetry figure that costs no collective of its own.
 
-``step`` counts synchronized steps; ``forwards`` counts forward passes that build a graph (train
-mode, gradients enabled), which is what exposes a rank that ran a forward pass without its
-backward. A rank that takes part without data (it has joined under
-``torch.distributed.algorithms.Join``) sends a neutral forward count.
+``step`` counts synchronized steps. The second counter is the caller's:
+
+- the DDP hook sends the forward passes that built a graph (train mode, gradients enabled), which
+  exposes a rank that ran a forward pass without its backward;
+- :func:`gradsync.wrap`'s engine sends :class:`EngineWords` instead: the *backward* passes that
+  reached its parameters (micro-batches under ``no_sync()`` included) and which parameters are
+  frozen. A forward pass without backward (a look at the predictions on one rank) is then no
+  error, as with DDP; a rank that accumulated another number of micro-batches, or that froze
+  other parameters, is. (A rank that dropped a batch after its forward pass cannot be told
+  from one that took a look: it shows when the ranks run out of batches at different steps.)
+  The engine's words also carry one flag, MAX-reduced: whether some rank had a parameter
+  without a gradient in an earlier step (the engine then agrees on the used parameters at every
+  step, see :mod:`gradsync.sync.engine`).
+
+A rank that takes part without data (it has joined under ``torch.distributed.algorithms.Join``)
+sends neutral counts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -54,16 +67,46 @@ class LagClock:
     lag_s: float | None = None
 
 
+@dataclass
+class EngineWords:
+    """What the engine's step check carries besides the step (see the module). ``any_missed``
+    is the result: set once the check has run, the same on every rank."""
+
+    passes: int | None
+    """Backward passes that reached the engine's parameters so far (None: joined, no data)."""
+    frozen: int
+    """A signature of the parameters frozen (``requires_grad`` off) at this step."""
+    missed: bool
+    """This rank had a parameter without a gradient in an earlier step."""
+    any_missed: bool = False
+
+
+def _pair(value: int | None) -> list[int]:
+    """``[v, -v]`` for a MAX all-reduce that yields both extremes; neutral for None."""
+    return [NEUTRAL, NEUTRAL] if value is None else [value, -value]
+
+
+def _agree(hi: int, neg_lo: int) -> bool:
+    return hi == NEUTRAL or hi == -neg_lo
+
+
 def sequence_program(
-    topo: Topology, step: int, forwards: int | None, clock: LagClock | None = None
+    topo: Topology,
+    step: int,
+    forwards: int | None,
+    clock: LagClock | None = None,
+    words: EngineWords | None = None,
 ) -> Program:
     """The step check as a step program over ``topo.world_group`` (``forwards`` None: this rank
-    takes part without data). ``clock`` carries the waits from one step to the next."""
-    fwd = NEUTRAL if forwards is None else forwards
+    takes part without data). ``clock`` carries the waits from one step to the next. Without
+    ``words`` the forward counts must agree; with them (the engine) the backward passes and the
+    frozen parameters must, and ``words.any_missed`` receives the agreed flag."""
     waited = -1 if clock is None or clock.wait_s is None else round(clock.wait_s * 1e6)
-    mine = torch.tensor(
-        [step, -step, fwd, NEUTRAL if forwards is None else -fwd, waited], dtype=torch.int64, device="cpu"
-    )
+    values = [*_pair(step), *_pair(forwards), waited]
+    if words is not None:
+        frozen = None if words.passes is None else words.frozen
+        values += [*_pair(words.passes), *_pair(frozen), int(words.missed)]
+    mine = torch.tensor(values, dtype=torch.int64, device="cpu")
     reduced = mine.to(topo.comm_device, copy=True)  # mine stays this rank's own numbers
 
     def check() -> None:
@@ -73,23 +116,46 @@ def sequence_program(
             clock.wait_s = time.perf_counter() - t0
 
     yield check
-    hi_step, neg_lo_step, hi_fwd, neg_lo_fwd, hi_wait = reduced.tolist()
+    r = reduced.tolist()
     if clock is not None:
-        clock.lag_s = hi_wait / 1e6 if hi_wait >= 0 else None
-    fwd_agree = hi_fwd == NEUTRAL or hi_fwd == -neg_lo_fwd
-    if hi_step == -neg_lo_step and fwd_agree:
+        clock.lag_s = r[4] / 1e6 if r[4] >= 0 else None
+    agree = _agree(r[0], r[1])
+    if words is None:
+        agree = agree and _agree(r[2], r[3])
+    else:
+        agree = agree and _agree(r[5], r[6]) and _agree(r[7], r[8])
+        words.any_missed = r[9] > 0
+    if agree:
         return None
     # every rank saw the same reduced numbers, so every rank gathers the details here together
     table = torch.empty(topo.world * mine.numel(), dtype=torch.int64, device=topo.comm_device)
     yield partial(P.all_gather, table, mine.to(topo.comm_device), topo.world_group, "world")
     rows = table.view(topo.world, mine.numel()).tolist()
+    raise OutOfStepError(_out_of_step(rows, words is not None))
+
+
+def _out_of_step(rows: Sequence[Sequence[int]], engine: bool) -> str:
     parts = []
-    for r, (s, _, f, *_) in enumerate(rows):
-        text = f"rank {r}: step {s}"
-        text += ", joined (no data)" if f == NEUTRAL else f", {f} forward passes"
+    for r, row in enumerate(rows):
+        text = f"rank {r}: step {row[0]}"
+        if row[2] == NEUTRAL:
+            text += ", joined (no data)"
+        elif engine:
+            text += f", {row[5]} backward passes"
+        else:
+            text += f", {row[2]} forward passes"
         parts.append(text)
-    raise OutOfStepError(
-        "gradsync: the ranks are out of step (" + "; ".join(parts) + "). A rank skipped or repeated "
-        "a backward pass, or ran a forward pass without its backward, so its gradients would be "
-        f"averaged with another step's; {UNEVEN_HINT}"
-    )
+    frozen = engine and len({row[7] for row in rows if row[7] != NEUTRAL}) > 1
+    if frozen:
+        why = "The ranks froze different parameters (requires_grad_(False) on some ranks only)"
+    elif engine:
+        why = (
+            "A rank skipped or repeated a backward pass (or accumulated another number of "
+            "micro-batches under no_sync()), so its gradients would be averaged with another step's"
+        )
+    else:
+        why = (
+            "A rank skipped or repeated a backward pass, or ran a forward pass without its backward, "
+            "so its gradients would be averaged with another step's"
+        )
+    return f"gradsync: the ranks are out of step ({'; '.join(parts)}). {why}; {UNEVEN_HINT}"
