@@ -119,6 +119,7 @@ class Bucket:
     codec_id: int = 0  # the codec that compresses it (an id of the engine's CodecSet)
     dense_algorithm: str = "hybrid"  # when it is synchronized densely
     # per step
+    skip: frozenset[int] = frozenset()  # positions of frozen slots (requires_grad off): no .grad
     pending: int = 0  # gradients not yet ready
     parts_left: int = 0
     launched_at: float = 0.0
@@ -181,15 +182,17 @@ class Bucket:
             and g.device == self.device
             and g.numel() == self.numel
             and not self.holds(0, g)
+            and not self.skip
         )
 
     def attach(self) -> None:
         """Point every slot's ``.grad`` at its region of the flat buffer: a missing gradient
-        becomes zeros there, an existing one is copied in once (zero-copy buckets)."""
+        becomes zeros there, an existing one is copied in once (zero-copy buckets). A frozen
+        parameter (``requires_grad`` off) keeps its gradient as it is, None included."""
         self._lent = None
         for j, s in enumerate(self.slots):
             g = s.param.grad
-            if g is not None and self.holds(j, g):
+            if not s.param.requires_grad or (g is not None and self.holds(j, g)):
                 continue
             view = self.view(j)
             if g is None:
@@ -213,7 +216,10 @@ class Bucket:
         A bucket of one tensor whose gradient is contiguous works in that gradient itself this
         step (it is final: its hook fired): nothing is copied in, and the synchronized result is
         already in place for :meth:`unpack` (for the large layers that are a bucket each, two
-        passes over their gradient saved every step)."""
+        passes over their gradient saved every step).
+
+        A frozen slot (in :attr:`skip`) counts as zero and its ``.grad`` is left alone: one that
+        is a view into the buffer gets its own copy first."""
         self._lent = None
         g = self.slots[0].param.grad
         if g is not None and self._lendable(g):
@@ -221,6 +227,11 @@ class Bucket:
             return
         for j, s in enumerate(self.slots):
             g = s.param.grad
+            if j in self.skip:
+                if g is not None and self.holds(j, g):
+                    s.param.grad = g.clone()
+                self.view(j).zero_()
+                continue
             if g is not None and self.holds(j, g):
                 continue
             if g is None:
@@ -234,11 +245,14 @@ class Bucket:
                 self.view(j).copy_(g)
 
     def unpack(self) -> None:
-        """Write the synchronized values back into the gradients (creating missing ones)."""
+        """Write the synchronized values back into the gradients (creating missing ones), but
+        not into those of frozen slots."""
         if self._lent is not None:  # the gradient was the buffer: the result is in it
             self._lent = None
             return
         for j, s in enumerate(self.slots):
+            if j in self.skip:
+                continue
             g = s.param.grad
             if g is None:
                 s.param.grad = self.view(j).clone()
