@@ -77,8 +77,12 @@ class GradSync(nn.Module, Joinable):
         self._trace_path: str | os.PathLike[str] | None = None
         if trace is not None:
             self.start_trace(trace, trace_steps)
-        self._callback_queued = False
+        self._callback_queued = False  # one rank: the end-of-backward callback is queued
+        self._in_pass = False  # a backward pass reached the parameters; its end is queued
+        self._syncing = False  # ... and it synchronizes (not under no_sync())
         self._handles = []
+        if engine.config.broadcast_buffers:
+            engine.buffer_source = module.buffers
         for slot in engine.slots:
             self._handles.append(slot.param.register_post_accumulate_grad_hook(self._hook(slot.index)))
 
@@ -87,7 +91,7 @@ class GradSync(nn.Module, Joinable):
         if engine.active and torch.is_grad_enabled() and self.module.training:
             engine.attach_grads()  # zero-copy buckets: accumulate straight into them
         if engine.active and engine.enabled and torch.is_grad_enabled() and self.module.training:
-            engine.forwards += 1  # the step check compares these across ranks
+            engine.forwards += 1  # the step check names these when it fails
             work = Join.notify_join_context(self)
             if work is not None:
                 engine.join_work = work
@@ -107,11 +111,14 @@ class GradSync(nn.Module, Joinable):
                     self._callback_queued = True  # one rank: clipping and momentum still apply
                     torch.autograd.Variable._execution_engine.queue_callback(self._finish_alone)
                 return
-            if not engine.enabled:
-                return
-            if not self._callback_queued:
-                self._callback_queued = True
+            if not self._in_pass:  # the step check compares the backward passes across ranks
+                self._in_pass = True
+                engine.passes += 1
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            if not engine.enabled:
+                engine.note_used(index)  # no_sync(): used, for the next synchronization
+                return
+            self._syncing = True
             engine.ready(index)
 
         return hook
@@ -121,7 +128,10 @@ class GradSync(nn.Module, Joinable):
         self.engine.finish_alone()
 
     def _backward_end(self) -> None:
-        self._callback_queued = False
+        self._in_pass = False
+        if not self._syncing:
+            return
+        self._syncing = False
         self.engine.backward_ended()
         if self.engine.config.finish_in_backward:
             self.engine.finish()
@@ -149,6 +159,12 @@ class GradSync(nn.Module, Joinable):
 
     def plan_table(self) -> str:
         return self.engine.plan_table()
+
+    def owed_gradients(self) -> dict[str, torch.Tensor]:
+        """What this rank still owes the mean gradient, per parameter name (flat, unscaled):
+        error feedback's residuals and what is carried, a frozen parameter's included (it is
+        owed until the parameter trains again). See :meth:`SyncEngine.owed_gradients`."""
+        return self.engine.owed_gradients()
 
     def sync_state_dict(self) -> dict[str, Any]:
         """This rank's compression state (residuals, factors, generators, plan, step)."""
@@ -220,16 +236,20 @@ class GradSync(nn.Module, Joinable):
         return self.engine.topo.control_group
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters and buffers of the last rank to join (it trained on
-        every step; the others mirrored the last steps without updating)."""
-        topo = self.engine.topo
+        """Every rank takes the parameters and buffers (with ``broadcast_buffers``, as DDP) of
+        the last rank to join (it trained on every step; the others mirrored the last steps
+        without updating), and its pass counts, which the next step check compares."""
+        engine, topo = self.engine, self.engine.topo
         if topo.world == 1:
             return
-        src = torch.tensor([topo.rank if is_last_joiner else -1], device=topo.comm_device)
-        P.all_reduce(src, topo.control_group, "world", op=dist.ReduceOp.MAX)
+        counts = [topo.rank if is_last_joiner else -1, engine.passes, engine.forwards]
+        top = torch.tensor(counts, dtype=torch.int64, device=topo.comm_device)
+        P.all_reduce(top, topo.control_group, "world", op=dist.ReduceOp.MAX)
+        src, engine.passes, engine.forwards = (int(v) for v in top.tolist())
+        buffers = list(self.module.buffers()) if engine.config.broadcast_buffers else []
         with torch.no_grad():
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                P.broadcast(t.data, int(src.item()), topo.control_group, "world")
+            for t in [*self.module.parameters(), *buffers]:
+                P.broadcast(t.data, src, topo.control_group, "world")
 
 
 class _JoinHook(JoinHook):
@@ -323,8 +343,11 @@ def wrap(
     # whether a trace is recorded is agreed too: writing one is collective
     engine = agreed(topo, build, lambda e: e.config.spec() + (" +trace" if trace is not None else ""), model)
     if topo.world > 1 and engine.config.broadcast_parameters:
+        # buffers too, unless broadcast_buffers=False (DDP's broadcast_buffers=False skips them
+        # at construction as well)
+        buffers = list(model.buffers()) if engine.config.broadcast_buffers else []
         with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
+            for t in [*model.parameters(), *buffers]:
                 P.broadcast(t.data, 0, topo.control_group, "world")
     return GradSync(model, engine, trace, trace_steps)
 

@@ -108,7 +108,9 @@ class SyncConfig(OptionsConfig):
     that is not a view is copied in once). Do not keep references to ``.grad`` across steps."""
     find_unused_parameters: bool = False
     """Detect parameters no rank used in a step (one small extra all-reduce) and leave their
-    gradient as None. Without it a parameter unused on some rank counts as a zero gradient there."""
+    gradient as None. Without it a parameter unused on some rank counts as a zero gradient there;
+    the ranks still agree on the used parameters at the first step and, once some rank had a
+    parameter without a gradient, at every later step (see :mod:`gradsync.sync.engine`)."""
     check_overflow: bool | None = None
     """All-reduce an inf/NaN flag every step so that every rank's GradScaler skips together, and
     roll back error-feedback residuals on such steps. None: on when a GradScaler is attached."""
@@ -126,6 +128,13 @@ class SyncConfig(OptionsConfig):
     log_plan: bool = True
     broadcast_parameters: bool = True
     """Copy rank 0's parameters and buffers to every rank at wrap time (as DDP does)."""
+    broadcast_buffers: bool = True
+    """Keep the module's buffers (BatchNorm running statistics) rank 0's, as DDP's
+    ``broadcast_buffers`` does: DDP broadcasts them before each forward pass, gradsync after each
+    synchronized step, in the step's order of collectives (the same values at the next forward
+    pass; under ``Join`` the highest rank still training is the source). False: every rank keeps
+    its own buffers, and they are not copied at wrap time either (as with DDP). ``wrap`` only:
+    with the DDP comm hook DDP's own setting applies."""
 
     def validate(self) -> None:
         Scheme.parse(self.scheme)

@@ -10,10 +10,30 @@ backward pass):
    ``.grad``; :mod:`gradsync.sync.bucket_sync`);
 2. at the end of backward every bucket still waiting is launched (a parameter without a
    gradient counts as zero), optionally followed by a tiny all-reduce of the overflow flag and
-   the used-parameter map (:mod:`gradsync.sync.flags`), and the engine waits for all of them;
+   the used-parameter map (:mod:`gradsync.sync.flags`), then by the broadcast of rank 0's
+   buffers (``broadcast_buffers``), and the engine waits for all of them;
 3. after the first step the engine measures the link levels, times the codec, makes the plan on
    rank 0 from the gradient-ready order and times it observed, and broadcasts it; later the
    closed loop re-plans from what the buckets cost (:mod:`gradsync.sync.replan`).
+
+Parameters as DDP leaves them:
+
+- a parameter frozen during training (``requires_grad_(False)``, on every rank: the step check
+  compares) counts as zero, and its ``.grad`` is left alone (None stays None); what error
+  feedback sent of it goes back to its residual, and what is carried for it waits, until it
+  trains again (:meth:`SyncEngine.owed_gradients` reports it meanwhile);
+- "used" means: got a gradient in some backward pass since the last synchronization (the
+  micro-batches under ``no_sync()`` included). A parameter no rank used keeps ``grad = None``.
+  With ``find_unused_parameters`` (or ``check_steps=False``) the ranks agree on the used ones at
+  every step; else they agree at the first step, and at every step after one in which some rank
+  had a parameter without a gradient (the step check carries that flag): a model whose every
+  parameter is used pays nothing after the first step, and a parameter no rank ever uses ends
+  every step with ``grad = None``;
+- ``broadcast_buffers``: after every synchronized step the buffers (BatchNorm statistics) are
+  rank 0's, as DDP makes them before each forward pass (the same values at the next forward
+  pass; under ``Join`` the highest rank still training is the source, as with DDP). It is a task
+  like the buckets, so it takes its place in the step's order of collectives on gradsync's own
+  process group, whatever the ranks do between steps.
 
 The first ``dense_warmup_steps`` steps (at least one) are dense. Buckets launch in a fixed
 order, the same on every rank, and the task manager issues their collectives in that order.
@@ -28,17 +48,21 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.codecs import Compressor
+from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.bucket_sync import add_owed, bucket_program, nonfinite_flag, unpacker
 from gradsync.sync.buckets import Bucket, Slot
-from gradsync.sync.carry import Carry, owed_by_parameter
+from gradsync.sync.carry import Carry, give_back_unused, owed_by_parameter
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import ClosedLoop, kept_streams
 from gradsync.sync.codec_set import CodecSet, sync_momentum
@@ -54,7 +78,7 @@ from gradsync.sync.plan import Plan
 from gradsync.sync.planner import FirstStep
 from gradsync.sync.replan import Replanner
 from gradsync.sync.scheme import Scheme
-from gradsync.sync.sequence import LagClock, sequence_program
+from gradsync.sync.sequence import EngineWords, LagClock, sequence_program
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
 from gradsync.sync.streams import apply_carry, end_streams
 from gradsync.sync.tasks import Task, TaskManager
@@ -111,8 +135,23 @@ class SyncEngine:
         self.cur = StepState(len(self.slots))
         """The step in flight, or the last one (its tasks, for the figures of its buckets)."""
         self.forwards = 0
-        """Forward passes that built a graph (train mode, gradients on): the step check compares
-        them across ranks. :class:`~gradsync.integrate.GradSync` counts them."""
+        """Forward passes that built a graph (train mode, gradients on), named by the step check
+        when it fails. :class:`~gradsync.integrate.GradSync` counts them."""
+        self.passes = 0
+        """Backward passes that reached these parameters (``no_sync()`` ones included): the step
+        check compares them across ranks. :class:`~gradsync.integrate.GradSync` counts them."""
+        self.buffer_source: Callable[[], Iterable[torch.Tensor]] | None = None
+        """The module's buffers, broadcast from rank 0 after every synchronized step
+        (``broadcast_buffers``; :class:`~gradsync.integrate.GradSync` sets it)."""
+        self._used_between = [False] * len(self.slots)
+        """Per slot: got a gradient under ``no_sync()`` since the last synchronization."""
+        self._frozen: list[int] = []  # this step: the slots whose requires_grad is off
+        self._missed = False  # this rank had a parameter without a gradient in some step
+        self._agree_use = False  # some rank had one: agree on the used parameters at every step
+        self._agreeing = False  # this step's flags carry the used-parameter map
+        self._synced_once = False  # the first synchronized step of this engine always agrees
+        self._words: EngineWords | None = None  # this step's step check, once it ran
+        self._check_task: Task | None = None
         self.join_work: Any = None  # Join's all-reduce of the ranks still training, this step
         self.join_divide_by_world = True
         self.failure = Failure(topology.rank)  # the first failure; every later call re-raises it
@@ -171,6 +210,11 @@ class SyncEngine:
                 while self.cur.next < len(self._buckets) and self._buckets[self.cur.next].pending == 0:
                     self._launch(self.cur.next)
 
+    def note_used(self, index: int) -> None:
+        """Slot ``index`` got a gradient in a backward pass under ``no_sync()``: it counts as used
+        at the next synchronization."""
+        self._used_between[index] = True
+
     def backward_ended(self) -> None:
         """The backward pass is over (its remaining work is this engine's)."""
         self.cur.backward_end_at = time.perf_counter()
@@ -190,6 +234,7 @@ class SyncEngine:
             while self.cur.next < len(self._buckets):
                 self._launch(self.cur.next)
             flags = self._flags_task()
+            self._buffers_task()
         return self._complete(in_backward, flags)
 
     def _clip_all(self) -> None:
@@ -229,6 +274,7 @@ class SyncEngine:
             while self.cur.next < len(self._buckets):
                 self._launch(self.cur.next)
             flags = self._flags_task()
+            self._buffers_task()
         return self._complete(0, flags)
 
     def _complete(self, in_backward: int, flags: torch.Tensor | None) -> StepStats:
@@ -238,9 +284,18 @@ class SyncEngine:
             overflow, unused = False, set[str]()
             if flags is not None:
                 overflow, unused = apply_flags(
-                    flags.tolist(), self.slots, self.codec_set, self.momentum,
-                    self.config.find_unused_parameters, self.layout.layouts,
+                    flags.tolist(), self.slots, self.codec_set, self.momentum, self._agreeing,
+                    self.layout.layouts,
                 )  # fmt: skip
+            frozen = {self.slots[i].name for i in self._frozen}
+            if frozen - unused and not overflow:
+                # what error feedback sent of a frozen parameter never reaches it: owed still
+                give_back_unused(self.codecs, self.layout.layouts(), frozen - unused)
+                if self.momentum is not None:
+                    self.momentum.rollback_round(frozen - unused)
+            unused |= frozen
+            if not self.cur.shadow:
+                self._note_missing()
             if self.join_work is not None:
                 work, self.join_work = self.join_work, None
                 rescale_for_join(
@@ -256,6 +311,8 @@ class SyncEngine:
                 del self.history[:-1000]
             self.step += 1
             self._in_step = False
+            self._synced_once = True
+            self._used_between = [False] * len(self.slots)
             shadow, self.cur.shadow = self.cur.shadow, False
             if self.plan is None:
                 self._make_plan()
@@ -268,6 +325,28 @@ class SyncEngine:
                 self._dense_flushed = True
                 self._end_all_streams()
         return stats
+
+    def _note_missing(self) -> None:
+        """After a step: did a parameter get no gradient on this rank (frozen ones aside)? The
+        next step checks tell every rank, and from then on each step agrees which were used."""
+        missing = [
+            s.name for i, s in enumerate(self.slots)
+            if self.cur.ready_at[i] is None and not self._used_between[i] and s.param.requires_grad
+        ]  # fmt: skip
+        if not missing:
+            return
+        if not self._agreeing and not self._missed:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            warnings.warn(
+                f"gradsync: {missing[0]!r}{more} got no gradient on rank {self.topo.rank} in step "
+                f"{self.step} and counted as zero in the mean (find_unused_parameters is off). From "
+                "the next step on the ranks agree at every step which parameters some rank used; those "
+                "no rank used keep grad None, as with DDP(find_unused_parameters=True). Pass "
+                "find_unused_parameters=True to have that at every step",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._missed = True
 
     def _failing(self) -> contextlib.AbstractContextManager[None]:
         return self.failure.guard(lambda: self.step, self._leave_step)
@@ -292,13 +371,27 @@ class SyncEngine:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = float(self.grad_scaler.get_scale())  # once per step
         self.cur = StepState(len(self.slots), dense, shadow, scale)
+        self._frozen = [s.index for s in self.slots if not s.param.requires_grad]
+        if self._frozen:
+            frozen = set(self._frozen)
+            for b in self._buckets:
+                b.skip = frozenset(j for j, s in enumerate(b.slots) if s.index in frozen)
+                b.pending -= len(b.skip)
+        elif any(b.skip for b in self._buckets):
+            for b in self._buckets:
+                b.skip = frozenset()
         self.codec_set.begin_round()
         self.codec_set.set_density(self.step, self.config.log_plan and self.topo.rank == 0)
         if self.momentum is not None:
             self.momentum.begin_round()
+        self._words, self._check_task = None, None
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
-            program = sequence_program(self.topo, self.step, None if shadow else self.forwards, self._lag)
-            self.cur.tasks.append(self.manager.submit(program, "step check"))
+            words = EngineWords(None if shadow else self.passes, _signature(self._frozen), self._missed)
+            program = sequence_program(
+                self.topo, self.step, None if shadow else self.forwards, self._lag, words
+            )
+            self._words, self._check_task = words, self.manager.submit(program, "step check")
+            self.cur.tasks.append(self._check_task)
             self.cur.task_bucket.append(-1)
 
     def _launch(self, b: int) -> None:
@@ -328,7 +421,10 @@ class SyncEngine:
                     )
                     clip_([bucket.flat], bound, self.cur.loss_scale)
                 if self.carry.local:  # what ended streams owed: sent with the gradient
-                    members = [(s.name, s.numel) for s in bucket.slots]
+                    # (not a frozen parameter's: it waits until the parameter trains again)
+                    members = [
+                        ("" if j in bucket.skip else s.name, s.numel) for j, s in enumerate(bucket.slots)
+                    ]
                     add_owed(bucket.flat, members, self.carry, self.cur.loss_scale)
             if self.check_overflow:  # stays on the device: read once, after the flags' all-reduce
                 self.cur.nonfinite.append(nonfinite_flag(bucket.flat))
@@ -347,16 +443,29 @@ class SyncEngine:
             lowrank_parts=lowrank_parts, offset=lo,
         )  # fmt: skip
 
+    def _agrees_use(self) -> bool:
+        """Whether this step agrees which parameters some rank used: always with
+        ``find_unused_parameters`` (or without the step check, which would tell); else at the
+        engine's first step, and at every step once some rank had a parameter without a gradient
+        (the step check tells, the same on every rank)."""
+        if self.config.find_unused_parameters or not self._synced_once or self._agree_use:
+            return True
+        if self._check_task is None or self._words is None:
+            return True
+        self.manager.wait([self._check_task], timeout=self.config.timeout_s)  # passed long ago
+        self._agree_use = self._words.any_missed
+        return self._agree_use
+
     def _flags_task(self) -> torch.Tensor | None:
         """Submit the step's flag all-reduce (overflow, used parameters) if it is needed."""
-        unused = self.config.find_unused_parameters
+        self._agreeing = unused = self._agrees_use()
         if not (self.check_overflow or unused):
             return None
 
-        ready_at = self.cur.ready_at
+        ready_at, between = self.cur.ready_at, list(self._used_between)
 
         def used() -> list[float]:  # runs after every bucket's packing
-            return [float(t is not None) for t in ready_at]
+            return [float(t is not None or u) for t, u in zip(ready_at, between, strict=True)]
 
         program, flags = flags_program(
             self.topo, self.cur.nonfinite, used if unused else None, len(self.slots) if unused else 0
@@ -364,6 +473,19 @@ class SyncEngine:
         self.cur.tasks.append(self.manager.submit(program, "step flags"))
         self.cur.task_bucket.append(-1)
         return flags
+
+    def _buffers_task(self) -> None:
+        """``broadcast_buffers``: submit the broadcast of the source rank's buffers (rank 0's;
+        under ``Join`` the highest rank still training, found by one more all-reduce)."""
+        if self.buffer_source is None:
+            return
+        buffers = [b for b in self.buffer_source() if b.numel()]
+        if not buffers:  # the same on every rank: the same model
+            return
+        in_join = self.cur.shadow or self.join_work is not None
+        program = buffers_program(buffers, self.topo, (not self.cur.shadow) if in_join else None)
+        self.cur.tasks.append(self.manager.submit(program, "buffers"))
+        self.cur.task_bucket.append(-1)
 
     def attach_grads(self) -> None:
         """Zero-copy buckets (``grad_as_bucket_view``): before a training forward pass, point
@@ -496,3 +618,38 @@ class SyncEngine:
         self.manager.close()
         self.cur.tasks = []
         self.join_work = None
+
+
+def _signature(frozen: list[int]) -> int:
+    """A number that tells one set of frozen slot indices from another (the step check compares)."""
+    return sum((i + 1) * 2654435761 % (1 << 31) for i in frozen) + len(frozen)
+
+
+def buffers_program(buffers: list[torch.Tensor], topo: Topology, training: bool | None) -> Program:
+    """Make every rank's ``buffers`` the source rank's: rank 0, or with ``training`` given (under
+    ``Join``) the highest rank for which it is True. One broadcast per dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for b in buffers:
+        groups.setdefault((b.dtype, b.device), []).append(b)
+    flats = [
+        torch.cat([b.detach().reshape(-1) for b in group]).to(topo.comm_device) for group in groups.values()
+    ]
+    src = 0
+    if training is not None:
+        who = torch.tensor([topo.rank if training else -1], dtype=torch.int64, device=topo.comm_device)
+        yield partial(P.all_reduce, who, topo.world_group, "world", op=dist.ReduceOp.MAX)
+        src = int(who.item())
+    for flat in flats:
+        yield partial(P.broadcast, flat, src, topo.world_group, "world")
+
+    def finish() -> None:
+        if topo.rank == src:
+            return
+        with torch.no_grad():  # .data: no version bump (a graph that saved a buffer stays valid)
+            for group, flat in zip(groups.values(), flats, strict=True):
+                at = 0
+                for b in group:
+                    b.data.copy_(flat[at : at + b.numel()].view_as(b))
+                    at += b.numel()
+
+    return finish
