@@ -243,10 +243,15 @@ def check_a_forward_pass_without_backward_trains_on():
     with expect_all() as expect:
         ref = peeking_script(ddp())
         for kw in ({}, {"find_unused_parameters": True}):
-            model = peeking_script(ours(**kw))
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                model = peeking_script(ours(**kw))
             with expect(f"as DDP, {kw}"):
                 for n, p in model.module.named_parameters():
                     torch.testing.assert_close(p, ref.module.get_parameter(n), msg=n)
+            with expect(f"one warning on every rank that the forward counts differ, {kw}"):
+                said = [w for w in seen if "different numbers of training-mode forward" in str(w.message)]
+                assert len(said) == 1, [str(w.message) for w in seen]
             model.close()
         # with BatchNorm the extra forward pass changes the buffers of one rank only: the
         # broadcast after the next step makes them rank 0's again (DDP's own broadcast before

@@ -151,6 +151,7 @@ class SyncEngine:
         self._agreeing = False  # this step's flags carry the used-parameter map
         self._synced_once = False  # the first synchronized step of this engine always agrees
         self._words: EngineWords | None = None  # this step's step check, once it ran
+        self._forwards_warned = False
         self._check_task: Task | None = None
         self.join_work: Any = None  # Join's all-reduce of the ranks still training, this step
         self.join_divide_by_world = True
@@ -296,6 +297,7 @@ class SyncEngine:
             unused |= frozen
             if not self.cur.shadow:
                 self._note_missing()
+            self._note_forwards()
             if self.join_work is not None:
                 work, self.join_work = self.join_work, None
                 rescale_for_join(
@@ -347,6 +349,24 @@ class SyncEngine:
                 stacklevel=2,
             )
         self._missed = True
+
+    def _note_forwards(self) -> None:
+        """Once: the ranks ran different numbers of training-mode forward passes (the step check
+        compares backward passes; this alone cannot tell a look at the predictions from a batch
+        dropped after its forward pass)."""
+        apart = None if self._words is None else self._words.forwards_apart
+        if apart is None or self._forwards_warned:
+            return
+        self._forwards_warned = True
+        warnings.warn(
+            f"gradsync: by step {self.step} the ranks ran different numbers of training-mode forward "
+            f"passes ({apart[0]} to {apart[1]}). Fine for forward passes without backward (a look at "
+            "the predictions); but a rank that dropped a batch after its forward pass now averages "
+            "its gradients with other batches than the other ranks', and will run out of data at "
+            "another step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _failing(self) -> contextlib.AbstractContextManager[None]:
         return self.failure.guard(lambda: self.step, self._leave_step)

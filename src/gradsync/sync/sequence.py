@@ -25,7 +25,8 @@ check (microseconds). Its MAX is the previous step's lag of the slowest rank beh
   from one that took a look: it shows when the ranks run out of batches at different steps.)
   The engine's words also carry one flag, MAX-reduced: whether some rank had a parameter
   without a gradient in an earlier step (the engine then agrees on the used parameters at every
-  step, see :mod:`gradsync.sync.engine`).
+  step, see :mod:`gradsync.sync.engine`). Forward counts that differ are reported back (the
+  engine warns once), not refused.
 
 A rank that takes part without data (it has joined under ``torch.distributed.algorithms.Join``)
 sends neutral counts.
@@ -79,6 +80,9 @@ class EngineWords:
     missed: bool
     """This rank had a parameter without a gradient in an earlier step."""
     any_missed: bool = False
+    forwards_apart: tuple[int, int] | None = None
+    """Result: the fewest and the most forward passes of the ranks, when they differ (the
+    engine warns: fine after a look at the predictions, not after a dropped batch)."""
 
 
 def _pair(value: int | None) -> list[int]:
@@ -125,6 +129,8 @@ def sequence_program(
     else:
         agree = agree and _agree(r[5], r[6]) and _agree(r[7], r[8])
         words.any_missed = r[9] > 0
+        if not _agree(r[2], r[3]):
+            words.forwards_apart = (-r[3], r[2])
     if agree:
         return None
     # every rank saw the same reduced numbers, so every rank gathers the details here together
