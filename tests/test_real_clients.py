@@ -408,24 +408,34 @@ def mlp_model(seed=0, width=32):
     return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4))
 
 
-def check_skipped_backward_is_named_on_every_rank():
+def check_ranks_out_of_step_are_named_on_every_rank():
+    """A forward pass without its backward is no error (DDP trains on; tests/test_wrap_like_ddp.py),
+    but ranks whose synchronizing steps differ are: under wrap, a rank that accumulated one more
+    micro-batch under no_sync(); under the hook, ranks resumed from checkpoints of different
+    iterations. Every rank raises, naming each rank's numbers."""
     rank = dist.get_rank()
-    named = r"out of step \(rank 0: step 2, 3 forward passes; rank 1: step 2, 4 forward passes\)"
     for how in ("wrap", "hook"):
         if how == "wrap":
             model = gradsync.wrap(mlp_model(), "none", **FAST)
+            named = r"out of step \(rank 0: step 2, 3 backward passes; rank 1: step 2, 4 backward passes\)"
         else:
             inner = mlp_model()
             model = DDP(inner)
             state, hook = gradsync.ddp_comm_hook("none", model=inner)
             model.register_comm_hook(state, hook)
+            named = r"out of step \(rank 0: step 1, 1 backward passes; rank 1: step 2, 2 backward passes\)"
         # DDP hands a hook's error on as a RuntimeError with the same message
         with pytest.raises(OutOfStepError if how == "wrap" else RuntimeError, match=named):
+            saved = []
             for step in range(4):
-                out = model(torch.randn(8, 16))
-                if rank == 1 and step == 2:
-                    continue  # this rank skips one backward pass (e.g. a NaN loss it drops)
-                out.square().mean().backward()
+                if how == "wrap" and rank == 1 and step == 2:
+                    with model.no_sync():  # one more micro-batch on this rank only
+                        model(torch.randn(8, 16)).square().mean().backward()
+                model(torch.randn(8, 16)).square().mean().backward()
+                if how == "hook":
+                    saved.append(state.state_dict())
+                    if step == 1:  # rank 0 resumes from iteration 1, rank 1 from iteration 2
+                        state.load_state_dict(saved[rank])
         if how == "wrap":
             # the failure sticks: the next step says what happened, not a raw transport error
             with pytest.raises(SyncError, match=r"failed earlier .*out of step"):
@@ -618,7 +628,7 @@ def check_powersgd_factors_stay_finite_after_an_overflow():
 
 def errors_world():
     run_checks(
-        check_skipped_backward_is_named_on_every_rank,
+        check_ranks_out_of_step_are_named_on_every_rank,
         check_different_operations_raise_mismatch,
         check_model_mismatch_names_the_parameter,
         check_bad_input_fails_on_every_rank_before_any_collective,

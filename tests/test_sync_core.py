@@ -21,7 +21,7 @@ from gradsync.sync.carry import Carry
 from gradsync.sync.closed_loop import ClosedLoop
 from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.plan import BucketPlan, Plan
-from worlds import expect_all, run_world
+from worlds import expect_all, named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,8 +103,54 @@ def hook_without_model_world() -> None:
     state.close()
 
 
-def test_a_hook_made_without_model_keeps_each_layers_residual():
-    run_world(2, hook_without_model_world)
+def check_a_hook_checkpoint_of_another_setup_is_refused():
+    """A hook's state saved by another rank, or for another model, is refused naming the
+    difference (with ``reset_compression_state=True``: a warning, and the state starts afresh);
+    a state of the same setup loads."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    ddp = DistributedDataParallel(module)
+    opts = dict(plan="compress", min_compress_bytes=0, log_plan=False)
+    state = gradsync.register_comm_hook(ddp, "allgather/topk:density=0.1", **opts)
+    for _ in range(2):
+        ddp(torch.randn(8, 16)).square().mean().backward()
+    saved = state.state_dict()
+    with expect_all() as expect:
+        with (
+            expect("another rank's state is refused, naming the rank"),
+            pytest.raises(ValueError, match=r"rank: saved"),
+        ):
+            state.load_state_dict({**saved, "rank": 1 - rank})
+        other = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+        other_state = gradsync.register_comm_hook(
+            DistributedDataParallel(other), "allgather/topk:density=0.1", **opts
+        )
+        with (
+            expect("another model's state is refused, naming the parameters"),
+            pytest.raises(ValueError, match=r"params: saved"),
+        ):
+            other_state.load_state_dict(saved)
+        with expect("reset_compression_state=True: a warning, nothing loaded"):
+            with pytest.warns(UserWarning, match="resetting the compression state"):
+                other_state.load_state_dict(saved, reset_compression_state=True)
+            assert not other_state.owed_gradients()
+        with expect("the same setup loads"):
+            state.load_state_dict(saved)
+            assert state.step == 2
+    other_state.close()
+    state.close()
+
+
+def core_world() -> None:
+    run_checks(
+        named_check(hook_without_model_world),
+        named_check(check_a_hook_checkpoint_of_another_setup_is_refused),
+    )
+
+
+def test_a_hook_keeps_each_layers_residual_and_refuses_foreign_checkpoints():
+    run_world(2, core_world)
 
 
 # ----------------------------------------------------------- state follows the gradient's device

@@ -395,11 +395,8 @@ def check_unused_frozen_and_noncontiguous(topo):
                 with expect(f"find_unused={find_unused}, step {step}"):
                     assert m["frozen.weight"].grad is None
                     for name, local in want.items():
-                        if name.startswith("never"):
-                            if find_unused:
-                                assert m[name].grad is None, name
-                            else:
-                                assert torch.equal(m[name].grad, torch.zeros_like(local)), name
+                        if name.startswith("never"):  # no rank used it: None, as DDP leaves it
+                            assert m[name].grad is None, name
                             continue
                         torch.testing.assert_close(m[name].grad, local / world, msg=name)
                     assert not m["odd"].grad.is_contiguous()

@@ -19,9 +19,12 @@ argument before it starts the process group): it then binds to the process group
 call, with the same start-up agreement ``wrap`` has. Its collectives run on gradsync's own
 process groups (see :class:`~gradsync.collectives.Topology`), so they never pair with DDP's
 (the unused-parameter bitmap of ``find_unused_parameters``, buffer broadcasts) or the user's.
-Each iteration starts with the step check of :mod:`gradsync.sync.sequence` (with ``model``
-given, forward passes are counted too). Under ``Join`` DDP runs the hook on zero buckets for a
-rank out of data; the hook recognizes them (they run outside any backward pass).
+Each iteration starts with the step check of :mod:`gradsync.sync.sequence`: every rank must be
+at the same iteration (a rank resumed from another checkpoint is refused on every rank). With
+``model`` given, forward passes are counted too; ranks whose counts differ (a look at the
+predictions on one rank) train on, as DDP does, with one warning. Under ``Join`` DDP runs the
+hook on zero buckets for a rank out of data; the hook recognizes them (they run outside any
+backward pass).
 
 What error feedback owes is never lost (:mod:`gradsync.sync.carry`), as with ``wrap``:
 
@@ -70,11 +73,14 @@ from gradsync.sync.bucket_sync import bucket_program
 from gradsync.sync.codec_set import build_codecs, sync_momentum
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
+from gradsync.sync.engine_state import must_reset
 from gradsync.sync.scheme import Scheme
-from gradsync.sync.sequence import sequence_program
+from gradsync.sync.sequence import EngineWords, sequence_program
 from gradsync.sync.tasks import TaskManager
 
 log = logging.getLogger("gradsync")
+
+STATE_FORMAT = "gradsync.ddp_hook/1"
 
 
 def _in_backward() -> bool:
@@ -115,6 +121,8 @@ class HookState:
         self.manager = TaskManager("gradsync-ddp")
         self.step = 0
         self.forwards = 0  # training-mode forward passes of ``model`` (for the step check)
+        self.words: EngineWords | None = None  # the step check of the iteration in flight
+        self._forwards_warned = False
         self.loss_scale = loss_scale  # the scale the gradients carry (read from grad_scaler when given)
         # bound to the process group by bind() (at construction when one exists, else at the first call)
         self.topo: Topology | None = None
@@ -200,11 +208,28 @@ class HookState:
     def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
         """The iteration is over (compute thread): the ledger settles it, then DDP gets the
         buckets (its next iteration starts from the counted step)."""
+        self._note_forwards()
         self.ledger.settle(it, flags)
         self._dense_next = self._dense_next and not it.dense
         self.step += 1
         self.iteration = None
         self.ledger.release(it)
+
+    def _note_forwards(self) -> None:
+        """Once: the ranks ran different numbers of training-mode forward passes. Fine after a
+        look at the predictions; a batch dropped after its forward pass looks the same."""
+        apart = None if self.words is None else self.words.forwards_apart
+        if apart is None or self._forwards_warned:
+            return
+        self._forwards_warned = True
+        warnings.warn(
+            f"gradsync: by DDP iteration {self.step} the ranks ran different numbers of training-mode "
+            f"forward passes ({apart[0]} to {apart[1]}). Fine for forward passes without backward (a look "
+            "at the predictions); but a rank that dropped a batch after its forward pass now averages its "
+            "gradients with other batches than the other ranks', and will run out of data at another step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def owed_gradients(self) -> dict[str, torch.Tensor]:
         """What this rank still owes the mean gradient, per parameter (as
@@ -281,18 +306,49 @@ class HookState:
                 f"gradsync: the scheme {self.config.scheme!r} {what} ({text})", RuntimeWarning, stacklevel=2
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: tensors and plain values (``weights_only`` loads it)."""
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint of this hook must match: world, topology, scheme, codec and (with
+        ``model``) the parameters that train."""
+        topo = self.topo
         return {
+            "world": topo.world if topo is not None else 1,
+            "nodes": topo.nodes if topo is not None else 1,
+            "per_node": topo.per_node if topo is not None else 1,
+            "scheme": self.config.scheme,
+            "codecs": [] if self.codec is None else [self.codec.spec()],
+            "params": None
+            if self.model is None
+            else [f"{n}:{tuple(p.shape)}" for n, p in self.model.named_parameters() if p.requires_grad],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: tensors and plain values (``weights_only`` loads it), with the
+        signature a load checks."""
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.topo.rank if self.topo is not None else 0,
+            "signature": self.signature(),
             "step": self.step,
             "codec": None if self.codec is None else self.codec.state_dict(),
             **self.ledger.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. The next iteration is dense: what the residuals owe is sent
-        in it, and DDP's first-iteration bucket rebuild (a new DDP model) happens on dense buckets,
-        so no residual waits for a bucket that DDP no longer forms."""
+    def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
+        """Restore :meth:`state_dict`. A state saved under another world, topology, scheme,
+        codec or model, or by another rank, is refused naming the difference (with
+        ``reset_compression_state=True``: a warning, and only the step count is kept). The
+        next iteration is dense: what the residuals owe is sent in it, and DDP's
+        first-iteration bucket rebuild (a new DDP model) happens on dense buckets, so no residual
+        waits for a bucket that DDP no longer forms."""
+        if isinstance(state, dict) and "format" not in state and "step" in state:
+            state = {**state, "format": STATE_FORMAT}  # saved before states had a signature
+        elif must_reset(
+            state, self.signature(), self.topo.rank if self.topo is not None else 0,
+            reset_compression_state, STATE_FORMAT,
+        ):  # fmt: skip
+            self.step = int(state.get("step", self.step))
+            self._dense_next = True
+            return
         self.step = int(state["step"])
         if self.codec is not None and state.get("codec") is not None:
             self.codec.load_state_dict(state["codec"])
@@ -374,7 +430,11 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if first and state.config.check_steps and topo.world > 1:
         # the first bucket of an iteration: check that every rank is at the same step first
         forwards = None if it.joined or state.model is None else state.forwards
-        state.manager.submit(sequence_program(topo, state.step, forwards), "step check", None, fail)
+        # as with wrap: the synchronizing backward passes must agree; forward passes that differ
+        # (a look at the predictions on one rank) are said once, not refused (DDP trains on)
+        words = state.words = EngineWords(None if it.joined else state.step, 0, False)
+        program = sequence_program(topo, state.step, forwards, words=words)
+        state.manager.submit(program, "step check", None, fail)
     state.manager.submit(
         _program(state, it, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fail
     )

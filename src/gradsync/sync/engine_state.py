@@ -65,23 +65,31 @@ def load_engine_state(engine: SyncEngine, state: dict[str, Any]) -> None:
         engine.replanner.load_state_dict(state.get("closed_loop"))
 
 
-def must_reset(state: Any, mine: dict[str, Any], rank: int, reset_compression_state: bool) -> bool:
-    """Whether ``state`` (an engine's ``state_dict``) was saved under another setup than
-    ``mine`` (this engine's :func:`signature`) or by another rank: ``ValueError`` naming what
-    differs, or with ``reset_compression_state`` a warning and True (the caller starts the
-    compression state afresh). ``ValueError`` for something that is no engine state at all."""
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise ValueError(f"not a gradsync engine state (expected format {STATE_FORMAT!r})")
-    theirs = state.get("signature", {})
-    diff = [k for k in mine if mine[k] != theirs.get(k)]
-    if state.get("rank") != rank and "world" not in diff:
-        diff.append("rank")
+def must_reset(
+    state: Any,
+    mine: dict[str, Any],
+    rank: int,
+    reset_compression_state: bool,
+    state_format: str = STATE_FORMAT,
+) -> bool:
+    """Whether ``state`` (a front's ``state_dict``: the engine's, or the DDP hook's with its
+    ``state_format``) was saved under another setup than ``mine`` (its signature) or by another
+    rank: ``ValueError`` naming what differs, or with ``reset_compression_state`` a warning and
+    True (the caller starts the compression state afresh). ``ValueError`` for something that is
+    no such state at all."""
+    if not isinstance(state, dict) or state.get("format") != state_format:
+        raise ValueError(f"not a gradsync compression state (expected format {state_format!r})")
+    theirs = {**state.get("signature", {}), "rank": state.get("rank")}
+    mine = {**mine, "rank": rank}
+    diff = [k for k in mine if k != "rank" and mine[k] != theirs.get(k)]
+    if theirs["rank"] != rank and "world" not in diff:
+        diff.append("rank")  # each rank's residuals are its own
     if not diff:
         return False
     detail = "; ".join(f"{k}: saved {_short(theirs.get(k))} vs now {_short(mine[k])}" for k in diff)
     if not reset_compression_state:
         raise ValueError(
-            f"gradsync: the engine state was saved under a different setup ({detail}); pass "
+            f"gradsync: the compression state was saved under a different setup ({detail}); pass "
             "reset_compression_state=True to start the compression state afresh"
         )
     warnings.warn(
