@@ -43,14 +43,17 @@ Elements and parameters that get no gradient (torch's AdamW as the reference):
 - **An element whose second moment** ``v`` **is exactly zero** has never had a nonzero averaged
   gradient (an embedding row no batch used, a dead unit). ``v`` comes from all-reduced gradients
   only (the dense steps), so it is the same on every rank, and so is the mask ``v > 0`` taken
-  from it. Masked elements are left out of the compressed exchange (the exchanged tensor is the
-  gather of the unmasked ones: a sign codec cannot send a zero, and its error feedback would
-  grow there without bound) and their momentum is held at zero, so they take no Adam step; they
-  are still decayed when their parameter has a gradient, as AdamW decays them. An element that
-  first gets a gradient after ``v`` froze stays masked (1-bit Adam, 1-bit LAMB) or until 0/1
-  Adam's next variance refresh sees it: its frozen denominator would be ``eps``. When the set of
-  exchanged elements changes, the exchange's residuals are dropped (they were laid out for the
-  old set).
+  from it. Masked elements travel as zeros and what arrives for them is dropped (a sign codec
+  cannot send a zero: before this rule their momentum came back as +-scale and, divided by
+  ``eps``, moved them by hundreds in a few steps), and their momentum is held at zero, so they
+  take no Adam step; they are still decayed when their parameter has a gradient, as AdamW
+  decays them. The exchange keeps its layout (the residuals always fit); the residual of an
+  element that only ever sends zeros alternates within one scale. An element that first gets a
+  gradient after ``v`` froze stays masked (1-bit Adam, 1-bit LAMB) or until 0/1 Adam's next
+  variance refresh sees it: its frozen denominator would be ``eps``. (A first version sent the
+  gather of the unmasked elements instead; each refresh that unmasked elements then changed the
+  layout and dropped the residuals, and 0/1 Adam ended 6 points further from AdamW on the
+  benchmark: docs/optimizers.md.)
 
 Limits: no GradScaler (a rank that skips a step for an overflow would leave the others waiting in
 a collective; bf16 autocast needs none); all parameters on one device; every param group added
@@ -198,10 +201,6 @@ class MomentumExchange:
     def flags_mean(self, flags: torch.Tensor) -> None:
         """``flags`` (a small float tensor) becomes its mean over the ranks (a plain all-reduce)."""
         self.dense_mean(flags)
-
-    def forget(self, key: str) -> None:
-        """Drop the error-feedback streams of ``key`` (its layout changed: they no longer fit)."""
-        self.codec.drop_streams(lambda k: not (k == key or k.startswith(key + "/")))
 
     def compressed_mean(self, flat: torch.Tensor, key: str) -> None:
         """``flat`` becomes the compressed mean over the ranks, the same on every rank; ``key``
@@ -387,9 +386,7 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self._denom = self.flat.zeros()
         self._frozen: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
-        self._layouts: dict[str, torch.Tensor | None] = {}
-        """Per exchange key, the elements it exchanged last (None: all): a change of layout
-        drops that key's residuals."""
+        self._held = self.flat.zeros()
         self._agreed = False
 
     # ------------------------------------------------------------------ the step
@@ -515,35 +512,30 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         scale: torch.Tensor | None = None,
     ) -> None:
         """``t`` becomes its compressed mean over the ranks on ``elements`` (a bool mask the same
-        on every rank; None: all), the others untouched. With ``precondition`` it travels divided
-        by the frozen denominator (the same on every rank, so the mean is unchanged): Adam's
-        per-element normalization makes the elements of all layers comparable, which a codec
-        with one scale per partition (onebit) needs; the residuals are in those units. ``scale``
-        (flat, the same on every rank): a factor it travels multiplied by (1-bit LAMB's)."""
-        if key in self._layouts:
-            before = self._layouts[key]
-            same = (before is None and elements is None) or (
-                before is not None and elements is not None and torch.equal(before, elements)
-            )
-            if not same:
-                self.exchange.forget(key)  # its residuals were laid out for other elements
-        self._layouts[key] = elements
-        index = None if elements is None else elements.nonzero().squeeze(1)
-        work = t if index is None else t[index]
-        d = denom if index is None else denom[index]
-        k = None if scale is None else scale if index is None else scale[index]
-        if k is not None:
-            work.mul_(k)
+        on every rank; None: all); the others keep their values. They travel as zeros and what
+        arrives for them is dropped: the layout of the exchange never changes, so its residuals
+        always fit (a sign codec sends a zero as +-scale; the residual of an element that only
+        ever gets zeros alternates within one scale, it cannot grow).
+
+        With ``precondition`` ``t`` travels divided by the frozen denominator (the same on every
+        rank, so the mean is unchanged): Adam's per-element normalization makes the elements of
+        all layers comparable, which a codec with one scale per partition (onebit) needs; the
+        residuals are in those units. ``scale`` (flat, the same on every rank): a factor it
+        travels multiplied by (1-bit LAMB's momentum scales)."""
+        if elements is not None:
+            self._held.copy_(t)
+            t.mul_(elements)
+        if scale is not None:
+            t.mul_(scale)
         if self.precondition:
-            work.div_(d)
-        if work.numel():
-            self.exchange.compressed_mean(work, key)
+            t.div_(denom)
+        self.exchange.compressed_mean(t, key)
         if self.precondition:
-            work.mul_(d)
-        if k is not None:
-            work.div_(k)
-        if index is not None:
-            t.index_copy_(0, index, work)
+            t.mul_(denom)
+        if scale is not None:
+            t.div_(scale)
+        if elements is not None:
+            torch.where(elements, t, self._held, out=t)
 
     def _denominator(self, v_steps: int) -> torch.Tensor:
         """``sqrt(v / (1 - b2^v_steps)) + eps`` (into a work buffer); also sets the mask of the
@@ -589,7 +581,6 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
             "exp_avg": self.exp_avg.clone(),
             "exp_avg_sq": self.exp_avg_sq.clone(),
             "exchange": self.exchange.state_dict(),
-            "layouts": {k: None if v is None else v.clone() for k, v in self._layouts.items()},
             **self._extra_state(),
         }
         return out
@@ -613,7 +604,6 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self.exp_avg.copy_(ours["exp_avg"].to(dev))
         self.exp_avg_sq.copy_(ours["exp_avg_sq"].to(dev))
         self.exchange.load_state_dict(ours["exchange"], dev)
-        self._layouts = {k: None if v is None else v.to(dev) for k, v in ours.get("layouts", {}).items()}
         self._frozen = None
         self._mask = None
         self._load_extra_state(ours)
