@@ -299,7 +299,7 @@ def check_state_round_trip() -> None:
             assert torch.equal(full(m), full(m2))
         with expect("a state saved with another scheme is refused"):
             other = compress_fsdp(shard(make(), mesh["shard"]), "onebit", replicate_group=group)
-            with pytest.raises(ValueError, match="scheme="):
+            with pytest.raises(ValueError, match="different setup .*scheme: saved"):
                 other.load_state_dict(saved_comp)
     dist.barrier()
 
@@ -689,6 +689,21 @@ def check_fp16_spec_and_loaded_state() -> None:
             a, b = comp.owed_gradients(), again.owed_gradients()
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
             assert all(t.device.type == "cpu" for t in b.values())
+        # the same check as wrap's and the hook's: another rank's or another model's state
+        rank = dist.get_rank()
+        with (
+            expect("another rank's state is refused, naming the rank"),
+            pytest.raises(ValueError, match="rank: saved"),
+        ):
+            again.load_state_dict({**loaded, "rank": (rank + 1) % dist.get_world_size()})
+        wider = compress_fsdp(
+            shard(make(width=48), mesh["shard"]), "topk:density=0.1", replicate_group=group, where="both",
+            min_compress_bytes=0,
+        )  # fmt: skip
+        with expect("reset_compression_state=True: another setup's state is left out with a warning"):
+            with pytest.warns(UserWarning, match="resetting the compression state"):
+                wider.load_state_dict({**loaded, "signature": {**loaded["signature"], "world": 99}}, True)
+            assert not wider.owed_gradients()
 
 
 def fsdp_world() -> None:

@@ -83,13 +83,14 @@ from gradsync.integrate.agreement import explain_models, model_fingerprint
 from gradsync.sync.bucket_sync import nonfinite_flag
 from gradsync.sync.carry import Carry, Layouts
 from gradsync.sync.codec_set import sync_momentum
+from gradsync.sync.engine_state import must_reset
 from gradsync.sync.scheme import Scheme
 
 log = logging.getLogger("gradsync")
 
 WHERE = ("shard", "replicate", "both")
-STATE_FORMAT = "gradsync.fsdp/2"
-_OLDER_FORMATS = ("gradsync.fsdp/1",)  # no carry, no layouts: loaded with empty ones
+STATE_FORMAT = "gradsync.fsdp/3"
+_OLDER_FORMATS = ("gradsync.fsdp/2", "gradsync.fsdp/1")  # no signature; /1: no carry, no layouts
 
 
 def _mesh_kind(group: Any) -> str:
@@ -620,11 +621,24 @@ class FsdpCompression:
         return total.owed(1)
 
     # ------------------------------------------------------------------ state
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint must match: world, scheme, where, codec and the parameters."""
+        return {
+            "world": dist.get_world_size() if dist.is_initialized() else 1,
+            "scheme": self.scheme.text,
+            "where": self.where,
+            "codecs": [] if self.codec is None else [self.codec.spec()],
+            "params": sorted(self._names.values()),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals, codec streams, carry, layouts and call counts (save one per
-        rank): tensors and plain values, as they are (``torch.load(..., weights_only=True)``)."""
+        rank): tensors and plain values, as they are (``torch.load(..., weights_only=True)``),
+        with the signature a load checks."""
         return {
             "format": STATE_FORMAT,
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "signature": self.signature(),
             "scheme": self.scheme.text,
             "where": self.where,
             "calls": dict(self.calls),
@@ -633,11 +647,19 @@ class FsdpCompression:
             "layouts": {k: v.to_state() for k, v in self.layouts.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         """Restore :meth:`state_dict`. Tensors stay where they were loaded (``map_location``):
-        each follows its gradient's device at its first use."""
+        each follows its gradient's device at its first use. A state saved under another world,
+        scheme, placement, codec or model, or by another rank, is refused naming the difference
+        (the same check as ``wrap``'s and the DDP hook's); with ``reset_compression_state=True``
+        it is left out with a warning and the compression state starts afresh."""
         if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, *_OLDER_FORMATS):
             raise ValueError(f"FsdpCompression.load_state_dict: not a {STATE_FORMAT} state")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if state["format"] == STATE_FORMAT and must_reset(
+            state, self.signature(), rank, reset_compression_state, STATE_FORMAT
+        ):
+            return
         for field in ("scheme", "where"):
             mine = self.scheme.text if field == "scheme" else self.where
             if state[field] != mine:
