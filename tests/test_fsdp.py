@@ -299,7 +299,7 @@ def check_state_round_trip() -> None:
             assert torch.equal(full(m), full(m2))
         with expect("a state saved with another scheme is refused"):
             other = compress_fsdp(shard(make(), mesh["shard"]), "onebit", replicate_group=group)
-            with pytest.raises(ValueError, match="different setup .*scheme: saved"):
+            with pytest.raises(ValueError, match=r"different setup .*scheme: saved"):
                 other.load_state_dict(saved_comp)
     dist.barrier()
 
