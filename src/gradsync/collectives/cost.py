@@ -423,7 +423,6 @@ def measure_codec(
     codec as it runs, error feedback included (it reads the residual and writes the sum: on this
     project's 2-core CPU ``mstopk:density=0.01`` encodes 16 MB in 2.4 ms, with ``+ef`` in 4.1 ms,
     ``docs/results/bench-codecs-ef.md``)."""
-    plain = codec.fresh()
     dev = torch.device(device) if device is not None else torch.device("cpu")
     itemsize = dtype.itemsize
     enc, dec, pay = [], [], []
@@ -435,6 +434,7 @@ def measure_codec(
         if n % side == 0:
             x = x.view(side, n // side)
         out = torch.empty_like(x)
+        plain = codec.fresh()  # per size: a stream keeps one size (its residual is that long)
         payload = plain.encode(x)  # warm-up (first-call allocations, compiled kernels)
         plain.decode(payload, out=out)
         te, td = [], []
