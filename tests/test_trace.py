@@ -24,6 +24,10 @@ from gradsync.observe.telemetry import format_line, step_record
 from gradsync.observe.trace import check_trace, load_trace, merge_traces, rank_file
 from worlds import expect_all, named_check, run_checks, run_world
 
+# the engine's step check: ten int64 words (step, forward, backward and frozen counts as max/min
+# pairs, the wait, the missed flag; gradsync.sync.sequence)
+STEP_CHECK_BYTES = 10 * 8
+
 STEPS = 6
 WINDOW = (2, 5)
 
@@ -128,7 +132,7 @@ def traced_dense(tmp: str) -> None:
                 assert len(counters) == WINDOW[1] - WINDOW[0]
                 assert (
                     counters[0]["args"]["world"]
-                    == sum(int(2 * (p - 1) / p * n) for n in bucket_bytes.values()) + 40
+                    == sum(int(2 * (p - 1) / p * n) for n in bucket_bytes.values()) + STEP_CHECK_BYTES
                 )
         with expect("each flow goes ready -> pack -> all_reduce -> decode, threads 1, 2, 3, 2"):
             flows: dict[int, list[tuple[str, int]]] = {}
@@ -181,7 +185,8 @@ def traced_compressed(tmp: str) -> None:
             assert rec["reduction"] is not None and rec["reduction"] > 2
             assert rec["wire_bytes"]["inter"] > 0 and rec["compressed_buckets"] == rec["buckets_total"]
             assert sum(b["raw_bytes"] for b in rec["buckets"]) == rec["raw_bytes"]
-            assert sum(b["wire_bytes"] for b in rec["buckets"]) + 40 == rec["wire_bytes"]["total"]
+            wire = sum(b["wire_bytes"] for b in rec["buckets"])
+            assert wire + STEP_CHECK_BYTES == rec["wire_bytes"]["total"]
         with expect("telemetry: the residual norm is the norm of the residuals in the state"):
             assert residual is not None and residual > 0
             assert squares > 0 and residual == pytest.approx(squares**0.5, rel=1e-5)
