@@ -627,6 +627,8 @@ def test_train_defaults_and_the_whole_run_traffic_of_the_benchmark():
     assert compressed_options(args, 612) == {**want, "max_sync_interval": 2}
     args.optimizer = "onebit-adam"
     assert compressed_options(args, 612) == {"freeze_step": 18, "codec": "onebit"}
+    args.optimizer = "onebit-lamb"  # its frozen trust ratios need a longer warm-up
+    assert compressed_options(args, 612) == {"freeze_step": 61, "codec": "onebit"}
     args.freeze_step = 5
     assert compressed_options(args, 3)["freeze_step"] == 5
     # a dense epoch (ratio 1) and a 32x epoch of the same length: 2 / (1 + 1/32), not the mean 16.5
