@@ -142,10 +142,49 @@ def check_a_hook_checkpoint_of_another_setup_is_refused():
     state.close()
 
 
+def check_the_hook_trains_on_after_a_forward_without_backward():
+    """One rank runs an extra training-mode forward pass without backward (a look at the
+    predictions): with plain DDP training goes on, and with gradsync's hook (given ``model=``,
+    which counts forward passes) it does too, with the same parameters and one warning."""
+    import warnings
+
+    rank = dist.get_rank()
+
+    def run(hooked: bool) -> tuple[nn.Module, list[str]]:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        ddp = DistributedDataParallel(module)
+        state = gradsync.register_comm_hook(ddp, "none", log_plan=False) if hooked else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(4):
+                x = torch.randn(8, 16, generator=gen)
+                if rank == 1 and step == 1:
+                    ddp(x)  # a look at the predictions, no backward
+                ddp(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        if state is not None:
+            state.close()
+        return module, [str(w.message) for w in seen]
+
+    ref, _ = run(False)
+    ours, said = run(True)
+    with expect_all() as expect:
+        with expect("the same parameters as DDP"):
+            for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+                assert torch.equal(a, b)
+        with expect("one warning that the forward counts differ"):
+            assert sum("different numbers of training-mode forward" in m for m in said) == 1, said
+
+
 def core_world() -> None:
     run_checks(
         named_check(hook_without_model_world),
         named_check(check_a_hook_checkpoint_of_another_setup_is_refused),
+        named_check(check_the_hook_trains_on_after_a_forward_without_backward),
     )
 
 

@@ -75,7 +75,7 @@ from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
 from gradsync.sync.engine_state import must_reset
 from gradsync.sync.scheme import Scheme
-from gradsync.sync.sequence import EngineWords, sequence_program
+from gradsync.sync.sequence import EngineWords, sequence_program, warn_forwards_apart
 from gradsync.sync.tasks import TaskManager
 
 log = logging.getLogger("gradsync")
@@ -216,20 +216,9 @@ class HookState:
         self.ledger.release(it)
 
     def _note_forwards(self) -> None:
-        """Once: the ranks ran different numbers of training-mode forward passes. Fine after a
-        look at the predictions; a batch dropped after its forward pass looks the same."""
-        apart = None if self.words is None else self.words.forwards_apart
-        if apart is None or self._forwards_warned:
-            return
-        self._forwards_warned = True
-        warnings.warn(
-            f"gradsync: by DDP iteration {self.step} the ranks ran different numbers of training-mode "
-            f"forward passes ({apart[0]} to {apart[1]}). Fine for forward passes without backward (a look "
-            "at the predictions); but a rank that dropped a batch after its forward pass now averages its "
-            "gradients with other batches than the other ranks', and will run out of data at another step",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        """Once: the ranks' forward counts were apart (see :func:`warn_forwards_apart`)."""
+        if not self._forwards_warned:
+            self._forwards_warned = warn_forwards_apart(self.words, f"DDP iteration {self.step}")
 
     def owed_gradients(self) -> dict[str, torch.Tensor]:
         """What this rank still owes the mean gradient, per parameter (as

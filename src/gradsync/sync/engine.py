@@ -78,7 +78,7 @@ from gradsync.sync.plan import Plan
 from gradsync.sync.planner import FirstStep
 from gradsync.sync.replan import Replanner
 from gradsync.sync.scheme import Scheme
-from gradsync.sync.sequence import EngineWords, LagClock, sequence_program
+from gradsync.sync.sequence import EngineWords, LagClock, sequence_program, warn_forwards_apart
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
 from gradsync.sync.streams import apply_carry, end_streams
 from gradsync.sync.tasks import Task, TaskManager
@@ -351,22 +351,9 @@ class SyncEngine:
         self._missed = True
 
     def _note_forwards(self) -> None:
-        """Once: the ranks ran different numbers of training-mode forward passes (the step check
-        compares backward passes; this alone cannot tell a look at the predictions from a batch
-        dropped after its forward pass)."""
-        apart = None if self._words is None else self._words.forwards_apart
-        if apart is None or self._forwards_warned:
-            return
-        self._forwards_warned = True
-        warnings.warn(
-            f"gradsync: by step {self.step} the ranks ran different numbers of training-mode forward "
-            f"passes ({apart[0]} to {apart[1]}). Fine for forward passes without backward (a look at "
-            "the predictions); but a rank that dropped a batch after its forward pass now averages "
-            "its gradients with other batches than the other ranks', and will run out of data at "
-            "another step",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        """Once: the ranks' forward counts were apart (see :func:`warn_forwards_apart`)."""
+        if not self._forwards_warned:
+            self._forwards_warned = warn_forwards_apart(self._words, f"step {self.step}")
 
     def _failing(self) -> contextlib.AbstractContextManager[None]:
         return self.failure.guard(lambda: self.step, self._leave_step)

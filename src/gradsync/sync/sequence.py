@@ -35,6 +35,7 @@ sends neutral counts.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -83,6 +84,24 @@ class EngineWords:
     forwards_apart: tuple[int, int] | None = None
     """Result: the fewest and the most forward passes of the ranks, when they differ (the
     engine warns: fine after a look at the predictions, not after a dropped batch)."""
+
+
+def warn_forwards_apart(words: EngineWords | None, where: str) -> bool:
+    """Warn when the last step check found the ranks' training-mode forward counts apart (the
+    check compares backward passes: a look at the predictions on one rank is fine, and a batch
+    dropped after its forward pass looks the same). True when it warned; the caller warns once."""
+    apart = None if words is None else words.forwards_apart
+    if apart is None:
+        return False
+    warnings.warn(
+        f"gradsync: by {where} the ranks ran different numbers of training-mode forward passes "
+        f"({apart[0]} to {apart[1]}). Fine for forward passes without backward (a look at the "
+        "predictions); but a rank that dropped a batch after its forward pass now averages its "
+        "gradients with other batches than the other ranks', and will run out of data at another step",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def _pair(value: int | None) -> list[int]:
