@@ -329,9 +329,8 @@ class HookState:
         next iteration is dense: what the residuals owe is sent in it, and DDP's
         first-iteration bucket rebuild (a new DDP model) happens on dense buckets, so no residual
         waits for a bucket that DDP no longer forms."""
-        if isinstance(state, dict) and "format" not in state and "step" in state:
-            state = {**state, "format": STATE_FORMAT}  # saved before states had a signature
-        elif must_reset(
+        saved_before_signatures = isinstance(state, dict) and "format" not in state and "step" in state
+        if not saved_before_signatures and must_reset(
             state, self.signature(), self.topo.rank if self.topo is not None else 0,
             reset_compression_state, STATE_FORMAT,
         ):  # fmt: skip
