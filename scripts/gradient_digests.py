@@ -8,9 +8,12 @@ engine changes no result: run it before and after the change and compare the fol
 A world of 4 gloo ranks on loopback (2 nodes x 2, a FileStore, as the tests start them) runs 16
 configurations of ``gradsync.wrap`` (every strategy, error feedback with momentum correction,
 clipping, unused parameters, dense_from_step, a density schedule, a large-tensor codec,
-zero-copy buckets) and 3 of the DDP comm hook, 7 to 9 steps each with an SGD update, and writes
+zero-copy buckets), 3 of the DDP comm hook and 3 of FSDP2 (``compress_fsdp`` on the shard,
+the replicate and both dimensions, a parameter frozen for two steps), 7 to 9 steps each with an
+SGD update, and writes
 one line per gradient per step (a SHA-1 of its bytes) and per final parameter. The plans are
-fixed (``plan="compress"``, no fusion timeout), so the only lines that may differ are the
+fixed (``plan="compress"``, one partition unless a configuration says, no fusion timeout), so
+the only lines that may differ are the
 ``plan`` lines' predicted times. Used for issue 31's engine split: identical on every rank.
 """
 
@@ -82,7 +85,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_wrap(name: str, scheme: str, opts: dict[str, object]) -> list[str]:
     module = Net()
     kw: dict[str, object] = dict(plan="compress", min_compress_bytes=0, bucket_bytes=20000, calibrate=False,
-                                 log_plan=False, bucket_timeout_ms=1e9)  # fmt: skip
+                                 log_plan=False, bucket_timeout_ms=1e9, partitions=1)  # fmt: skip
     kw.update(opts)
     model = gradsync.wrap(module, scheme, Topology(nodes=2, per_node=2), **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -119,6 +122,42 @@ def run_hook(scheme: str) -> list[str]:
     return lines
 
 
+FSDP = [("f-shard", "topk:density=0.05", "shard"), ("f-both", "topk:density=0.05", "both"),
+        ("f-replicate", "onebit", "replicate")]  # fmt: skip
+
+
+def run_fsdp(scheme: str, where: str) -> list[str]:
+    """FSDP2 on 4 ranks: sharded over all of them (``shard``), or 2 shards x 2 replicas, with
+    ``b.bias`` frozen for two steps (its module's layout changes, what it is owed is carried)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync.fsdp import compress_fsdp
+
+    module = Net()
+    if where == "shard":
+        mesh, group = init_device_mesh("cpu", (4,)), None
+    else:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh, group = mesh2["shard"], mesh2["replicate"].get_group()
+    for block in (module.a, module.b, module):
+        fully_shard(block, mesh=mesh)
+    compress_fsdp(module, scheme, replicate_group=group, where=where, min_compress_bytes=0)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    lines = []
+    for step in range(7):
+        module.b.bias.requires_grad_(step not in (3, 4))
+        x, y = _batch(step)
+        nn.functional.mse_loss(module(x), y).backward()
+        for n, p in module.named_parameters():
+            grad = p.grad.to_local() if p.grad is not None else None
+            lines.append(f"{step} {n} {digest(grad) if grad is not None else None}")
+        opt.step()
+        opt.zero_grad()
+    lines += [f"final {n} {digest(p.detach().to_local())}" for n, p in module.named_parameters()]
+    return lines
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     lines = []
@@ -126,6 +165,8 @@ def main(out: str) -> None:
         lines += [f"== wrap {name}", *run_wrap(name, scheme, opts)]
     for name, scheme in HOOK:
         lines += [f"== hook {name}", *run_hook(scheme)]
+    for name, scheme, where in FSDP:
+        lines += [f"== fsdp {name}", *run_fsdp(scheme, where)]
     with open(os.path.join(out, f"rank{dist.get_rank()}.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 

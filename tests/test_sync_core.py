@@ -17,8 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 import gradsync
 from gradsync.codecs import build_codec
 from gradsync.codecs.lowrank import PowerSGD
-from gradsync.sync.carry import Carry
+from gradsync.sync.carry import whole
 from gradsync.sync.closed_loop import ClosedLoop
+from gradsync.sync.ledger import Ledger
 from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.plan import BucketPlan, Plan
 from worlds import expect_all, named_check, run_checks, run_world
@@ -208,16 +209,17 @@ def test_state_loaded_elsewhere_follows_the_gradient_on_first_use():
     stream = loaded._streams[""]
     assert stream.residual is not None and stream.residual.device == other
     assert stream.momentum is not None and stream.momentum.device == other
-    # the carry (owed gradient of ended streams), both shares
-    carry = Carry()
-    carry.add_mean("w", torch.ones(8))
-    carry.load_state_dict({"local": {"w": torch.ones(8)}, "mean": {"w": torch.ones(8)}})
+    # the ledger's carry (owed gradient of ended streams), both shares
+    ledger = Ledger([])
+    ledger.load_state_dict(
+        {"codecs": [], "carry": {"local": {"w": torch.ones(8)}, "mean": {"w": torch.ones(8)}}}
+    )
     grad = torch.zeros(8, device=other)
-    carry.inject("w", grad, 1.0)
-    carry.apply_mean("w", grad, 1.0)
-    assert carry.local["w"].device == other and carry.mean["w"].device == other
+    ledger.inject(grad, whole([("w", 8)]), 1.0)
+    ledger.carry.apply_mean("w", grad, 1.0)
+    assert ledger.carry.local["w"].device == other and ledger.carry.mean["w"].device == other
     with pytest.raises(ValueError, match="'w' has 8 elements, the parameter 4"):
-        carry.inject("w", torch.zeros(4, device=other), 1.0)
+        ledger.inject(torch.zeros(4, device=other), whole([("w", 4)]), 1.0)
     # momentum correction's sync momentum
     momentum = SyncMomentum(0.9, False)
     momentum.dense(["w"], [torch.ones(8)])

@@ -67,20 +67,22 @@ from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology, TopologyError
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
-from gradsync.integrate.hook_ledger import Iteration, Ledger
+from gradsync.integrate.hook_books import HookBooks, Iteration
 from gradsync.integrate.wrap import build_config
 from gradsync.sync.bucket_sync import bucket_program
+from gradsync.sync.checkpoint import front_state, must_reset
 from gradsync.sync.codec_set import build_codecs, sync_momentum
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
-from gradsync.sync.engine_state import must_reset
+from gradsync.sync.ledger import Ledger
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, sequence_program, warn_forwards_apart
 from gradsync.sync.tasks import TaskManager
 
 log = logging.getLogger("gradsync")
 
-STATE_FORMAT = "gradsync.ddp_hook/1"
+STATE_FORMAT = "gradsync.ddp_hook/2"
+_OLDER_FORMAT = "gradsync.ddp_hook/1"  # one "codec" instead of the ledger's "codecs"
 
 
 def _in_backward() -> bool:
@@ -116,8 +118,11 @@ class HookState:
             config.density_schedule, [self.codec] if self.codec is not None else [], config.scheme
         )
         check_overflow = grad_scaler is not None if config.check_overflow is None else config.check_overflow
-        self.ledger = Ledger(self.codec, model, config.find_unused_parameters, check_overflow)
-        """Carry, layouts and parameter use from one iteration to the next."""
+        self.ledger = Ledger([self.codec] if self.codec is not None else [])
+        """What error feedback owes: the codec's streams and the carry, with the round an overflow
+        undoes (:mod:`gradsync.sync.ledger`: the same object ``wrap``'s engine and FSDP2 drive)."""
+        self.books = HookBooks(self.ledger, model, config.find_unused_parameters, check_overflow)
+        """DDP's bucket layouts and the parameters' use, from one iteration to the next."""
         self.manager = TaskManager("gradsync-ddp")
         self.step = 0
         self.forwards = 0  # training-mode forward passes of ``model`` (for the step check)
@@ -202,18 +207,18 @@ class HookState:
         """The first bucket of an iteration (every bucket of the last one is done by now)."""
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             self.loss_scale = float(self.grad_scaler.get_scale())  # once per iteration
-        self.iteration = self.ledger.begin(joined, self.dense_step())
+        self.iteration = self.books.begin(joined, self.dense_step())
         return self.iteration
 
     def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
         """The iteration is over (compute thread): the ledger settles it, then DDP gets the
         buckets (its next iteration starts from the counted step)."""
         self._note_forwards()
-        self.ledger.settle(it, flags)
+        self.books.settle(it, flags)
         self._dense_next = self._dense_next and not it.dense
         self.step += 1
         self.iteration = None
-        self.ledger.release(it)
+        self.books.release(it)
 
     def _note_forwards(self) -> None:
         """Once: the ranks' forward counts were apart (see :func:`warn_forwards_apart`)."""
@@ -223,7 +228,7 @@ class HookState:
     def owed_gradients(self) -> dict[str, torch.Tensor]:
         """What this rank still owes the mean gradient, per parameter (as
         ``GradSync.engine.owed_gradients``); call it between iterations."""
-        return self.ledger.owed_gradients(self.topo.world if self.topo is not None else 1)
+        return self.books.owed_gradients(self.topo.world if self.topo is not None else 1)
 
     def why_dense(self, buffer: torch.Tensor, key: str = "") -> str | None:
         """Why a bucket is synchronized densely this iteration; None when it is compressed."""
@@ -312,15 +317,11 @@ class HookState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: tensors and plain values (``weights_only`` loads it), with the
-        signature a load checks."""
-        return {
-            "format": STATE_FORMAT,
-            "rank": self.topo.rank if self.topo is not None else 0,
-            "signature": self.signature(),
-            "step": self.step,
-            "codec": None if self.codec is None else self.codec.state_dict(),
-            **self.ledger.state_dict(),
-        }
+        signature a load checks (the envelope of :mod:`gradsync.sync.checkpoint`)."""
+        rank = self.topo.rank if self.topo is not None else 0
+        return front_state(
+            STATE_FORMAT, rank, self.signature(), self.step, self.ledger, **self.books.state_dict()
+        )
 
     def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         """Restore :meth:`state_dict`. A state saved under another world, topology, scheme,
@@ -330,17 +331,19 @@ class HookState:
         first-iteration bucket rebuild (a new DDP model) happens on dense buckets, so no residual
         waits for a bucket that DDP no longer forms."""
         saved_before_signatures = isinstance(state, dict) and "format" not in state and "step" in state
+        if isinstance(state, dict) and state.get("format") == _OLDER_FORMAT:
+            state = {**state, "format": STATE_FORMAT}
         if not saved_before_signatures and must_reset(
             state, self.signature(), self.topo.rank if self.topo is not None else 0,
             reset_compression_state, STATE_FORMAT,
         ):  # fmt: skip
             self.step = int(state.get("step", self.step))
+            self.ledger.reset()
             self._dense_next = True
             return
         self.step = int(state["step"])
-        if self.codec is not None and state.get("codec") is not None:
-            self.codec.load_state_dict(state["codec"])
         self.ledger.load_state_dict(state)
+        self.books.load_state_dict(state)
         self._dense_next = True
 
     def close(self) -> None:
@@ -348,13 +351,13 @@ class HookState:
         if self._counting is not None:
             self._counting.remove()
             self._counting = None
-        self.ledger.close()
+        self.books.close()
         self.manager.close()
 
 
 def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str, compress: bool) -> Program:
     buf = bucket.buffer()
-    state.ledger.inject(it, key, buf, state.loss_scale)
+    state.books.inject(it, key, buf, state.loss_scale)
     ws = state._workspaces.setdefault(key, Workspace())
     scheme, topo = state.scheme, state.topo
     assert scheme is not None and topo is not None
@@ -390,7 +393,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     first, last = bucket.index() == 0, bucket.is_last()
     # DDP's Join mirrors a step on zero buckets outside backward, for a rank out of data
     it = state.begin(joined=not _in_backward()) if first or state.iteration is None else state.iteration
-    it.members[key] = state.ledger.layouts[key] = state.members(bucket)
+    it.members[key] = state.books.layouts[key] = state.members(bucket)
     why = state.why_dense(buf, key)
     if why is None:
         it.compressed.add(key)
@@ -399,7 +402,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     state.note(key, bucket, why)
     if last:
         state.report()
-    held = state.ledger.needs_flags
+    held = state.books.needs_flags
 
     def done() -> None:
         if held:  # DDP gets it once the iteration's flags are settled
@@ -427,7 +430,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         _program(state, it, bucket, key, why is None), f"ddp bucket {bucket.index()}", done, fail
     )
     if last and held:
-        program, flags = state.ledger.flags_program(it, topo)
+        program, flags = state.books.flags_program(it, topo)
         state.manager.submit(program, "step flags", lambda: state.settle(it, flags), fail)
     return fut
 

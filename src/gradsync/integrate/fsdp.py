@@ -34,7 +34,7 @@ that got none (``set_reduce_scatter_unused_params``): with error feedback a para
 one step still has gradient owed to it. Each stream remembers its layout (which parameters, which
 of FSDP's dim-0 chunks of each, the factor to the final gradient); when it changes (a parameter's
 ``requires_grad`` toggled, another dtype) the stream's residuals are traced back to parameters
-through it and kept in a :class:`~gradsync.sync.carry.Carry` until a reduction of the module
+through it and kept in the :class:`~gradsync.sync.ledger.Ledger`'s carry until a reduction of the module
 takes them in; :meth:`FsdpCompression.owed_gradients` reports the residuals and the carry per
 parameter name. Memory: the reduce-scatter's residual is as large as the module's *unsharded*
 gradient (each rank compresses its whole local gradient), the all-reduce's as large as the shard.
@@ -81,16 +81,19 @@ from gradsync.collectives.program import Program, run
 from gradsync.collectives.strategies import Coder, reduce_scatter_pieces, run_strategy
 from gradsync.integrate.agreement import explain_models, model_fingerprint
 from gradsync.sync.bucket_sync import nonfinite_flag
-from gradsync.sync.carry import Carry, Layouts
+from gradsync.sync.carry import Layouts, Piece
+from gradsync.sync.checkpoint import front_state, must_reset
 from gradsync.sync.codec_set import sync_momentum
-from gradsync.sync.engine_state import must_reset
+from gradsync.sync.ledger import Ledger
 from gradsync.sync.scheme import Scheme
 
 log = logging.getLogger("gradsync")
 
 WHERE = ("shard", "replicate", "both")
-STATE_FORMAT = "gradsync.fsdp/3"
-_OLDER_FORMATS = ("gradsync.fsdp/2", "gradsync.fsdp/1")  # no signature; /1: no carry, no layouts
+STATE_FORMAT = "gradsync.fsdp/4"
+_OLDER_FORMATS = ("gradsync.fsdp/3", "gradsync.fsdp/2", "gradsync.fsdp/1")
+"""/3: one ``codec`` instead of the ledger's ``codecs``; /2: no signature; /1: no carry, no layouts."""
+_SIGNED_FORMATS = (STATE_FORMAT, "gradsync.fsdp/3")
 
 
 def _mesh_kind(group: Any) -> str:
@@ -158,25 +161,12 @@ def _members(group: Any, names: dict[int, str]) -> tuple[_Member, ...] | None:
     return tuple(out)
 
 
-def _accumulate(table: dict[str, torch.Tensor], name: str, numel: int, at: int, values: torch.Tensor) -> None:
-    """Add ``values`` at ``at`` into ``table[name]`` (flat, ``numel`` long; float32, or float64
-    for float64 values; made on the values' device when absent)."""
-    t = table.get(name)
-    if t is None:
-        dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-        t = table[name] = torch.zeros(numel, dtype=dtype, device=values.device)
-    t[at : at + values.numel()].add_(values.reshape(-1).to(t.device, t.dtype))
-
-
-def _piece(name: str, j: int) -> str:
-    return f"{name}@{j}"
-
-
 @dataclass
 class _StreamLayout:
     """How one stream's flat input (``<module>/rs``: the module's whole gradient, rank j's chunk
     of every parameter in row j; ``<module>/ar``: this rank's row) maps to parameters, and the
-    factor that turns its elements into the final gradient's units (``to_final``)."""
+    factor that turns its elements into the final gradient's units (``to_final``): FSDP's
+    geometry, which the :class:`~gradsync.sync.ledger.Ledger` traces what is owed through."""
 
     members: tuple[_Member, ...]
     rows: tuple[int, ...]  # the chunk index of each row of the input
@@ -187,45 +177,22 @@ class _StreamLayout:
     def signature(self) -> tuple[Any, ...]:
         return (self.members, self.rows, self.dtype)
 
-    def layouts(self, module_key: str) -> Layouts:
-        """As :class:`~gradsync.sync.carry.Layouts` over chunks (``name@j``) of the parameters."""
-        return Layouts(
-            [(module_key, [(_piece(m.name, j), m.chunk) for j in self.rows for m in self.members])]
-        )
+    def pieces(self) -> list[Piece]:
+        """The input element by element: row by row, each member's chunk (the part of it past
+        the parameter's end is FSDP's padding, which belongs to no parameter)."""
+        out = []
+        for j in self.rows:
+            for m in self.members:
+                lo = j * m.chunk
+                n = max(0, min(m.chunk, m.numel - lo))
+                if n:
+                    out.append(Piece(m.name, m.numel, lo, n))
+                if m.chunk - n:
+                    out.append(Piece("", 0, 0, m.chunk - n))
+        return out
 
     def numel(self) -> int:
         return len(self.rows) * sum(m.chunk for m in self.members)
-
-    def fold(self, by_piece: dict[str, torch.Tensor], into: Carry, factor: float) -> None:
-        """Add chunk values (``name@j``) into ``into.local`` per parameter, times ``factor``,
-        dropping FSDP's padding."""
-        numels = {m.name: m.numel for m in self.members}
-        for piece, values in by_piece.items():
-            name, _, j = piece.rpartition("@")
-            lo = int(j) * values.numel()
-            n = min(values.numel(), numels[name] - lo)
-            if n > 0:
-                _accumulate(into.local, name, numels[name], lo, values[:n] * factor)
-
-    def inject(self, flat: torch.Tensor, carry: Carry, factor: float) -> list[tuple[str, torch.Tensor]]:
-        """Add what ``carry`` holds for these parameters into ``flat`` (times ``factor``) at
-        their chunks, and take it out of ``carry``: returns what was taken."""
-        taken = []
-        at = 0
-        for j in self.rows:
-            for m in self.members:
-                owed = carry.local.get(m.name)
-                lo = j * m.chunk
-                n = min(m.chunk, m.numel - lo)
-                if owed is not None and n > 0:
-                    region = flat[at : at + n]
-                    region.add_((owed[lo : lo + n] * factor).to(region.device, region.dtype))
-                at += m.chunk
-        for m in self.members:
-            owed = carry.local.pop(m.name, None)
-            if owed is not None:
-                taken.append((m.name, owed))
-        return taken
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -299,20 +266,21 @@ class FsdpCompression:
         """Per stream, after its first call past the warm-up: why it goes dense (None: compressed)."""
         self.streams: set[str] = set()
         """The streams :func:`compress_fsdp` installed (``<module>/rs``, ``<module>/ar``)."""
-        self.carry = Carry()
-        """What streams whose layout changed still owed, per parameter, in the final gradient's
-        units (unscaled; ``carry.local`` only), until a reduction takes it."""
+        self.ledger = Ledger([self.codec] if self.codec is not None else [])
+        """What error feedback owes: the codec's streams and, per parameter, what streams whose
+        layout changed still owed (its carry, in the final gradient's units, unscaled), with the
+        round an overflow undoes (:mod:`gradsync.sync.ledger`: the same object ``wrap``'s engine
+        and the DDP hook drive)."""
         self.layouts: dict[str, _StreamLayout] = {}
         """Each stream's layout at its last call (what its residual's elements belong to)."""
         self.loss_scale = 1.0
         """The loss scale the gradients of this round carry (read from ``grad_scaler``)."""
         self._warned = False
         self._warned_waiting: set[str] = set()
-        # the synchronization round (one backward pass): streams called in it, whether some rank
-        # overflowed in it, and the carry taken into its inputs (given back if it overflows)
+        # the synchronization round (one backward pass): streams called in it, and whether some
+        # rank overflowed in it
         self._round: set[str] = set()
         self._overflow = False
-        self._taken: list[tuple[str, torch.Tensor]] = []
         # set by compress_fsdp: the FSDP module of each module key, parameter names by id
         self._modules: dict[str, FSDPModule] = {}
         self._names: dict[int, str] = {}
@@ -389,9 +357,7 @@ class FsdpCompression:
             return
         self._round = {key}
         self._overflow = False
-        self._taken = []
-        if self.codec is not None:
-            self.codec.begin_round()
+        self.ledger.begin_round()
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
             self.loss_scale = float(scaler.get_scale())
@@ -409,10 +375,7 @@ class FsdpCompression:
         if float(flag) == 0.0:
             return False
         self._overflow = True
-        self.codec.rollback_round()
-        for name, owed in self._taken:
-            _accumulate(self.carry.local, name, owed.numel(), 0, owed)
-        self._taken = []
+        self.ledger.rollback_round()
         return True
 
     # ------------------------------------------------------------------ layouts and carry
@@ -441,20 +404,17 @@ class FsdpCompression:
             and before is not None
             and (layout is None or before.signature != layout.signature)
         ):
-            owed = self.codec.take_streams(lambda k: not k.startswith(f"{key}/"))
-            pieces = Carry()
-            pieces.add_owed(owed, before.layouts(module_key), strict=False)
-            before.fold(pieces.local, self.carry, before.to_final)
+            layouts = Layouts().add(key, before.pieces(), before.to_final)
+            self.ledger.end_streams(lambda k: not k.startswith(f"{key}/"), layouts, strict=False)
         if layout is None:
             self.layouts.pop(key, None)
             return
         self.layouts[key] = layout
-        if inject and self.carry.local:
-            factor = self.loss_scale / layout.to_final
-            self._taken += layout.inject(flat, self.carry, factor)
+        if inject and self.ledger.carry.local:
+            self.ledger.inject(flat, layout.pieces(), self.loss_scale / layout.to_final, take=True)
             here = {m.name for m in layout.members}
             waiting = sorted(
-                n for n in self.carry.local if n not in here and n in self._params_of(module_key)
+                n for n in self.ledger.carry.local if n not in here and n in self._params_of(module_key)
             )
             if waiting and module_key not in self._warned_waiting:
                 self._warned_waiting.add(module_key)
@@ -606,19 +566,10 @@ class FsdpCompression:
         ``set_gradient_divide_factor``'s factor). The ranks' values add up to everything error
         feedback held back and has not applied yet, as ``HookState.owed_gradients`` for the DDP
         hook and ``engine.owed_gradients`` for ``wrap``. Call it between steps."""
-        total = Carry()
-        for name, t in self.carry.local.items():
-            _accumulate(total.local, name, t.numel(), 0, t)
-        if self.codec is not None:
-            owed = self.codec.owed()
-            for key, layout in self.layouts.items():
-                module_key = key.rsplit("/", 1)[0]
-                pieces = Carry()
-                pieces.add_owed(
-                    [o for o in owed if o.key.startswith(f"{key}/")], layout.layouts(module_key), strict=False
-                )
-                layout.fold(pieces.local, total, layout.to_final)
-        return total.owed(1)
+        layouts = Layouts()
+        for key, layout in self.layouts.items():
+            layouts.add(key, layout.pieces(), layout.to_final)
+        return self.ledger.owed_gradients(layouts, 1, strict=False)
 
     # ------------------------------------------------------------------ state
     def signature(self) -> dict[str, Any]:
@@ -634,18 +585,14 @@ class FsdpCompression:
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals, codec streams, carry, layouts and call counts (save one per
         rank): tensors and plain values, as they are (``torch.load(..., weights_only=True)``),
-        with the signature a load checks."""
-        return {
-            "format": STATE_FORMAT,
-            "rank": dist.get_rank() if dist.is_initialized() else 0,
-            "signature": self.signature(),
-            "scheme": self.scheme.text,
-            "where": self.where,
-            "calls": dict(self.calls),
-            "codec": self.codec.state_dict() if self.codec is not None else {},
-            "carry": self.carry.state_dict(),
-            "layouts": {k: v.to_state() for k, v in self.layouts.items()},
-        }
+        in the envelope of :mod:`gradsync.sync.checkpoint` (its ``step``: the synchronizations of
+        the most-called stream), with the signature a load checks."""
+        return front_state(
+            STATE_FORMAT, dist.get_rank() if dist.is_initialized() else 0, self.signature(),
+            max(self.calls.values(), default=0), self.ledger,
+            scheme=self.scheme.text, where=self.where, calls=dict(self.calls),
+            layouts={k: v.to_state() for k, v in self.layouts.items()},
+        )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         """Restore :meth:`state_dict`. Tensors stay where they were loaded (``map_location``):
@@ -656,9 +603,11 @@ class FsdpCompression:
         if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, *_OLDER_FORMATS):
             raise ValueError(f"FsdpCompression.load_state_dict: not a {STATE_FORMAT} state")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if state["format"] == STATE_FORMAT and must_reset(
-            state, self.signature(), rank, reset_compression_state, STATE_FORMAT
-        ):
+        fmt = state["format"]
+        if fmt in _SIGNED_FORMATS and must_reset(state, self.signature(), rank, reset_compression_state, fmt):
+            self.ledger.reset()
+            self.layouts = {}
+            self._round = set()
             return
         for field in ("scheme", "where"):
             mine = self.scheme.text if field == "scheme" else self.where
@@ -668,9 +617,7 @@ class FsdpCompression:
                     f"this compression has {field}={mine!r}"
                 )
         self.calls = {str(k): int(v) for k, v in state["calls"].items()}
-        if self.codec is not None:
-            self.codec.load_state_dict(state["codec"])
-        self.carry.load_state_dict(state.get("carry"))
+        self.ledger.load_state_dict(state)
         self.layouts = {str(k): _StreamLayout.from_state(v) for k, v in (state.get("layouts") or {}).items()}
         self._round = set()
 

@@ -1,6 +1,7 @@
 """One bucket's synchronization, as :func:`gradsync.wrap`'s engine and the DDP comm hook both run
-it: what is owed goes into the flat gradient, its inf/NaN flag is noted, then the scheme's dense
-all-reduce or compressed collective runs as a step program on the task manager's threads.
+it (once the :class:`~gradsync.sync.ledger.Ledger` put what is owed into the flat gradient and
+its inf/NaN flag is noted): the scheme's dense all-reduce or compressed collective, as a step
+program on the task manager's threads.
 
 The two callers differ in who forms the buckets (the engine's plan, or DDP) and in what they do
 around a bucket (packing and clipping in the engine; DDP packs its own buffer), not in how a
@@ -9,7 +10,7 @@ bucket is synchronized: that is this module, once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +21,6 @@ from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Bucket
-from gradsync.sync.carry import Carry
 from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.scheme import Scheme
 
@@ -33,15 +33,6 @@ def nonfinite_flag(flat: torch.Tensor) -> torch.Tensor:
     """A 0-d bool on ``flat``'s device: whether it holds inf or NaN. It stays there until the
     step's flag all-reduce reads all of them at once (no host synchronization per bucket)."""
     return torch.isfinite(flat).all().logical_not()
-
-
-def add_owed(flat: torch.Tensor, members: Sequence[tuple[str, int]], carry: Carry, loss_scale: float) -> None:
-    """Add what ``carry`` holds for each member (name, numel; in bucket order) to its region of
-    the flat gradient, times the loss scale: it is then synchronized with the gradient."""
-    at = 0
-    for name, numel in members:
-        carry.inject(name, flat[at : at + numel], loss_scale)
-        at += numel
 
 
 def bucket_program(

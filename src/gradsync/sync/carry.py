@@ -57,47 +57,95 @@ class Span:
     length: int
 
 
+@dataclass(frozen=True)
+class Piece:
+    """``length`` consecutive elements of a stream's input that belong to parameter ``name``
+    (``numel`` elements in all) from its element ``in_param`` on. ``name`` "" is padding: it
+    belongs to no parameter."""
+
+    name: str
+    numel: int
+    in_param: int
+    length: int
+
+
+def whole(members: Iterable[tuple[str, int]]) -> list[Piece]:
+    """Pieces for parameters laid out whole, one after the other (``(name, numel)`` each)."""
+    return [Piece(name, numel, 0, numel) for name, numel in members]
+
+
 class Layouts:
     """Which parameters lie where in each bucket, to trace a stream key back to them.
 
     Stream keys are made by the synchronizer: ``KEY/role`` or ``KEY#PART/role`` for a bucket
     ``KEY`` (offsets count from the bucket's first element), or the name of one parameter for a
     per-tensor stream (PowerSGD's; offsets count from the parameter's first element, so such a
-    stream keeps its meaning when its parameter moves to another bucket)."""
+    stream keeps its meaning when its parameter moves to another bucket).
 
-    def __init__(self, buckets: Iterable[tuple[str, Sequence[tuple[str, int]]]]) -> None:
-        self._by_key: dict[str, list[tuple[str, int, int]]] = {}
-        self._tensors: dict[str, list[tuple[str, int, int]]] = {}
+    A bucket is a sequence of :class:`Piece` s: whole parameters (``wrap``'s buckets, DDP's), or
+    chunks of them with padding between (FSDP's flat gradient, one padded chunk of every
+    parameter per rank). Each bucket also has a ``factor``: what one element of its input is
+    worth in the units the :class:`Carry` keeps (1 for wrap and the DDP hook, whose carry is in
+    the units of a local gradient; FSDP's carry is in the final gradient's units)."""
+
+    def __init__(self, buckets: Iterable[tuple[str, Sequence[tuple[str, int]]]] = ()) -> None:
+        self._by_key: dict[str, tuple[list[tuple[Piece, int]], float]] = {}
+        self._tensors: dict[str, list[tuple[Piece, int]]] = {}
         for key, members in buckets:
-            layout, start = [], 0
-            for name, numel in members:
-                layout.append((name, start, numel))
-                self._tensors[name] = [(name, 0, numel)]
-                start += numel
-            self._by_key[key] = layout
+            self.add(key, whole(members))
 
-    def of(self, stream_key: str) -> list[tuple[str, int, int]] | None:
-        """``[(name, start, numel), ...]``: the parameters of what a stream's offsets count in."""
+    def add(self, key: str, pieces: Sequence[Piece], factor: float = 1.0) -> Layouts:
+        """Bucket ``key`` holds ``pieces`` in this order (returns self)."""
+        layout, start = [], 0
+        for piece in pieces:
+            if piece.name:
+                layout.append((piece, start))
+                if piece.in_param == 0 and piece.length == piece.numel:
+                    self._tensors[piece.name] = [(piece, 0)]
+            start += piece.length
+        self._by_key[key] = (layout, factor)
+        return self
+
+    def _bucket(self, stream_key: str) -> tuple[list[tuple[Piece, int]], float] | None:
+        """The bucket a stream key belongs to: the longest ``/``-separated prefix of the key that
+        names one (``KEY/role``, ``KEY#PART/role``; FSDP's ``module/rs/role``)."""
+        parts = stream_key.split("/")
+        for n in range(len(parts), 0, -1):
+            prefix = "/".join(parts[:n])
+            found = self._by_key.get(prefix)
+            if found is None and "#" in parts[n - 1]:
+                found = self._by_key.get(prefix.rsplit("#", 1)[0])
+            if found is not None:
+                return found
+        return None
+
+    def of(self, stream_key: str) -> list[tuple[Piece, int]] | None:
+        """``[(piece, start in the stream), ...]``: the parameters of what a stream's offsets
+        count in (None for a key of no known bucket)."""
         found = self._tensors.get(stream_key)  # a per-tensor stream; a bucket's have a role
         if found is not None:
             return found
-        prefix = stream_key.split("/", 1)[0]
-        found = self._by_key.get(prefix)
-        if found is None and "#" in prefix:
-            found = self._by_key.get(prefix.rsplit("#", 1)[0])
-        return found
+        bucket = self._bucket(stream_key)
+        return None if bucket is None else bucket[0]
+
+    def factor(self, stream_key: str) -> float:
+        """What one element of the stream is worth in the carry's units."""
+        if stream_key in self._tensors:
+            return 1.0
+        bucket = self._bucket(stream_key)
+        return 1.0 if bucket is None else bucket[1]
 
     def spans(self, stream_key: str, offset: int, numel: int) -> list[Span]:
         """Where the elements ``offset:offset+numel`` of a stream's bucket fall in its parameters
-        (padding beyond the last one falls nowhere). ``ValueError`` for a key of no bucket."""
+        (padding falls nowhere). ``ValueError`` for a key of no bucket."""
         layout = self.of(stream_key)
         if layout is None:
             raise ValueError(f"gradsync: compression stream {stream_key!r} belongs to no known bucket")
         out = []
-        for name, start, n in layout:
-            lo, hi = max(offset, start), min(offset + numel, start + n)
+        for piece, start in layout:
+            lo, hi = max(offset, start), min(offset + numel, start + piece.length)
             if lo < hi:
-                out.append(Span(name, n, lo - offset, lo - start, hi - lo))
+                out.append(Span(piece.name, piece.numel, lo - offset, piece.in_param + lo - start, hi - lo))
         return out
 
 
@@ -131,15 +179,19 @@ class Carry:
         t[at : at + values.numel()].add_(values.reshape(-1).to(t.dtype))
 
     def add_owed(self, owed: Iterable[Owed], layouts: Layouts, strict: bool = True) -> list[str]:
-        """Put the residuals of taken streams on their parameters, as this rank's share. A stream
-        of no known bucket raises ``ValueError``, or with ``strict=False`` is returned (its key)."""
+        """Put the residuals of taken streams on their parameters, as this rank's share (in the
+        carry's units: times the bucket's :meth:`Layouts.factor`). A stream of no known bucket
+        raises ``ValueError``, or with ``strict=False`` is returned (its key)."""
         lost = []
         for o in owed:
             if not strict and layouts.of(o.key) is None:
                 lost.append(o.key)
                 continue
+            factor = layouts.factor(o.key)
             for s in layouts.spans(o.key, o.offset, o.residual.numel()):
-                self._add(self.local, s.name, s.numel, s.in_param, _piece(o.residual, s))
+                values = _piece(o.residual, s)
+                values = values if factor == 1.0 else values * factor
+                self._add(self.local, s.name, s.numel, s.in_param, values)
         return lost
 
     def add_mean(self, name: str, values: torch.Tensor) -> None:
@@ -161,12 +213,24 @@ class Carry:
             t = table[name] = t.to(grad.device)
         return t
 
-    def inject(self, name: str, grad: torch.Tensor, scale: float) -> None:
-        """Add this rank's share of ``name`` (times the loss ``scale``) to its flat gradient
-        ``grad`` (a bucket's region): it is synchronized with it."""
-        t = self._placed(self.local, name, grad)
-        if t is not None:
-            grad.add_(t.to(grad.dtype) if scale == 1.0 else (t * scale).to(grad.dtype))
+    def inject(self, piece: Piece, region: torch.Tensor, scale: float) -> bool:
+        """Add this rank's share of ``piece`` (times ``scale``: the loss scale, over the bucket's
+        factor) to ``region``, the piece's elements of a stream's input: it is synchronized with
+        them. Returns whether something was owed to the piece's parameter."""
+        t = self.local.get(piece.name)
+        if t is None:
+            return False
+        if t.numel() != piece.numel:
+            raise ValueError(
+                f"gradsync: the gradient owed to parameter {piece.name!r} has {t.numel()} elements, the "
+                f"parameter {piece.numel}: the state was saved for another model or layout"
+            )
+        if t.device != region.device:  # loaded elsewhere: it follows the gradient on first use
+            t = self.local[piece.name] = t.to(region.device)
+        if piece.in_param or piece.length != t.numel():
+            t = t[piece.in_param : piece.in_param + piece.length]
+        region.add_(t.to(region.dtype) if scale == 1.0 else (t * scale).to(region.dtype))
+        return True
 
     def apply_mean(self, name: str, grad: torch.Tensor, scale: float) -> None:
         """Add the agreed share of ``name`` (times ``scale``) to its synchronized gradient."""

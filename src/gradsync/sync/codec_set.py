@@ -182,16 +182,3 @@ class CodecSet:
     def own_density(self, step: int) -> None:
         """Back to the codecs' own densities (what the planner and its timings assume)."""
         apply_schedule(None, self.codecs, step)
-
-    # ------------------------------------------------------------------ state
-    def begin_round(self) -> None:
-        for codec in self.codecs:
-            codec.begin_round()
-
-    def rollback_round(self) -> None:
-        for codec in self.codecs:
-            codec.rollback_round()
-
-    def reset_state(self) -> None:
-        for codec in self.codecs:
-            codec.reset_state()

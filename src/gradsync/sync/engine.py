@@ -37,15 +37,16 @@ Parameters as DDP leaves them:
 
 The first ``dense_warmup_steps`` steps (at least one) are dense. Buckets launch in a fixed
 order, the same on every rank, and the task manager issues their collectives in that order.
-The codecs are a :class:`~gradsync.sync.codec_set.CodecSet`; what ended streams owed is carried
-by :mod:`gradsync.sync.streams`; the checkpoint format is :mod:`gradsync.sync.engine_state`.
+The codecs are a :class:`~gradsync.sync.codec_set.CodecSet`; what error feedback owes (the
+codecs' streams, the carry of ended streams, the round an overflow undoes) is the
+:class:`~gradsync.sync.ledger.Ledger`, the same object the DDP hook and FSDP2 drive; the
+checkpoint format is :mod:`gradsync.sync.engine_state`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 import warnings
@@ -60,19 +61,22 @@ from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
-from gradsync.sync.bucket_sync import add_owed, bucket_program, nonfinite_flag, unpacker
+from gradsync.sync.bucket_sync import bucket_program, nonfinite_flag, unpacker
 from gradsync.sync.buckets import Bucket, Slot
-from gradsync.sync.carry import Carry, give_back_unused, owed_by_parameter
+from gradsync.sync.carry import Carry, whole
+from gradsync.sync.checkpoint import must_reset
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.closed_loop import ClosedLoop, kept_streams
-from gradsync.sync.codec_set import CodecSet, sync_momentum
+from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.engine_costs import EngineCosts
-from gradsync.sync.engine_state import engine_state, load_engine_state, must_reset, signature
+from gradsync.sync.engine_state import STATE_FORMAT, engine_state, load_engine_state, signature
 from gradsync.sync.explain import PlanReport, report_plan
 from gradsync.sync.failure import Failure, SyncError
 from gradsync.sync.flags import apply_flags, flags_program, rescale_for_join
 from gradsync.sync.layout import BucketLayout
+from gradsync.sync.ledger import Ledger
+from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.one_rank import finish_one_rank
 from gradsync.sync.plan import Plan
 from gradsync.sync.planner import FirstStep
@@ -80,7 +84,6 @@ from gradsync.sync.replan import Replanner
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, LagClock, sequence_program, warn_forwards_apart
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
-from gradsync.sync.streams import apply_carry, end_streams
 from gradsync.sync.tasks import Task, TaskManager
 
 __all__ = ["SyncEngine", "SyncError"]
@@ -106,9 +109,9 @@ class SyncEngine:
         self.codecs: list[Compressor] = self.codec_set.codecs
         self.schemes: list[Scheme] = self.codec_set.schemes
         """The scheme each codec runs under (by codec id): the scheme's own, then the candidates'."""
-        self.momentum = sync_momentum(self.codecs)
-        """Momentum correction (``ef:momentum``): the optimizer's momentum for what is sent
-        densely (see :mod:`gradsync.sync.momentum`); None for other schemes."""
+        self.ledger = Ledger(self.codecs)
+        """What error feedback owes: the codecs' streams, momentum correction's momentum and the
+        carry, with the round that can undo them (:mod:`gradsync.sync.ledger`)."""
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
         self._numel = sum(s.numel for s in self.slots)
         self._clip_global = config.clip_local is not None and config.clip_local_mode == "global"
@@ -127,9 +130,6 @@ class SyncEngine:
         self.history: list[StepStats] = []
         self._lock = threading.Lock()
         self.layout = BucketLayout(self.slots, config.bucket_bytes)
-        self.carry = Carry()
-        """What error feedback owed to streams that ended, until a step applies it
-        (:mod:`gradsync.sync.carry`)."""
         self._dense_flushed = False  # dense_from_step: the streams were ended for dense training
         self._in_step = False
         self.cur = StepState(len(self.slots))
@@ -166,6 +166,18 @@ class SyncEngine:
             self.codec_set.check_fit(self.slots)
 
     # ------------------------------------------------------------------ layout
+    @property
+    def momentum(self) -> SyncMomentum | None:
+        """Momentum correction (``ef:momentum``): the optimizer's momentum for what is sent
+        densely (see :mod:`gradsync.sync.momentum`); None for other schemes."""
+        return self.ledger.momentum
+
+    @property
+    def carry(self) -> Carry:
+        """What error feedback owed to streams that ended, until a step applies it
+        (:mod:`gradsync.sync.carry`)."""
+        return self.ledger.carry
+
     @property
     def plan(self) -> Plan | None:
         """The plan in use (None before the first step's measurements)."""
@@ -285,15 +297,12 @@ class SyncEngine:
             overflow, unused = False, set[str]()
             if flags is not None:
                 overflow, unused = apply_flags(
-                    flags.tolist(), self.slots, self.codec_set, self.momentum, self._agreeing,
-                    self.layout.layouts,
-                )  # fmt: skip
+                    flags.tolist(), self.slots, self.ledger, self._agreeing, self.layout.layouts
+                )
             frozen = {self.slots[i].name for i in self._frozen}
             if frozen - unused and not overflow:
                 # what error feedback sent of a frozen parameter never reaches it: owed still
-                give_back_unused(self.codecs, self.layout.layouts(), frozen - unused)
-                if self.momentum is not None:
-                    self.momentum.rollback_round(frozen - unused)
+                self.ledger.give_back(self.layout.layouts(), frozen - unused)
             unused |= frozen
             if not self.cur.shadow:
                 self._note_missing()
@@ -303,8 +312,8 @@ class SyncEngine:
                 rescale_for_join(
                     work, self.join_divide_by_world, self.cur.shadow, self.slots, self.topo.world
                 )
-            if self.carry and not overflow:
-                apply_carry(self.carry, self.slots, unused, self.cur.shadow, self.cur.loss_scale)
+            if not overflow:
+                self.ledger.apply_agreed(self.slots, unused, self.cur.shadow, self.cur.loss_scale)
             stats = self._stats(in_backward, overflow)
             for observe in list(self.observers):  # an observer may leave
                 observe(stats, self.cur.tasks, self.cur.task_bucket)
@@ -387,10 +396,8 @@ class SyncEngine:
         elif any(b.skip for b in self._buckets):
             for b in self._buckets:
                 b.skip = frozenset()
-        self.codec_set.begin_round()
+        self.ledger.begin_round()
         self.codec_set.set_density(self.step, self.config.log_plan and self.topo.rank == 0)
-        if self.momentum is not None:
-            self.momentum.begin_round()
         self._words, self._check_task = None, None
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence
             words = EngineWords(None if shadow else self.passes, _signature(self._frozen), self._missed)
@@ -432,7 +439,7 @@ class SyncEngine:
                     members = [
                         ("" if j in bucket.skip else s.name, s.numel) for j, s in enumerate(bucket.slots)
                     ]
-                    add_owed(bucket.flat, members, self.carry, self.cur.loss_scale)
+                    self.ledger.inject(bucket.flat, whole(members), self.cur.loss_scale)
             if self.check_overflow:  # stays on the device: read once, after the flags' all-reduce
                 self.cur.nonfinite.append(nonfinite_flag(bucket.flat))
         lo, hi = bucket.part_range(part, parts)
@@ -535,8 +542,7 @@ class SyncEngine:
         self, keep: dict[int, Callable[[str], bool]], ended: list[int], buckets: list[Bucket]
     ) -> list[str]:
         slots = [self.slots[i] for i in ended]
-        layouts = self.layout.layouts(buckets)
-        return end_streams(self.codec_set, keep, slots, layouts, self.carry, self.momentum, self.topo)
+        return self.ledger.end_streams(keep, self.layout.layouts(buckets), ended=slots, topo=self.topo)
 
     def _report_plan(self, seconds: float) -> None:
         """Say what the plan compresses and why the rest is not (:func:`report_plan`)."""
@@ -579,13 +585,12 @@ class SyncEngine:
         and unscaled: error feedback's residuals traced back to their parameters, and what is
         carried. The ranks' values add up to everything computed but not applied yet. A pass over
         the residuals: call it between steps, for checks and telemetry."""
-        return owed_by_parameter(self.codecs, self.layout.layouts(), self.carry, self.topo.world)
+        return self.ledger.owed_gradients(self.layout.layouts(), self.topo.world)
 
     def residual_norm(self) -> float | None:
         """The L2 norm of every codec's error-feedback residuals (None without error feedback).
         A pass over the residuals: call it between steps, every few steps."""
-        norms = [n for c in self.codecs if (n := c.residual_norm()) is not None]
-        return math.sqrt(sum(n * n for n in norms)) if norms else None
+        return self.ledger.residual_norm()
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -608,10 +613,8 @@ class SyncEngine:
         """Restore :meth:`state_dict`. A state saved under another world size, topology, scheme
         or model raises ``ValueError``, unless ``reset_compression_state``: then the step count
         is kept, the compression state starts afresh (with a warning) and the next step re-plans."""
-        if must_reset(state, self.signature(), self.topo.rank, reset_compression_state):
-            self.codec_set.reset_state()
-            self.carry = Carry()
-            self.momentum = sync_momentum(self.codecs)
+        if must_reset(state, self.signature(), self.topo.rank, reset_compression_state, STATE_FORMAT):
+            self.ledger.reset()
             self.step = int(state.get("step", 0))
             self.loop.load_state_dict(None)
             self.layout.reset()

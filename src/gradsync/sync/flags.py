@@ -23,9 +23,8 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
-from gradsync.sync.carry import Layouts, give_back_unused
-from gradsync.sync.codec_set import CodecSet
-from gradsync.sync.momentum import SyncMomentum
+from gradsync.sync.carry import Layouts
+from gradsync.sync.ledger import Ledger
 
 
 def flags_program(
@@ -59,8 +58,7 @@ def flags_program(
 def apply_flags(
     values: list[float],
     slots: Sequence[Slot],
-    codecs: CodecSet,
-    momentum: SyncMomentum | None,
+    ledger: Ledger,
     find_unused: bool,
     layouts: Callable[[], Layouts],
 ) -> tuple[bool, set[str]]:
@@ -75,9 +73,7 @@ def apply_flags(
         for s in slots:
             if s.param.grad is not None:
                 s.param.grad.fill_(float("nan"))
-        codecs.rollback_round()
-        if momentum is not None:
-            momentum.rollback_round()
+        ledger.rollback_round()
     unused: set[str] = set()
     if find_unused:
         unused = {s.name for i, s in enumerate(slots) if values[1 + i] == 0}
@@ -86,9 +82,7 @@ def apply_flags(
                 s.param.grad = None  # no rank used it: leave it as DDP would
         if unused and not overflow:
             # SGD skips a parameter without a gradient, so its momentum does not move either
-            give_back_unused(codecs.codecs, layouts(), unused)
-            if momentum is not None:
-                momentum.rollback_round(unused)
+            ledger.give_back(layouts(), unused)
     return overflow, unused
 
 

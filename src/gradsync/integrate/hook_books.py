@@ -1,32 +1,31 @@
-"""The DDP hook's books from one iteration to the next: what error feedback owes, where DDP's
-buckets put each parameter, which parameters got a gradient, and the flags an iteration ends
-with (see :mod:`gradsync.integrate.ddp_hook` for what the hook does with them).
+"""The DDP hook's books from one iteration to the next: where DDP's buckets put each parameter,
+which parameters got a gradient, and the flags an iteration ends with (see
+:mod:`gradsync.integrate.ddp_hook` for what the hook does with them). What error feedback owes
+is the :class:`~gradsync.sync.ledger.Ledger`'s, the same object ``wrap`` and FSDP2 drive.
 
 DDP hands the hook one bucket at a time and waits for every bucket's future at the end of the
-backward pass. An :class:`Iteration` collects what the buckets of one iteration leave behind; the
-:class:`Ledger` settles it once the last bucket is done: with the agreed flags (overflow on some
-rank, parameters no rank used), with the streams of buckets DDP no longer forms (their residuals
-carried to the parameters, :mod:`gradsync.sync.carry`), and only then are the buckets released
-to DDP.
+backward pass. An :class:`Iteration` collects what the buckets of one iteration leave behind;
+:class:`HookBooks` settles it once the last bucket is done: with the agreed flags (overflow on
+some rank, parameters no rank used), with the streams of buckets DDP no longer forms (their
+residuals carried to the parameters), and only then are the buckets released to DDP.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.codecs import Compressor
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
-from gradsync.sync.bucket_sync import add_owed, nonfinite_flag
-from gradsync.sync.carry import Carry, Layouts, give_back_unused, owed_by_parameter
+from gradsync.sync.bucket_sync import nonfinite_flag
+from gradsync.sync.carry import Layouts, whole
 from gradsync.sync.flags import flags_program
+from gradsync.sync.ledger import Ledger
 
 
 @dataclass
@@ -41,18 +40,17 @@ class Iteration:
     held: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor]] = field(default_factory=list)
 
 
-class Ledger:
-    """Carry, bucket layouts and parameter use of a DDP hook (``codec``: its compressor, None for
-    a dense scheme; ``model``: DDP's module, for parameter names and their use)."""
+class HookBooks:
+    """Bucket layouts and parameter use of a DDP hook, around its ``ledger`` (whose codecs are
+    the hook's compressor, none for a dense scheme; ``model``: DDP's module, for parameter names
+    and their use)."""
 
     def __init__(
-        self, codec: Compressor | None, model: nn.Module | None, find_unused: bool, check_overflow: bool
+        self, ledger: Ledger, model: nn.Module | None, find_unused: bool, check_overflow: bool
     ) -> None:
-        self.codec = codec
+        self.ledger = ledger
         self.find_unused = find_unused
         self.check_overflow = check_overflow
-        self.carry = Carry()
-        """What error feedback owed to streams that ended, until an iteration applies it."""
         self.layouts: dict[str, list[tuple[str, int]]] = {}
         """Every bucket key seen, with its parameters (name, numel) in DDP's order."""
         self._warned: set[str] = set()  # the warnings given once
@@ -67,6 +65,9 @@ class Ledger:
             p.register_post_accumulate_grad_hook(lambda _, n=n: self._used.add(n)) for n, p in trained
         ]
 
+    def _layouts(self) -> Layouts:
+        return Layouts(self.layouts.items())
+
     @property
     def needs_flags(self) -> bool:
         """Whether an iteration ends with the flag all-reduce (overflow, used parameters)."""
@@ -75,29 +76,16 @@ class Ledger:
     def begin(self, joined: bool, dense: bool) -> Iteration:
         """The first bucket of an iteration (every bucket of the last one is done by now)."""
         it = Iteration(joined, dense)
-        if self.codec is not None:
-            self.codec.begin_round()
-            if dense:  # a dense iteration: every stream ends, what it owed is sent now
-                self._end_streams(lambda key: False)
+        self.ledger.begin_round()
+        if dense and self.ledger.codecs:  # a dense iteration: every stream ends, what it owed is sent now
+            self.ledger.end_streams(lambda key: False, self._layouts(), strict=False)
         return it
-
-    def _end_streams(self, keep: Callable[[str], bool]) -> None:
-        assert self.codec is not None
-        lost = self.carry.add_owed(self.codec.take_streams(keep), Layouts(self.layouts.items()), strict=False)
-        if lost:
-            warnings.warn(
-                f"gradsync: the residuals of {len(lost)} compression streams ({', '.join(lost[:3])}...) "
-                "belong to buckets this hook has no layout of (a state saved by an older gradsync): "
-                "they are dropped",
-                RuntimeWarning,
-                stacklevel=3,
-            )
 
     def inject(self, it: Iteration, key: str, buf: torch.Tensor, loss_scale: float) -> None:
         """Before a bucket is synchronized (compute thread): add what its parameters are owed and
         note whether it holds inf/NaN (a flag kept on the device)."""
-        if self.carry.local and not it.joined:
-            add_owed(buf, it.members[key], self.carry, loss_scale)
+        if not it.joined:
+            self.ledger.inject(buf, whole(it.members[key]), loss_scale)
         if self.check_overflow:
             it.nonfinite.append(nonfinite_flag(buf))
 
@@ -119,16 +107,19 @@ class Ledger:
         if overflow:  # every rank skips the step: NaN reaches each rank's GradScaler
             for _, buf in it.held:
                 buf.fill_(math.nan)
-            if self.codec is not None:
-                self.codec.rollback_round()
-        elif unused and self.codec is not None:  # DDP leaves them untouched: nothing sent reached them
-            give_back_unused([self.codec], Layouts(self.layouts.items()), unused)
+            self.ledger.rollback_round()
+        else:  # DDP leaves unused parameters untouched: nothing sent reached them
+            self.ledger.give_back(self._layouts(), unused)
         if not overflow and not it.joined:
-            self.carry.settle(n for members in it.members.values() for n, _ in members if n not in unused)
+            self.ledger.settle(n for members in it.members.values() for n, _ in members if n not in unused)
             self._warn_unplaced(it)
             self._warn_untracked(it)
-        if not it.dense and self.codec is not None:  # streams of buckets DDP no longer forms
-            self._end_streams(lambda key: key.split("/", 1)[0] in it.compressed or key in it.compressed)
+        if not it.dense and self.ledger.codecs:  # streams of buckets DDP no longer forms
+            self.ledger.end_streams(
+                lambda key: key.split("/", 1)[0] in it.compressed or key in it.compressed,
+                self._layouts(),
+                strict=False,
+            )
         self._used.clear()
 
     @staticmethod
@@ -156,7 +147,7 @@ class Ledger:
 
     def _warn_unplaced(self, it: Iteration) -> None:
         here = {n for members in it.members.values() for n, _ in members}
-        stray = sorted(set(self.carry.local) - here)
+        stray = sorted(set(self.ledger.carry.local) - here)
         if stray and "unplaced" not in self._warned:
             self._warned.add("unplaced")
             warnings.warn(
@@ -168,18 +159,14 @@ class Ledger:
 
     def owed_gradients(self, world: int) -> dict[str, torch.Tensor]:
         """What this rank still owes the mean gradient, per parameter (see
-        :func:`~gradsync.sync.carry.owed_by_parameter`)."""
-        codecs = [self.codec] if self.codec is not None else []
-        return owed_by_parameter(codecs, Layouts(self.layouts.items()), self.carry, world)
+        :meth:`~gradsync.sync.ledger.Ledger.owed_gradients`)."""
+        return self.ledger.owed_gradients(self._layouts(), world)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "carry": self.carry.state_dict(),
-            "layouts": {k: [[n, c] for n, c in members] for k, members in self.layouts.items()},
-        }
+        """The bucket layouts (the ledger's state is saved beside them)."""
+        return {"layouts": {k: [[n, c] for n, c in members] for k, members in self.layouts.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.carry.load_state_dict(state.get("carry"))
         for key, members in (state.get("layouts") or {}).items():
             self.layouts[key] = [(str(n), int(c)) for n, c in members]
 
