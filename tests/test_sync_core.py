@@ -252,3 +252,50 @@ def test_the_revert_guard_survives_a_checkpoint():
     assert resumed.before is not None and resumed.before[1] == 0.25
     assert resumed.before[0].to_state() == plan.to_state()
     assert resumed.worse_than_before(0.3) and not resumed.worse_than_before(0.26)
+
+
+# ------------------------------------------------------------------- the ledger's geometry
+def test_the_ledger_traces_padded_chunks_and_gives_back_what_a_skipped_round_took():
+    """FSDP's geometry through the ledger, against a reference written out by hand: a stream's
+    input is two rows of padded dim-0 chunks (``w``: 5 elements in chunks of 3, ``v``: 2 in
+    chunks of 2), worth 0.5 each in the carry's units. Ending the stream puts exactly the
+    residual's elements of each parameter, times 0.5, on it (the padding on nothing); injecting
+    with the loss scale over the factor gives the residual back in the input's units; a rolled
+    back round returns what it took; a state in a front's older format (one ``codec``) loads."""
+    from gradsync.codecs import EncodeContext
+    from gradsync.sync.carry import Layouts, Piece
+
+    pieces = [
+        Piece("w", 5, 0, 3), Piece("v", 2, 0, 2),  # row 0
+        Piece("w", 5, 3, 2), Piece("", 0, 0, 1), Piece("", 0, 0, 2),  # row 1: w's tail, padding
+    ]  # fmt: skip
+    codec = build_codec("topk:density=0.3+ef")
+    ledger = Ledger([codec])
+    x = torch.arange(1.0, 11.0) * torch.tensor([1, -1] * 5)
+    ledger.begin_round()
+    payload = codec.encode(x, EncodeContext(key="m/rs/send", offset=0))
+    residual = x - codec.decode(payload)
+    saved = ledger.state_dict()
+    layouts = Layouts().add("m/rs", pieces, factor=0.5)
+    assert ledger.owed_gradients(layouts, 1)["w"].tolist() == (0.5 * residual[[0, 1, 2, 5, 6]]).tolist()
+    assert ledger.end_streams(lambda key: False, layouts) == ["m/rs/send"]
+    assert not codec.owed()
+    w, v = ledger.carry.local["w"], ledger.carry.local["v"]
+    assert w.tolist() == (0.5 * residual[[0, 1, 2, 5, 6]]).tolist()
+    assert v.tolist() == (0.5 * residual[[3, 4]]).tolist()
+    # the next round takes the carry into its input (loss scale 4 over the factor 0.5)...
+    ledger.begin_round()
+    flat = torch.zeros(10)
+    ledger.inject(flat, pieces, 4.0 / 0.5, take=True)
+    expected = torch.zeros(10)
+    expected[:7] = 4.0 * residual[:7]
+    assert flat.tolist() == expected.tolist() and not ledger.carry.local
+    # ...and an overflow on some rank gives it back
+    ledger.rollback_round()
+    assert ledger.carry.local["w"].tolist() == w.tolist() and ledger.carry.local["v"].tolist() == v.tolist()
+    # a front's older state (one "codec" instead of "codecs") restores the stream
+    again = Ledger([build_codec("topk:density=0.3+ef")])
+    again.load_state_dict({"codec": saved["codecs"][0], "carry": None})
+    assert again.owed_gradients(layouts, 1)["v"].tolist() == v.tolist()
+    with pytest.raises(ValueError, match="2 codec states, this synchronization has 1"):
+        again.load_state_dict({"codecs": [saved["codecs"][0]] * 2})
