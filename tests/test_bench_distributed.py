@@ -298,7 +298,10 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         ),
         (["bench", "train", "--warmup", "1"], "--warmup must be at least 2"),
         (["bench", "train", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
-        (["bench", "train", "--emulate", "2x2", "--link", "fast"], "--link must be a rate like 100mbit"),
+        (
+            ["bench", "train", "--emulate", "2x2", "--link", "fast"],
+            "--link must be a positive rate like 100mbit",
+        ),
         (["bench", "collectives", "--sizes-mb", "0"], "--sizes-mb must be positive"),
         (["bench", "train", "--contenders", ","], "--contenders must name at least one contender"),
         (["bench", "train", "--contenders", "ddp,auto,ddp"], "--contenders names 'ddp' more than once"),

@@ -20,15 +20,35 @@ from gradsync.cli import main
 from gradsync.cluster import netns
 from gradsync.cluster.launch import node_command, node_environment
 from gradsync.cluster.storage import SERVED_PATH, storage_server
+from gradsync.units import parse_duration, parse_rate, parse_size, rate_text
 
 
-def test_rates_parse_to_bits_per_second():
-    assert netns.parse_rate("100mbit") == 100e6
-    assert netns.parse_rate("1gbit") == 1e9
-    assert netns.parse_rate(" 2.5Gbit ") == 2.5e9
+def test_one_parser_reads_rates_durations_and_sizes_in_explicit_units():
+    """gradsync.units: every rate in bytes per second (bits as tc writes them, or bytes), every
+    duration in seconds, every size in bytes; a bad value names the option and what it takes."""
+    assert parse_rate("100mbit", "--rate") == 100e6 / 8
+    assert parse_rate(" 2.5Gbit ", "--rate", tc_units=True) == 2.5e9 / 8
+    assert parse_rate("12GB/s", "--inter") == 12e9
+    assert parse_rate("800kbit", "--inter") == 1e5
     for bad in ("100", "fast", "0mbit", "-1gbit", "100mb"):
-        with pytest.raises(ValueError, match="--rate must be a positive number with gbit, mbit or kbit"):
-            netns.parse_rate(bad)
+        with pytest.raises(ValueError, match="--rate must be a positive rate like 25gbit"):
+            parse_rate(bad, "--rate")
+    with pytest.raises(
+        ValueError, match=r"--link must be a positive rate like 100mbit or 1gbit \(gbit, mbit or kbit\)"
+    ):
+        parse_rate("12GB/s", "--link", tc_units=True)
+    assert rate_text(parse_rate("25gbit", "--inter")) == "25gbit"
+    assert parse_duration("1.5ms", "--step-time") == pytest.approx(1.5e-3, rel=1e-12)
+    assert parse_duration("20us", "--inter-latency") == pytest.approx(20e-6, rel=1e-12)
+    with pytest.raises(ValueError, match="--step-time must be a duration like 20us"):
+        parse_duration("3 hours", "--step-time")
+    assert parse_size("512m", "--cache-memory", ("auto", "off")) == 512 << 20
+    assert parse_size("auto", "--cache-memory", ("auto", "off")) == "auto"
+    assert parse_size("123456", "--cache-disk") == 123456
+    with pytest.raises(
+        ValueError, match="--cache-disk must be a size such as 512m, 4g or a number of bytes, or none"
+    ):
+        parse_size("lots", "--cache-disk", ("none",))
 
 
 def test_up_commands_shape_both_ends_of_every_cable():
@@ -66,9 +86,9 @@ def test_up_commands_give_the_storage_node_its_own_shaped_cable():
 
 def test_a_bad_storage_rate_names_its_option():
     for bad in ("slow", "100", "0mbit", ""):
-        with pytest.raises(ValueError, match="--storage-link must be a positive number"):
+        with pytest.raises(ValueError, match="--storage-link must be a positive rate like 100mbit"):
             netns.up_commands(1, "1gbit", bad)
-        with pytest.raises(ValueError, match="--storage-link must be a positive number"):
+        with pytest.raises(ValueError, match="--storage-link must be a positive rate like 100mbit"):
             netns.up(1, "1gbit", bad)  # refused before anything is created
 
 
@@ -107,12 +127,12 @@ def test_without_root_the_cluster_says_so(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["cluster", "up", "--rate", "warp"], 2, "--rate must be a positive number"),
+        (["cluster", "up", "--rate", "warp"], 2, "--rate must be a positive rate like 100mbit"),
         (["cluster", "up", "--nodes", "0"], 2, "--nodes must be an integer from 1 to 64"),
         (["cluster", "launch", "--", "bench", "step"], 1, "no emulated cluster is up"),
         (["cluster", "launch", "--per-node", "0", "--", "bench", "step"], 2, "--per-node must be at least 1"),
         (["cluster", "launch"], 2, "no gradsync command given"),
-        (["cluster", "up", "--storage-link", "slow"], 2, "--storage-link must be a positive number"),
+        (["cluster", "up", "--storage-link", "slow"], 2, "--storage-link must be a positive rate like 100mbit"),
     ],
 )
 def test_cluster_command_errors(argv, code, message, capsys, monkeypatch, tmp_path):

@@ -278,7 +278,7 @@ def test_plot_throughput_writes_a_png(tmp_path):
         (["--nic-interval-ms", "nan"], "--nic-interval-ms must be from 1 to 1000"),
         (["--nic-if", "../etc"], "--nic-if: not a network interface name: '../etc'"),
         (["--nic-if", ","], "--nic-if must name at least one interface"),
-        (["--nic-rate", "fast"], "--nic-rate must be a rate like 100mbit or 1gbit"),
+        (["--nic-rate", "fast"], "--nic-rate must be a positive rate like 25gbit, 100mbit or 12GB/s"),
         (["--nic-png", "/nonexistent-dir/x.png"], "--nic-png: the folder '/nonexistent-dir' does not exist"),
         (["--nic-png", "nic.svg"], "--nic-png must end in .png"),
         (["--nic-plot-steps", "0"], "--nic-plot-steps must be at least 1"),

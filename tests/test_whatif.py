@@ -18,9 +18,10 @@ from gradsync.observe.profiler import Profile, profile_step
 from gradsync.observe.trace import check_trace
 from gradsync.sync.planner import predict
 from gradsync.sync.scheme import Scheme
+from gradsync.units import parse_rate
 from gradsync.whatif.codec_costs import CODEC_COSTS_FORMAT, CodecTable
 from gradsync.whatif.contenders import Cluster, build_program, ddp_buckets, stage_times
-from gradsync.whatif.network import LINKS_FORMAT, Network, from_rates, links_document, parse_links, parse_rate
+from gradsync.whatif.network import LINKS_FORMAT, Network, from_rates, links_document, parse_links
 from gradsync.whatif.predict import Point, parse_sweep, points, predict_point
 from gradsync.whatif.simulate import Cpu
 from gradsync.whatif.workload import Tensor, Workload

@@ -17,13 +17,8 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gradsync.whatif.network import (
-    DEFAULT_INTER_LATENCY,
-    DEFAULT_INTRA,
-    DEFAULT_INTRA_LATENCY,
-    parse_rate,
-    parse_time,
-)
+from gradsync.units import parse_duration, parse_rate
+from gradsync.whatif.network import DEFAULT_INTER_LATENCY, DEFAULT_INTRA, DEFAULT_INTRA_LATENCY
 
 if TYPE_CHECKING:
     from gradsync.observe.profile_format import Profile
@@ -133,10 +128,10 @@ def check(args: argparse.Namespace) -> None:
     parse_rate(args.inter, "--inter")
     parse_rate(args.intra, "--intra")
     parse_rate(args.add_rate, "--add-rate")
-    parse_time(args.inter_latency, "--inter-latency")
-    parse_time(args.intra_latency, "--intra-latency")
+    parse_duration(args.inter_latency, "--inter-latency")
+    parse_duration(args.intra_latency, "--intra-latency")
     if args.step_time is not None:
-        parse_time(args.step_time, "--step-time")
+        parse_duration(args.step_time, "--step-time")
     for name in ("compute_scale", "codec_scale", "host_cores", "ddp_bucket_mb"):
         v = getattr(args, name)
         if v is not None and not (v > 0 and v != float("inf")):
@@ -163,8 +158,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.observe.profiler import Profile
     from gradsync.sync.config import parse_options
     from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.units import rate_text
     from gradsync.whatif.codec_costs import CodecTable
-    from gradsync.whatif.network import Network, from_rates, load_links, rate_text
+    from gradsync.whatif.network import Network, from_rates, load_links
     from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
     from gradsync.whatif.simulate import Cpu
     from gradsync.whatif.workload import Workload
@@ -172,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = Profile.load(args.profile)
     workload = Workload.from_profile(profile)
     if args.step_time is not None:
-        workload = workload.scaled_to_step(parse_time(args.step_time, "--step-time"))
+        workload = workload.scaled_to_step(parse_duration(args.step_time, "--step-time"))
     elif args.compute_scale is not None:
         workload = workload.scaled(args.compute_scale)
     nodes, per_node = parse_cluster(args.cluster)
@@ -326,13 +322,8 @@ def calibrate_check(args: argparse.Namespace) -> None:
     if (args.nodes is None) != (args.per_node is None):
         raise ValueError("--nodes and --per-node go together")
     if args.emulate and "RANK" not in os.environ:
-        from gradsync.cluster.netns import parse_rate as parse_link
-
         bench_train._emulated(args.emulate)
-        try:
-            parse_link(args.link)
-        except ValueError:
-            raise ValueError(f"--link must be a rate like 100mbit or 1gbit, got {args.link!r}") from None
+        parse_rate(args.link, "--link", tc_units=True)
 
 
 def calibrate_main(args: argparse.Namespace) -> int:

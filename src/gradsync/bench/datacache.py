@@ -80,10 +80,10 @@ def check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.epochs < 2:
         raise ValueError("--epochs must be at least 2 (the cache pays from the second epoch)")
-    from gradsync.cluster.netns import parse_rate
+    from gradsync.units import parse_rate
 
-    parse_rate(args.link)
-    parse_rate(args.storage_link)
+    parse_rate(args.link, "--link", tc_units=True)
+    parse_rate(args.storage_link, "--storage-link", tc_units=True)
 
 
 def write_image_folder(root: Path, n: int, classes: int, stored: int, noise: float, seed: int = 0) -> int:

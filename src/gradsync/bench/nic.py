@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync.bench.world import link_bytes_per_s
-from gradsync.cluster.netns import parse_rate
 from gradsync.collectives import Topology
 from gradsync.observe.nic import (
     SYSFS_NET,
@@ -57,6 +56,7 @@ from gradsync.observe.nic import (
     phase_throughput,
     plot_throughput,
 )
+from gradsync.units import parse_rate
 
 COLUMNS = ("comm MB/s", "% of link", "peak %", "busy % (≥90 %)")
 _PAD_S = 0.05  # plotted before the first and after the last plotted step
@@ -115,12 +115,7 @@ def check(args: argparse.Namespace) -> None:
             except ValueError as e:
                 raise ValueError(f"--nic-if: {e}") from None
     if args.nic_rate is not None:
-        try:
-            parse_rate(args.nic_rate)
-        except ValueError:
-            raise ValueError(
-                f"--nic-rate must be a rate like 100mbit or 1gbit, got {args.nic_rate!r}"
-            ) from None
+        parse_rate(args.nic_rate, "--nic-rate")
     if not os.path.isdir(args.nic_sysfs):
         raise ValueError(f"--nic-sysfs: {args.nic_sysfs!r} is not a directory")
     if args.nic_png is not None:
@@ -134,7 +129,7 @@ def check(args: argparse.Namespace) -> None:
 def link_rate(args: argparse.Namespace, interfaces: list[str]) -> tuple[float | None, str]:
     """The link rate in bytes/s and where it came from."""
     if args.nic_rate:
-        return parse_rate(args.nic_rate) / 8, f"--nic-rate {args.nic_rate}"
+        return parse_rate(args.nic_rate, "--nic-rate"), f"--nic-rate {args.nic_rate}"
     tb = os.environ.get("TB_RATE")
     rate = link_bytes_per_s(tb)
     if rate is not None:

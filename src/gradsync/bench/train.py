@@ -437,12 +437,9 @@ def check_world_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.emulate and "RANK" not in os.environ:
         _emulated(args.emulate)
-        from gradsync.cluster.netns import parse_rate
+        from gradsync.units import parse_rate
 
-        try:
-            parse_rate(args.link)
-        except ValueError:
-            raise ValueError(f"--link must be a rate like 100mbit or 1gbit, got {args.link!r}") from None
+        parse_rate(args.link, "--link", tc_units=True)
 
 
 def main(args: argparse.Namespace) -> int:

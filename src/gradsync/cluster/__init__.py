@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from gradsync.cluster.launch import launch, run_on_cluster
-from gradsync.cluster.netns import ClusterError, check, down, parse_rate, status, up
+from gradsync.cluster.netns import ClusterError, check, down, status, up
 
 __all__ = [
     "ClusterError",
@@ -16,7 +16,6 @@ __all__ = [
     "down",
     "launch",
     "main",
-    "parse_rate",
     "run_on_cluster",
     "up",
 ]

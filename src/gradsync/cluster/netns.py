@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gradsync.units import parse_rate
+
 PREFIX = "gs"
 SUBNET = "10.78.0"
 SWITCH = f"{PREFIX}-sw"
@@ -38,22 +40,9 @@ STORAGE_ADDRESS = f"{SUBNET}.250"  # above the nodes' addresses (at most 64 node
 STATE_DIR = Path(os.environ.get("GRADSYNC_CLUSTER_STATE", "/tmp/gradsync-cluster"))
 COMMAND_TIMEOUT_S = 20.0
 
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(gbit|mbit|kbit)$")
-_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-
 
 class ClusterError(RuntimeError):
     """The emulated cluster cannot be set up or used here; the message says why."""
-
-
-def parse_rate(rate: str, option: str = "--rate") -> float:
-    """``"100mbit"`` -> bits per second (``ValueError`` naming ``option`` for anything else)."""
-    m = _RATE.match(rate.strip().lower()) if isinstance(rate, str) else None
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{option} must be a positive number with gbit, mbit or kbit (e.g. 100mbit), got {rate!r}"
-        )
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def node_name(i: int) -> str:
@@ -65,9 +54,9 @@ def node_address(i: int) -> str:
 
 
 def _check_rate(rate: str, option: str) -> None:
-    """A cable rate is ``none`` (unshaped) or what :func:`parse_rate` accepts."""
+    """A cable rate is ``none`` (unshaped) or a rate in the units ``tc`` takes (gbit, mbit, kbit)."""
     if rate != "none":
-        parse_rate(rate, option)
+        parse_rate(rate, option, tc_units=True)
 
 
 @dataclass
@@ -138,8 +127,8 @@ def check() -> tuple[bool, str]:
 
 
 def _shape(ns: str, dev: str, rate: str) -> list[list[str]]:
-    bits = parse_rate(rate)
-    burst = max(int(bits / 8000), 32768)  # about 1 ms of traffic, at least 32 KiB
+    bytes_per_s = parse_rate(rate, "--rate", tc_units=True)
+    burst = max(int(bytes_per_s / 1000), 32768)  # about 1 ms of traffic, at least 32 KiB
     return [
         ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
         [

@@ -37,6 +37,7 @@ from gradsync.train.arguments import (
     add_arguments,
 )
 from gradsync.train.resize import parse_resize_schedule
+from gradsync.units import parse_size
 
 __all__ = [
     "CACHE_SHUFFLE",
@@ -52,7 +53,6 @@ __all__ = [
     "cache_config",
     "clip_where",
     "density_schedule_steps",
-    "parse_size",
     "per_epoch",
     "scaled_lr",
     "sync_config",
@@ -94,34 +94,12 @@ def trace_steps(text: str) -> tuple[int, int]:
     return window
 
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(option: str, text: str, words: tuple[str, ...]) -> int | str:
-    """A byte count such as ``512m``, ``4g`` or ``123456``, or one of ``words``."""
-    raw = str(text).strip().lower()
-    if raw in words:
-        return raw
-    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS else ""
-    number = raw[: len(raw) - len(unit)]
-    try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0) or int(value * _SIZE_UNITS[unit]) < 1:
-        raise ValueError(
-            f"{option} must be a size such as 512m, 4g or a number of bytes, or {' or '.join(words)}; "
-            f"got {text!r}"
-        )
-    return int(value * _SIZE_UNITS[unit])
-
-
 def cache_config(args: argparse.Namespace, node: int) -> CacheConfig | None:
     """The data cache ``--cache`` asks for (``None`` without it)."""
     if args.cache is None:
         return None
-    memory = parse_size("--cache-memory", args.cache_memory, ("auto", "off"))
-    disk = parse_size("--cache-disk", args.cache_disk, ("none",))
+    memory = parse_size(args.cache_memory, "--cache-memory", ("auto", "off"))
+    disk = parse_size(args.cache_disk, "--cache-disk", ("none",))
     return CacheConfig(
         directory=args.cache,
         disk_max_bytes=disk if isinstance(disk, int) else None,

@@ -1,8 +1,8 @@
 """The simulated cluster's links: given by rate and latency, or read from a calibration file.
 
-Rates are written as the emulated cluster writes them (``25gbit``, ``100mbit``, ``800kbit``) or in
-bytes (``12GB/s``, ``900MB/s``); latencies as ``20us``, ``1.5ms``, ``0s``. A rate becomes the
-link's time per byte beta = 1 / (bytes per second), a latency its start-up time alpha.
+Rates and latencies are written as :mod:`gradsync.units` reads them (``25gbit``, ``12GB/s``;
+``20us``, ``1.5ms``). A rate becomes the link's time per byte beta = 1 / (bytes per second), a
+latency its start-up time alpha.
 
 ``gradsync calibrate`` measures alpha and beta of both levels on a running (or emulated) cluster
 with :func:`gradsync.collectives.cost.calibrate` and writes them in the ``gradsync.links/1`` JSON
@@ -18,22 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gradsync.collectives.cost import CostParams, Link
+from gradsync.units import parse_duration, parse_rate
 
 LINKS_FORMAT = "gradsync.links/1"
-
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(gbit|mbit|kbit|bit|gb/s|mb/s|kb/s|b/s)\s*$")
-_RATE_UNITS = {  # bytes per second per unit
-    "gbit": 1e9 / 8, "mbit": 1e6 / 8, "kbit": 1e3 / 8, "bit": 1 / 8,
-    "gb/s": 1e9, "mb/s": 1e6, "kb/s": 1e3, "b/s": 1.0,
-}  # fmt: skip
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(ns|us|ms|s)\s*$")
-_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 DEFAULT_INTRA = "800gbit"
 """Inside a node when ``--intra`` is not given: 100 GB/s, an NVLink-class GPU server."""
@@ -42,31 +34,6 @@ DEFAULT_INTER_LATENCY = "20us"
 """A kernel-TCP start-up per message on a data-centre Ethernet."""
 DEFAULT_GAMMA = 1.0 / 400e9
 """Seconds per byte of an element-wise add (about 400 GB/s, an HBM GPU) unless calibrated."""
-
-
-def parse_rate(text: str, option: str) -> float:
-    """``25gbit`` -> bytes per second; ``ValueError`` naming ``option`` for anything else."""
-    m = _RATE.match(text.lower()) if isinstance(text, str) else None
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"{option} must be a positive rate like 25gbit, 100mbit or 12GB/s, got {text!r}")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-def parse_time(text: str, option: str) -> float:
-    """``20us`` -> seconds; ``ValueError`` naming ``option`` for anything else."""
-    m = _TIME.match(text.lower()) if isinstance(text, str) else None
-    if not m:
-        raise ValueError(f"{option} must be a duration like 20us, 1.5ms or 0s, got {text!r}")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
-
-
-def rate_text(bytes_per_s: float) -> str:
-    """12.5e6 -> ``100mbit``; 3.125e9 -> ``25gbit`` (for tables and plots)."""
-    bits = bytes_per_s * 8
-    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= mult:
-            return f"{bits / mult:g}{unit}"
-    return f"{bits:g}bit"
 
 
 @dataclass(frozen=True)
@@ -107,8 +74,8 @@ def from_rates(
     gamma: float = DEFAULT_GAMMA,
 ) -> Network:
     """Links from rates and latencies (the options' texts, checked and named in errors)."""
-    o = Link(parse_time(inter_latency, "--inter-latency"), 1 / parse_rate(inter, "--inter"))
-    i = Link(parse_time(intra_latency, "--intra-latency"), 1 / parse_rate(intra, "--intra"))
+    o = Link(parse_duration(inter_latency, "--inter-latency"), 1 / parse_rate(inter, "--inter"))
+    i = Link(parse_duration(intra_latency, "--intra-latency"), 1 / parse_rate(intra, "--intra"))
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"--add-rate must be a positive rate, got gamma {gamma!r}")
     return Network(CostParams(i, o, gamma), "rates")

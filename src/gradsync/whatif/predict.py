@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gradsync.units import parse_duration, parse_rate, rate_text
 from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
-from gradsync.whatif.network import Network, parse_rate, parse_time, rate_text
+from gradsync.whatif.network import Network
 from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
 from gradsync.whatif.workload import Workload
 
@@ -84,7 +85,7 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     out: list[Any] = []
     if key in ("inter", "inter_latency"):
         unit = "".join(c for c in items[-1] if c.isalpha() or c == "/")
-        parse = parse_rate if key == "inter" else parse_time
+        parse = parse_rate if key == "inter" else parse_duration
         for v in items:
             v = v if any(c.isalpha() for c in v) else v + unit
             out.append(parse(v, f"--sweep {key}"))
