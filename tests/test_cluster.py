@@ -132,7 +132,7 @@ def test_without_root_the_cluster_says_so(monkeypatch):
         (["cluster", "launch", "--", "bench", "step"], 1, "no emulated cluster is up"),
         (["cluster", "launch", "--per-node", "0", "--", "bench", "step"], 2, "--per-node must be at least 1"),
         (["cluster", "launch"], 2, "no gradsync command given"),
-        (["cluster", "up", "--storage-link", "slow"], 2, "--storage-link must be a positive rate like 100mbit"),
+        (["cluster", "up", "--storage-link", "slow"], 2, "--storage-link must be a positive rate like"),
     ],
 )
 def test_cluster_command_errors(argv, code, message, capsys, monkeypatch, tmp_path):
