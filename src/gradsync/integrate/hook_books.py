@@ -84,7 +84,7 @@ class HookBooks:
     def inject(self, it: Iteration, key: str, buf: torch.Tensor, loss_scale: float) -> None:
         """Before a bucket is synchronized (compute thread): add what its parameters are owed and
         note whether it holds inf/NaN (a flag kept on the device)."""
-        if not it.joined:
+        if self.ledger.carry.local and not it.joined:
             self.ledger.inject(buf, whole(it.members[key]), loss_scale)
         if self.check_overflow:
             it.nonfinite.append(nonfinite_flag(buf))
@@ -108,7 +108,7 @@ class HookBooks:
             for _, buf in it.held:
                 buf.fill_(math.nan)
             self.ledger.rollback_round()
-        else:  # DDP leaves unused parameters untouched: nothing sent reached them
+        elif unused:  # DDP leaves them untouched: nothing sent reached them
             self.ledger.give_back(self._layouts(), unused)
         if not overflow and not it.joined:
             self.ledger.settle(n for members in it.members.values() for n, _ in members if n not in unused)

@@ -194,6 +194,10 @@ class Carry:
                 self._add(self.local, s.name, s.numel, s.in_param, values)
         return lost
 
+    def add_local(self, name: str, values: torch.Tensor) -> None:
+        """Add ``values`` (the whole flat parameter's) to this rank's share of ``name``."""
+        self._add(self.local, name, values.numel(), 0, values)
+
     def add_mean(self, name: str, values: torch.Tensor) -> None:
         self._add(self.mean, name, values.numel(), 0, values)
 
@@ -305,14 +309,15 @@ def give_back_unused(codecs: Iterable[Compressor], layouts: Layouts, unused: set
 
 
 def owed_by_parameter(
-    codecs: Iterable[Compressor], layouts: Layouts, carry: Carry, world: int
+    codecs: Iterable[Compressor], layouts: Layouts, carry: Carry, world: int, strict: bool = True
 ) -> dict[str, torch.Tensor]:
     """What this rank still owes the mean gradient, per parameter name (flat, unscaled): the
     codecs' residuals traced back through ``layouts``, plus ``carry``. The ranks' values add up
-    to everything computed but not applied yet."""
+    to everything computed but not applied yet. ``strict=False``: streams of no known layout are
+    left out (else ``ValueError``)."""
     residuals = Carry()
     for codec in codecs:
-        residuals.add_owed(codec.owed(), layouts)
+        residuals.add_owed(codec.owed(), layouts, strict=strict)
     out = carry.owed(world)
     for name, t in residuals.owed(world).items():
         out[name] = out[name] + t if name in out else t

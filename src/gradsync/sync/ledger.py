@@ -94,7 +94,7 @@ class Ledger:
         if self.momentum is not None:
             self.momentum.rollback_round()
         for name, owed in self._taken:
-            Carry._add(self.carry.local, name, owed.numel(), 0, owed)
+            self.carry.add_local(name, owed)
         self._taken = []
 
     def give_back(self, layouts: Layouts, unused: set[str]) -> None:
@@ -185,15 +185,7 @@ class Ledger:
         ``world`` (the carry's units are a sum over the ranks; 1 where they are the final
         gradient's already). The ranks' values add up to everything computed but not applied
         yet. ``strict=False``: streams of no known layout are left out."""
-        if strict:
-            return owed_by_parameter(self.codecs, layouts, self.carry, world)
-        residuals = Carry()
-        for codec in self.codecs:
-            residuals.add_owed(codec.owed(), layouts, strict=False)
-        out = self.carry.owed(world)
-        for name, t in residuals.owed(world).items():
-            out[name] = out[name] + t if name in out else t
-        return out
+        return owed_by_parameter(self.codecs, layouts, self.carry, world, strict)
 
     def residual_norm(self) -> float | None:
         """The L2 norm of every codec's error-feedback residuals (None without error feedback)."""
