@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gradsync.bench import step as bench_step
-from gradsync.bench import train as bench_train
-from gradsync.cli import main
+from gradsync.apps.commands import main
+from gradsync.apps.commands.bench import step as bench_step
+from gradsync.apps.commands.bench import train as bench_train
 from worlds import named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,7 @@ def check_whatif_bench(tmp):
         return  # rank 0 reports
     w = json.loads(Path(wj).read_text())
     assert [r["contender"] for r in w["rows"]] == names
-    from gradsync.bench.whatif import compare
+    from gradsync.apps.commands.bench.whatif import compare
 
     stored = {k: v for k, v in w.items() if k not in ("rows", "predicted", "summary")}
     again = compare(stored)

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from gradsync.cli import main
-from gradsync.cluster.storage import storage_server
-from gradsync.data import ShardedSampler, build_data
-from gradsync.data.cache.config import CacheConfig
-from gradsync.data.cache.partition import PartitionSampler
-from gradsync.data.cache.source import is_url
-from gradsync.data.loader import load_batch
+from gradsync.apps.cluster.storage import storage_server
+from gradsync.apps.commands import main
+from gradsync.apps.data import ShardedSampler, build_data
+from gradsync.apps.data.cache.config import CacheConfig
+from gradsync.apps.data.cache.partition import PartitionSampler
+from gradsync.apps.data.cache.source import is_url
+from gradsync.apps.data.loader import load_batch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -304,7 +304,7 @@ def test_a_cached_partitioned_run_resumes_mid_epoch_bit_identically(folder, tmp_
     """Killed mid-epoch and resumed (from a cache that survived, with the memory store of the
     killed run reclaimed): the final parameters equal the uninterrupted run's, bit for bit; a
     checkpoint of the partitioned order is refused by a run with the global one."""
-    from gradsync.train import checkpoint
+    from gradsync.apps.train import checkpoint
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

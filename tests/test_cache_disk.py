@@ -1,4 +1,4 @@
-"""The disk tier of the data cache (gradsync.data.cache.disk): entry format checked byte by byte
+"""The disk tier of the data cache (gradsync.apps.data.cache.disk): entry format checked byte by byte
 against hashlib, corruption detection, atomic writes under several processes, LRU eviction, and
 the one-warning shutdown when the directory cannot take data (simulated, and a real EFBIG)."""
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync.data.cache import disk
-from gradsync.data.cache.disk import DiskCache, DiskStats, entry_key
+from gradsync.apps.data.cache import disk
+from gradsync.apps.data.cache.disk import DiskCache, DiskStats, entry_key
 
 HEADER = 48
 

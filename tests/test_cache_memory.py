@@ -1,4 +1,4 @@
-"""gradsync.data.cache.memory: the node's shared store of decoded samples.
+"""gradsync.apps.data.cache.memory: the node's shared store of decoded samples.
 
 Expectations are independent of the code under test: samples are recomputed from their index in
 every process, the payload to damage is found by searching the file for the sample's bytes, and
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync.data.cache import memory
-from gradsync.data.cache.memory import MemoryStats, SharedSampleStore, default_root, reclaim_stale
+from gradsync.apps.data.cache import memory
+from gradsync.apps.data.cache.memory import MemoryStats, SharedSampleStore, default_root, reclaim_stale
 
 SHAPE = (3, 32, 32)
 
@@ -51,7 +51,7 @@ def load(name, path):
     spec.loader.exec_module(module)
     return module
 
-load("gradsync.data.cache.memory_files", os.path.join(os.path.dirname(sys.argv[1]), "memory_files.py"))
+load("gradsync.apps.data.cache.memory_files", os.path.join(os.path.dirname(sys.argv[1]), "memory_files.py"))
 memory = load("gradsync_memory_child", sys.argv[1])
 root, name, args = sys.argv[2], sys.argv[3], sys.argv[4:]
 SHAPE = {SHAPE!r}

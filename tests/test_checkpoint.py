@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync.train import checkpoint
-from gradsync.train.checkpoint import CheckpointError
+from gradsync.apps.train import checkpoint
+from gradsync.apps.train.checkpoint import CheckpointError
 from worlds import run_checks, run_world
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,16 +10,16 @@ import time
 import pytest
 
 import gradsync
-import gradsync.train
-from gradsync.bench import codecs as bench_codecs
-from gradsync.bench.timing import paired
-from gradsync.cli import main
+import gradsync.apps.commands.train
+from gradsync.apps.commands import main
+from gradsync.apps.commands.bench import codecs as bench_codecs
+from gradsync.apps.commands.bench.timing import paired
+from gradsync.apps.train.checkpoint import CheckpointError
+from gradsync.apps.train.loop import TrainingDiverged
 from gradsync.collectives import MismatchError, TopologyError
 from gradsync.sync import TaskError
 from gradsync.sync.engine import SyncError
 from gradsync.sync.sequence import OutOfStepError
-from gradsync.train.checkpoint import CheckpointError
-from gradsync.train.loop import TrainingDiverged
 
 
 def test_codecs_lists_every_codec(capsys):
@@ -245,7 +245,7 @@ def test_convergence_benchmark_checks_every_runs_train_options_first(monkeypatch
     def no_training(args):
         raise AssertionError("a run started")
 
-    monkeypatch.setattr(gradsync.train, "main", no_training)
+    monkeypatch.setattr(gradsync.apps.commands.train, "main", no_training)
     monkeypatch.delenv("RANK", raising=False)
     base = ["bench", "convergence", "--schemes", "none,topk", "--datasets", "digits"]
     assert main([*base, "--train-option=--lr=-1"]) == 2
@@ -261,7 +261,7 @@ def test_convergence_benchmark_run_failure_exits_1(monkeypatch, capsys):
         calls.append(args.argv)
         return 1
 
-    monkeypatch.setattr(gradsync.train, "main", failing_training)
+    monkeypatch.setattr(gradsync.apps.commands.train, "main", failing_training)
     monkeypatch.delenv("RANK", raising=False)
     assert main(["bench", "convergence", "--schemes", "none", "--datasets", "digits", "--epochs", "1"]) == 1
     assert capsys.readouterr().err.endswith("gradsync: error: the digits / none run failed (exit 1)\n")
@@ -269,8 +269,18 @@ def test_convergence_benchmark_run_failure_exits_1(monkeypatch, capsys):
     assert len(calls) == 1 and calls[0][0] == "train" and "--epochs" in calls[0]
 
 
-def test_convergence_benchmark_does_not_import_the_cli():
-    """bench convergence runs the train command itself: no import cycle through gradsync.cli."""
-    code = "import sys, gradsync.bench.convergence; assert 'gradsync.cli' not in sys.modules"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+def test_every_command_module_imports_on_its_own():
+    """Each command module (bench convergence runs the train command itself) imports in a fresh
+    interpreter without an import cycle, and defines the three functions of the protocol."""
+    code = (
+        "import importlib, gradsync.apps.commands as c\n"
+        "for cmd in c.COMMANDS + c.BENCHMARKS:\n"
+        "    m = importlib.import_module('gradsync.apps.commands.' + cmd.module)\n"
+        "    assert all(callable(getattr(m, f, None)) for f in ('add_arguments', 'check', 'main')), cmd\n"
+    )
+    for module in ("train", "bench.convergence", "bench.large_batch", "whatif", "calibrate"):
+        first = f"import gradsync.apps.commands.{module}\n"
+        done = subprocess.run(
+            [sys.executable, "-c", first + code], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, (module, done.stderr)

@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gradsync.cli import main
-from gradsync.cluster import netns
-from gradsync.cluster.launch import node_command, node_environment
-from gradsync.cluster.storage import SERVED_PATH, storage_server
+from gradsync.apps.cluster import netns
+from gradsync.apps.cluster.launch import node_command, node_environment
+from gradsync.apps.cluster.storage import SERVED_PATH, storage_server
+from gradsync.apps.commands import main
 from gradsync.units import parse_duration, parse_rate, parse_size, rate_text
 
 

@@ -1,4 +1,4 @@
-"""gradsync.data: datasets from --data specs, the sharded sampler and the prefetching loader.
+"""gradsync.apps.data: datasets from --data specs, the sharded sampler and the prefetching loader.
 
 References are built independently of the code under test: raw sklearn digits, the raw pydoc text,
 Pillow reading the files we wrote, bytes written with numpy, torch's DistributedSampler, and batches
@@ -22,7 +22,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from gradsync.data import DataBundle, PrefetchLoader, ShardedSampler, build_data, data_names, parse_data_spec
+from gradsync.apps.data import (
+    DataBundle,
+    PrefetchLoader,
+    ShardedSampler,
+    build_data,
+    data_names,
+    parse_data_spec,
+)
 
 # ---------------------------------------------------------------------------------------------- helpers
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
-from gradsync.cli import main
+from gradsync.apps.commands import main
 from gradsync.collectives import Topology
 from worlds import expect_all, named_check, run_checks, run_world, same_on_every_rank
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync.cli import main
-from gradsync.train.loop import accumulated_backward
-from gradsync.train.optim import lr_factor
-from gradsync.train.options import add_arguments, batch_plan, scaled_lr
+from gradsync.apps.commands import main
+from gradsync.apps.train.loop import accumulated_backward
+from gradsync.apps.train.optim import lr_factor
+from gradsync.apps.train.options import add_arguments, batch_plan, scaled_lr
 from worlds import named_check, run_checks, run_world
 
 
@@ -137,7 +137,7 @@ RESIZE = ["train", "--nproc", "2", "--data", "synthetic-images:n=384,size=16,cha
 def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(
     resize_batch, batches, checkpoint_every, crash_at, tmp_path, monkeypatch
 ) -> None:
-    from gradsync.train import checkpoint
+    from gradsync.apps.train import checkpoint
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -169,8 +169,8 @@ def test_progressive_resizing_trains_each_epoch_at_its_size_and_resumes(
 
 
 def test_epoch_plan_counts_each_epochs_own_steps() -> None:
-    from gradsync.train.epoch_plan import epoch_plan, memory_batch
-    from gradsync.train.options import per_epoch, sync_config
+    from gradsync.apps.train.epoch_plan import epoch_plan, memory_batch
+    from gradsync.apps.train.options import per_epoch, sync_config
 
     assert [memory_batch(32, s, 16) for s in (16, 12, 8, 4)] == [32, 56, 128, 512]
     args = _args("--batch-size", "16", "--global-batch", "64", "--epochs", "4",
@@ -200,7 +200,7 @@ def test_epoch_plan_counts_each_epochs_own_steps() -> None:
 
 
 def test_resize_keeps_a_constant_image_and_the_native_size() -> None:
-    from gradsync.train.resize import resize, size_at
+    from gradsync.apps.train.resize import resize, size_at
 
     x = torch.full((2, 3, 16, 16), 0.25)
     assert resize(x, 16) is x
@@ -232,7 +232,7 @@ def test_resize_option_errors_come_before_any_process(extra, message, capsys, mo
 
 # ---------------------------------------------------------------------------------------- bench
 def test_bench_large_batch_runs_compare_the_same_epochs_at_two_batches() -> None:
-    from gradsync.bench import large_batch
+    from gradsync.apps.commands.bench import large_batch
 
     p = argparse.ArgumentParser()
     large_batch.add_arguments(p)

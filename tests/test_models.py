@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync.models import (
+from gradsync.apps.models import (
     TASKS,
     LSTMLanguageModel,
     TransformerLanguageModel,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gradsync.cli import main
+from gradsync.apps.commands import main
 from gradsync.observe.nic import (
     NicSampler,
     Panel,

@@ -572,7 +572,7 @@ def test_adam_family_in_a_two_rank_world():
 def test_train_cli_runs_zeroone_adam_without_gradient_sync(tmp_path, monkeypatch):
     """2 ranks, 2 short epochs: warm-up, variance refreshes, local steps, exchanges, the
     synchronization before each evaluation and checkpoint (per-rank optimizer state saved)."""
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -608,7 +608,7 @@ def test_train_cli_runs_zeroone_adam_without_gradient_sync(tmp_path, monkeypatch
     ],
 )
 def test_train_option_errors(extra, message, capsys, monkeypatch):
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--quiet", *extra]) == 2
@@ -618,8 +618,8 @@ def test_train_option_errors(extra, message, capsys, monkeypatch):
 def test_train_defaults_and_the_whole_run_traffic_of_the_benchmark():
     import argparse
 
-    from gradsync.bench.convergence import whole_run_traffic
-    from gradsync.train.optim import compressed_options
+    from gradsync.apps.commands.bench.convergence import whole_run_traffic
+    from gradsync.apps.train.optim import compressed_options
 
     args = argparse.Namespace(optimizer="zeroone-adam", freeze_step=None, var_freeze_step=None,
                               sync_growth=None, max_sync_interval=2, momentum_codec="onebit")  # fmt: skip

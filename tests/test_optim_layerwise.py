@@ -473,7 +473,7 @@ def test_pto_on_four_ranks_equals_the_local_optimizer() -> None:
 def test_bench_optim_option_errors(
     extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     assert main(["bench", "optim", *extra]) == 2
     assert message in capsys.readouterr().err
@@ -482,7 +482,7 @@ def test_bench_optim_option_errors(
 def test_bench_optim_runs_every_contender_on_resnet50_shapes(tmp_path, capsys) -> None:
     import json
 
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     out = tmp_path / "optim.json"
     argv = ["bench", "optim", "--models", "resnet50", "--rounds", "1", "--steps", "1", "--dtype", "bfloat16"]
@@ -495,7 +495,7 @@ def test_bench_optim_runs_every_contender_on_resnet50_shapes(tmp_path, capsys) -
 
 
 def _bench_pto_world(path: str) -> None:
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     argv = ["bench", "pto", "--models", "resnet50", "--scales", "0.001,0.01", "--rounds", "1", "--reps", "1"]
     assert main([*argv, "--json", path]) == 0
@@ -524,7 +524,7 @@ def test_bench_pto_times_both_paths_and_predicts(tmp_path) -> None:
     ],
 )
 def test_bench_pto_option_errors(extra: list[str], message: str, capsys, monkeypatch) -> None:
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
 
     monkeypatch.delenv("RANK", raising=False)
     assert main(["bench", "pto", *extra]) == 2

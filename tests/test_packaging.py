@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cli import APP_MODULES, INSTALL_APPS
+from gradsync.apps.commands import APP_MODULES, INSTALL_APPS
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
@@ -153,7 +153,7 @@ def test_library_runs_without_the_apps_dependencies(tmp_path):
 
 
 def _cli_without_apps(*argv: str) -> subprocess.CompletedProcess[str]:
-    code = BLOCKER + f"from gradsync.cli import main\nsys.exit(main({list(argv)!r}))\n"
+    code = BLOCKER + f"from gradsync.apps.commands import main\nsys.exit(main({list(argv)!r}))\n"
     return subprocess.run(
         [sys.executable, *QUIET_TORCH, "-c", code], capture_output=True, text=True, timeout=120
     )

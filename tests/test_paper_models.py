@@ -1,4 +1,4 @@
-"""gradsync.models.paper: the papers' models at their real sizes. Parameter counts (built on the
+"""gradsync.apps.models.paper: the papers' models at their real sizes. Parameter counts (built on the
 ``meta`` device: no memory, no time) against the reference implementations' published counts,
 torchvision's parameter order, output shapes and gradients on small inputs, and the registry."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradsync.models import build_model, build_model_for, models_for, parameter_count
-from gradsync.models.paper import BertLM, bert_base, resnet50, resnet101, vgg16
+from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
+from gradsync.apps.models.paper import BertLM, bert_base, resnet50, resnet101, vgg16
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +147,7 @@ def test_registry():
 
 
 def test_profile_command_line(tmp_path, capsys):
-    from gradsync.cli import main
+    from gradsync.apps.commands import main
     from gradsync.observe.profiler import Profile
 
     out = tmp_path / "p.json"

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync.cli import main
-from gradsync.models import build_model
+from gradsync.apps.commands import main
+from gradsync.apps.models import build_model
 from gradsync.observe.profiler import PROFILE_FORMAT, Profile, profile_step
 
 ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}

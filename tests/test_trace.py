@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync.cli import main as cli
+from gradsync.apps.commands import main as cli
 from gradsync.collectives import Topology
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.observe.trace import check_trace, load_trace, merge_traces, rank_file

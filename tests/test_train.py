@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync.cli import main
-from gradsync.train import checkpoint
-from gradsync.train.loop import Trainer, TrainingDiverged
+from gradsync.apps.commands import main
+from gradsync.apps.train import checkpoint
+from gradsync.apps.train.loop import Trainer, TrainingDiverged
 from worlds import run_checks, run_world
 
 pytestmark = pytest.mark.timeout(600)
@@ -444,7 +444,7 @@ def test_convergence_benchmark_option_errors_come_before_any_run(extra, message,
 def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, where, clip_local, mode):
     import argparse
 
-    from gradsync.train.options import add_arguments, clip_where, per_epoch, sync_config
+    from gradsync.apps.train.options import add_arguments, clip_where, per_epoch, sync_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -457,7 +457,7 @@ def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, whe
 def test_the_convergence_ablation_takes_away_one_ingredient_per_run():
     import argparse
 
-    from gradsync.bench import convergence
+    from gradsync.apps.commands.bench import convergence
 
     parser = argparse.ArgumentParser()
     convergence.add_arguments(parser)

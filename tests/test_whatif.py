@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync.cli import main
+from gradsync.apps.commands import main
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.observe.profiler import Profile, profile_step
 from gradsync.observe.trace import check_trace

@@ -1,5 +1,5 @@
 import sys
 
-from gradsync.cli import main
+from gradsync.apps.commands import main
 
 sys.exit(main())

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from gradsync.data.embedded import load_text_bundle
-from gradsync.models import build_model_for
+from gradsync.apps.data.embedded import load_text_bundle
+from gradsync.apps.models import build_model_for
 
 
 def batches(data: torch.utils.data.Dataset, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.models import build_model_for
+from gradsync.apps.models import build_model_for
 
 
 def main() -> None:

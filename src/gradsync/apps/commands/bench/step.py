@@ -1,0 +1,444 @@
+"""``gradsync bench step``: where a training step's time goes, per synchronization scheme.
+
+Launch it like the collectives benchmark (torchrun, or ``launch.sh`` on the emulated cluster).
+For one model and per-worker batch it runs, in the same session and on the same data:
+
+- ``local``: no synchronization at all (the compute-only reference);
+- ``ddp``: PyTorch DistributedDataParallel, dense all-reduce, default buckets;
+- every gradsync scheme given (``gradsync.wrap(model, scheme)``).
+
+Per contender it reports the median over the measured steps of the slowest rank's times:
+forward, backward (``loss.backward()``, which includes waiting for the synchronization), the
+optimizer step, and the whole step; the **exposed synchronization** (the part of the step the
+synchronization added: for gradsync the engine's measurement from the end of the backward pass
+to the last synchronized gradient, for DDP its backward time minus ``local``'s); gradsync's
+compression time (packing, encoding, decoding on its threads) and communication time; the bytes
+sent per worker per step by level and, on the emulated cluster, the bytes that left each node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+from gradsync.apps.commands.bench import nic as bench_nic
+from gradsync.apps.commands.bench.output import markdown_table, save_result
+from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
+from gradsync.apps.models import build_model_for, models_for, parameter_count
+from gradsync.collectives import Topology
+from gradsync.integrate.wrap import check_trace_path
+from gradsync.sync import SyncConfig
+from gradsync.sync.config import parse_options
+
+DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
+
+
+@dataclass
+class StepRow:
+    contender: str
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    exposed_ms: float | None
+    compress_ms: float | None = None
+    comm_ms: float | None = None
+    sent_mb: dict[str, float] = field(default_factory=dict)
+    cable_mb: float | None = None
+    compressed_buckets: str = ""
+    steps: int = 0
+    round_step_ms: list[float] = field(default_factory=list)
+    """With interleaved rounds: the step time of each round (``step_ms`` is their median)."""
+    # with --nic (see gradsync.apps.commands.bench.nic): the communication phase's throughput, mean over nodes
+    nic_mb_per_s: float | None = None
+    nic_link_pct: float | None = None
+    nic_peak_pct: float | None = None
+    nic_busy_pct: float | None = None
+
+
+def _contender(name: str) -> str:
+    """Validate a contender name: ``local``, ``ddp``, ``ddp-fp16``, ``ddp-powersgd[:rank=R]`` or a
+    gradsync scheme, optionally with its own sync options after ``@``
+    (``hierarchical@grad_as_bucket_view=true@bucket_bytes=26214400``)."""
+    if name in ("local", "ddp", "ddp-fp16"):
+        return name
+    if name.startswith("ddp-powersgd"):
+        _powersgd_rank(name)
+        return name
+    scheme, options = contender_options(name)
+    SyncConfig.from_options({"scheme": scheme, **options})  # validates both
+    return name
+
+
+def contender_options(name: str) -> tuple[str, dict[str, str]]:
+    """``scheme@key=value@...`` -> the scheme and the contender's own sync options."""
+    scheme, *items = name.split("@")
+    try:
+        return scheme, _options(items)
+    except ValueError:
+        raise ValueError(f"contender {name!r}: options after '@' take KEY=VALUE") from None
+
+
+def is_ddp(name: str) -> bool:
+    return name == "ddp" or name.startswith("ddp-")
+
+
+def _powersgd_rank(name: str) -> int:
+    rest = name[len("ddp-powersgd") :]
+    if rest == "":
+        return 1
+    key, eq, value = rest.lstrip(":").partition("=")
+    if not rest.startswith(":") or key != "rank" or not eq or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"contender {name!r}: expected ddp-powersgd or ddp-powersgd:rank=R with R >= 1")
+    return int(value)
+
+
+@dataclass
+class Carry:
+    """What a contender keeps from one round of interleaved measurement to the next (its model is
+    built afresh for each round, so that only one contender's buffers are alive at a time):
+    gradsync's engine state (the plan and the compression state: a later round neither re-plans
+    nor restarts error feedback) or the state of PyTorch's PowerSGD hook (its step count and
+    error feedback: the hook's dense start is not repeated)."""
+
+    engine_state: dict[str, Any] | None = None
+    hook_state: Any = None
+    rounds: int = 0
+
+
+def powersgd_bucket_mb(model: nn.Module) -> float | None:
+    """DDP's bucket size for PyTorch's PowerSGD hook here: one bucket holding the whole model on
+    gloo (see :func:`_ddp`), DDP's default (None) under NCCL."""
+    if torch.cuda.is_available():
+        return None
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+
+
+def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -> nn.Module:
+    """PyTorch DDP, with PyTorch's own fp16 or PowerSGD communication hook when asked. The
+    PowerSGD hook's dense warm-up (``start_powerSGD_iter``) ends inside the unmeasured steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    if name.startswith("ddp-powersgd"):
+        # one bucket: under gloo the hook's second all-reduce of a bucket is issued from a
+        # completion callback, which can interleave with the next bucket's first all-reduce
+        # differently on each rank (a collective mismatch); with one bucket there is nothing to
+        # interleave. (NCCL orders them on its stream, so GPU runs keep DDP's default buckets.)
+        ddp = DDP(model, bucket_cap_mb=powersgd_bucket_mb(model))
+    else:
+        ddp = DDP(model)
+    if name == "ddp-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name.startswith("ddp-powersgd"):
+        state = carry.hook_state if carry is not None and carry.hook_state is not None else None
+        if state is None:
+            state = psgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=_powersgd_rank(name),
+                start_powerSGD_iter=max(2, warmup),
+            )
+        if carry is not None:
+            carry.hook_state = state
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    return ddp
+
+
+SETTLE_STEPS = 24
+"""At most this many more unmeasured steps while a gradsync contender's closed loop is still
+re-planning (by default it settles within 2 x 4 steps of the first plan): the measured steps are
+those of the plan the run goes on with."""
+
+
+def _settling(synced: gradsync.GradSync | None) -> bool:
+    return synced is not None and synced.engine.loop.active
+
+
+ROUND_WARMUP = 1
+"""Unmeasured steps of a contender in every round after its first: the model is new (DDP
+rebuilds its buckets in its first step), the plan and the compression state are carried."""
+
+
+def _measure(
+    name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
+    carry: Carry | None = None,
+) -> tuple[StepRow, dict[str, Any]]:  # fmt: skip
+    """One contender's steps: ``args.warmup`` unmeasured then ``args.steps`` measured, or, in a
+    later round of interleaved measurement (``carry`` from the earlier rounds), ``ROUND_WARMUP``
+    unmeasured ones on a model built afresh with the carried state."""
+    later = carry is not None and carry.rounds > 0
+    warmup = ROUND_WARMUP if later else args.warmup
+    model: nn.Module = copy.deepcopy(base)
+    synced = None
+    if is_ddp(name):
+        model = _ddp(name, model, args.warmup, carry)
+    elif name != "local":
+        scheme, own = contender_options(name)
+        options = dict(
+            SyncConfig.from_options({**_options(args.sync_option), **own, "scheme": scheme}).to_dict()
+        )
+        trace = trace_path(args.trace, name) if getattr(args, "trace", None) and not later else None
+        window = (warmup, warmup + args.steps)  # the measured steps
+        synced = gradsync.wrap(
+            model, topology=topo, trace=trace, trace_steps=window if trace else None, **options
+        )
+        if later and carry is not None and carry.engine_state is not None:
+            synced.engine.load_state_dict(carry.engine_state)
+        model = synced
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    samples: list[list[float]] = []
+    sent: list[dict[str, int]] = []
+    meter = CableMeter(topo)
+    probe = bench_nic.NicProbe(args, topo)
+    step, measuring = 0, False
+    while len(samples) < args.steps:
+        if not measuring and step >= warmup and not (_settling(synced) and step < warmup + SETTLE_STEPS):
+            measuring = True
+            meter.start()
+            probe.start()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        st = synced.last_stats if synced is not None else None
+        if measuring:
+            # the communication phase: from backward's start to the end of the synchronization
+            # (gradsync's engine says when; DDP's is over when backward returns)
+            end = st.done_at if st is not None and t1 <= st.done_at <= t2 else t2
+            probe.record(t0, t1, end, t3)
+        row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
+        row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
+        row = max_over_ranks(row)
+        if measuring:
+            samples.append(row)
+            if st is not None:
+                sent.append(st.sent_bytes)
+        step += 1
+    cable = meter.stop(args.steps)
+    nic_row, nic_details = probe.finish()
+    med = [statistics.median(col) * 1e3 for col in zip(*samples, strict=True)]
+    levels = sorted({k for s in sent for k in s})
+    result = StepRow(
+        contender=name, step_ms=med[0], forward_ms=med[1], backward_ms=med[2], optimizer_ms=med[3],
+        exposed_ms=med[4] if synced is not None else None,
+        compress_ms=med[5] if synced is not None else None, comm_ms=med[6] if synced is not None else None,
+        sent_mb={k: statistics.median(s.get(k, 0) for s in sent) / 2**20 for k in levels},
+        cable_mb=cable / 2**20 if cable is not None else None, steps=args.steps,
+    )  # fmt: skip
+    for key, value in nic_row.items():
+        setattr(result, key, value)
+    extra: dict[str, Any] = {}
+    if synced is not None:
+        st = synced.last_stats
+        assert st is not None  # the wrapped model synchronized every step above
+        result.compressed_buckets = f"{st.compressed_buckets}/{st.buckets}"
+        plan = synced.engine.plan
+        extra = {
+            "plan": synced.plan_table(),
+            "plan_buckets": plan.to_state() if plan is not None else [],
+            "last_step": st.to_dict(),
+            "closed_loop": {**synced.engine.loop.state_dict(), "rounds": synced.engine.loop.history},
+        }
+        if carry is not None:
+            carry.engine_state = synced.engine.state_dict()
+        synced.close()
+    if carry is not None:
+        carry.rounds += 1
+    if nic_details:
+        extra["nic"] = nic_details
+    return result, extra
+
+
+def _options(items: list[str] | None) -> dict[str, str]:
+    return parse_options(items)
+
+
+def join_with_batch(args: argparse.Namespace) -> tuple[Topology, nn.Module, torch.Tensor, torch.Tensor]:
+    """What every training benchmark starts from: this rank in the world, the model (the same
+    weights on every rank) and this rank's batch of random images and labels."""
+    torch.set_num_threads(args.threads)
+    topo = join_world(args.timeout, args.nodes, args.per_node)
+    torch.manual_seed(0)
+    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
+    g = torch.Generator().manual_seed(topo.rank)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    return topo, base, x, y
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    topo, base, x, y = join_with_batch(args)
+    rank0 = topo.rank == 0
+    if rank0:
+        print(
+            f"gradsync bench step: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), "
+            f"batch {args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, "
+            f"link {os.environ.get('TB_RATE', 'unknown')}",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows, extras = [], {}
+    local_backward = None
+    for name in contenders:
+        row, extra = _measure(name, base, topo, x, y, args)
+        if name == "local":
+            local_backward = row.backward_ms
+        if is_ddp(name) and local_backward is not None:
+            row.exposed_ms = max(row.backward_ms - local_backward, 0.0)
+        rows.append(row)
+        extras[name] = extra
+        if rank0:
+            print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
+    result = {
+        "command": "gradsync " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "parameters": parameter_count(base),
+        "batch_size": args.batch_size,
+        "nodes": topo.nodes,
+        "per_node": topo.per_node,
+        "link": os.environ.get("TB_RATE"),
+        "rows": [asdict(r) for r in rows],
+        "details": extras,
+    }
+    if bench_nic.enabled(args):
+        result["nic"] = bench_nic.summary(result)
+    ddp = next((r for r in rows if r.contender == "ddp"), None)
+    ours = [
+        r for r in rows if r.contender != "local" and not is_ddp(r.contender) and r.exposed_ms is not None
+    ]
+    if ddp is not None and ddp.exposed_ms and ours:
+        best = min(ours, key=lambda r: r.exposed_ms or 0.0)
+        result["best"] = {
+            "contender": best.contender,
+            "exposed_over_ddp": (best.exposed_ms or 0.0) / ddp.exposed_ms,
+            "speedup_over_ddp": ddp.step_ms / best.step_ms,
+        }
+    return result if rank0 else None
+
+
+COLUMNS = ("contender", "step ms", "forward ms", "backward ms", "optimizer ms", "exposed sync ms",
+           "compress ms", "comm ms", "MB sent/step (intra, inter, world)", "cable MB/step",
+           "compressed buckets")  # fmt: skip
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    def f(v: float | None, fmt: str = ".1f") -> str:
+        return "" if v is None else format(v, fmt)
+
+    sent = r["sent_mb"]
+    levels = ", ".join(f(sent.get(k), ".2f") or "0" for k in ("intra", "inter", "world")) if sent else ""
+    return [r["contender"], f(r["step_ms"]), f(r["forward_ms"]), f(r["backward_ms"]), f(r["optimizer_ms"]),
+            f(r["exposed_ms"]), f(r["compress_ms"]), f(r["comm_ms"]), levels, f(r["cable_mb"], ".2f"),
+            r["compressed_buckets"]]  # fmt: skip
+
+
+def columns(result: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: the NIC figures' only with ``--nic``."""
+    return COLUMNS + bench_nic.COLUMNS if "nic" in result else COLUMNS
+
+
+def cells(result: dict[str, Any], r: dict[str, Any]) -> list[str]:
+    return _cells(r) + bench_nic.cells(r) if "nic" in result else _cells(r)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    return markdown_table(columns(result), [cells(result, r) for r in result["rows"]])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="vgg", choices=models_for("classify"))
+    p.add_argument("--batch-size", type=int, default=16, help="samples per worker")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                   help="comma-separated: local, ddp and gradsync schemes, each with its own sync "
+                        "options after '@' (hierarchical@grad_as_bucket_view=true)")  # fmt: skip
+    p.add_argument("--sync-option", action="append", metavar="KEY=VALUE",
+                   help="a gradsync SyncConfig option for every scheme (repeatable)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps (gradsync plans after the first)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps")
+    add_world_arguments(p, timeout_s=900.0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--trace", metavar="PATH", help="a timeline of each gradsync contender's measured steps: "
+                   "PATH's stem + .CONTENDER.json (Chrome trace JSON, opens in Perfetto)")  # fmt: skip
+    bench_nic.add_arguments(p)
+
+
+def trace_path(base: str, contender: str) -> str:
+    """``trace.json`` + ``hitopk:density=0.01`` -> ``trace.hitopk-density=0.01.json``."""
+    stem = base[: -len(".json")] if base.endswith(".json") else base
+    return f"{stem}.{re.sub(r'[^A-Za-z0-9_.=+-]', '-', contender)}.json"
+
+
+def check(args: argparse.Namespace) -> None:
+    """The option values, before the process group starts (``ValueError`` naming the option)."""
+    for name in ("batch_size", "image_size", "classes", "steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 1:
+        raise ValueError(
+            f"--warmup must be at least 1 (gradsync plans after its first step), got {args.warmup}"
+        )
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    if args.trace is not None:
+        try:
+            check_trace_path(args.trace)
+        except ValueError as e:
+            raise ValueError(f"--trace: {e}") from e
+    for c in args.contenders.split(","):
+        if c.strip():
+            _contender(c.strip())
+    SyncConfig.from_options(_options(args.sync_option))
+    bench_nic.check(args)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
+    owned = not dist.is_initialized()  # leave a process group the caller made alone
+    result = run(args)
+    if result is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        where = f"{result['nodes']} x {result['per_node']} ranks, link {result['link']}"
+        table = Table(title=f"training step, {result['model']}, {where}")
+        for col in columns(result):
+            table.add_column(col, justify="left" if col == "contender" else "right")
+        for r in result["rows"]:
+            table.add_row(*cells(result, r))
+        (Console() if sys.stdout.isatty() else Console(width=260)).print(table)
+        bench_nic.say_reason(result)
+        if "best" in result:
+            b = result["best"]
+            share, speedup = 100 * b["exposed_over_ddp"], b["speedup_over_ddp"]
+            print(
+                f"best gradsync scheme {b['contender']}: exposed sync {share:.1f}% of DDP's, "
+                f"step {speedup:.2f}x faster"
+            )
+        save_result(result, args.json, args.markdown, markdown(result))
+        if args.nic_png and bench_nic.plot(result, args.nic_png):
+            print(f"NIC throughput plot: {args.nic_png}")
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

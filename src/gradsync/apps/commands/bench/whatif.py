@@ -1,0 +1,309 @@
+"""``gradsync bench whatif``: the simulator's prediction next to the measured step, per contender, in
+one run on the world it is launched in (``--emulate 2x2 --link 100mbit`` sets up the emulated
+cluster, as ``bench train`` does).
+
+Everything the prediction uses is measured in the same run, before the contenders train, and
+none of it is a contender's own step time:
+
+1. the links: :func:`gradsync.collectives.cost.calibrate` (alpha, beta per level, the add rate),
+   the engine's own calibration;
+2. the model: ``gradsync profile`` of one worker training alone (the other ranks wait), each
+   gradient's ready time and the phases;
+3. CPU contention (the emulated nodes share this machine's cores): one worker's training step
+   alone and every worker's at once; the effective cores are ranks x alone / together
+   (:class:`gradsync.whatif.simulate.Cpu`);
+4. the codecs: their encode and decode timed alone on rank 0.
+
+Then the contenders are measured as ``bench train`` measures them (:mod:`gradsync.apps.commands.bench.step`),
+and rank 0 simulates each one. The table gives predicted and measured step times and the error;
+the headline the largest and the median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.apps.commands.bench import step as bench_step
+from gradsync.apps.commands.bench import train as bench_train
+from gradsync.apps.commands.bench.output import markdown_table, save_result
+from gradsync.apps.commands.bench.world import run_emulated
+from gradsync.apps.models import parameter_count
+
+DEFAULT_CONTENDERS = (
+    "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    bench_train.add_arguments(p)
+    p.set_defaults(contenders=DEFAULT_CONTENDERS, warmup=3, steps=5)
+    p.add_argument("--profile-steps", type=int, default=10, help="profiled steps of one worker (default 10)")
+    p.add_argument(
+        "--replay",
+        metavar="RESULT.json",
+        help="predict again from a result's stored measurements (profile, links, contention, codec costs, "
+        "measured steps); nothing runs",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="PATH.json",
+        help="predict with what synchronization cost in a running engine (gradsync train --save-costs, "
+        "gradsync.engine-costs/1) instead of the links calibrated here and the codecs timed alone",
+    )
+    p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        help="ranks sharing this machine's cores (default: the world on the emulated cluster, else per node)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.replay is not None:
+        if not os.path.isfile(args.replay):
+            raise ValueError(f"--replay {args.replay!r}: no such file")
+        return
+    bench_train.check(args)
+    from gradsync.whatif.contenders import check_contender
+
+    for c in args.contenders.split(","):
+        if c.strip():
+            check_contender(c.strip())
+    if args.profile_steps < 1:
+        raise ValueError(f"--profile-steps must be at least 1, got {args.profile_steps}")
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be at least 1, got {args.ranks_per_host}")
+    if args.costs is not None:
+        from gradsync.sync.engine_costs import EngineCosts
+
+        EngineCosts.load(args.costs)
+
+
+def _train_steps(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int, together: bool
+) -> float:
+    """Median step time; ``together``: every rank trains, steps start together (a barrier) and
+    each step counts as its slowest rank's, as :mod:`gradsync.apps.commands.bench.step` measures."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for i in range(warmup + steps):
+        if together:
+            dist.barrier()
+        t0 = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        if together:
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(dt))
+    return statistics.median(times)
+
+
+def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, steps: int) -> dict[str, float]:
+    """One worker's step alone (rank 0; the others wait) and every worker's at once, measured as
+    the benchmark measures a step (the slowest rank's): the effective cores the ranks share."""
+    alone = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == 0:
+        alone[0] = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=False)
+    dist.broadcast(alone, 0)
+    together = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=True)
+    a, t = float(alone[0]), together
+    return {"alone_ms": a * 1e3, "together_ms": t * 1e3, "effective_cores": ranks * a / t}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from gradsync.collectives.cost import calibrate
+    from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, powersgd_hook_rate
+    from gradsync.observe.profiler import profile_step
+    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.whatif.codec_costs import CodecTable
+    from gradsync.whatif.contenders import codec_spec_of, powersgd_rank
+
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    options = bench_step._options(args.sync_option)
+    topo, base, x, y = bench_step.join_with_batch(args)
+    rank0 = topo.rank == 0
+    link = os.environ.get("TB_RATE")
+    ranks_per_host = args.ranks_per_host or (topo.world if link else topo.per_node)
+
+    def say(text: str) -> None:
+        if rank0:
+            print(text, file=sys.stderr, flush=True)
+
+    size = f"{parameter_count(base) / 1e6:.1f} M parameters"
+    say(f"gradsync bench whatif: {args.model} ({size}), batch {args.batch_size} per worker, "
+        f"{topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}")  # fmt: skip
+    t0 = time.perf_counter()
+    engine = EngineCosts.load(args.costs) if args.costs else None
+    if engine is not None:
+        params = engine.params
+        say(f"  links and codecs from the engine's refitted costs {args.costs}: {params}")
+    else:
+        params = calibrate(topo, reps=5)
+        say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
+    profile, hook_rates = None, {}
+    if rank0:
+        profile = profile_step(copy.deepcopy(base), (x, y), steps=args.profile_steps, warmup=3,
+                               overhead=False, model_name=args.model, batch_size=args.batch_size)  # fmt: skip
+        hook_rates = {c: powersgd_hook_rate(base, cross_entropy_of(x, y), powersgd_rank(c),
+                                            bench_step.powersgd_bucket_mb(base), x.device)
+                      for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
+        for c, rate in hook_rates.items():
+            say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
+    dist.barrier()
+    cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
+    say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
+        f"{ranks_per_host} at once: {cont['effective_cores']:.2f} effective cores")  # fmt: skip
+    costs = CodecTable()
+    if engine is not None:  # the codecs as they ran in the engine; others are timed here
+        costs.entries.update(engine.codecs)
+    if rank0:
+        for c in contenders:
+            for spec in codec_spec_of(c, options):
+                costs(spec, [])
+    dist.barrier()
+    rows, details = bench_train.measure_contenders(contenders, base, topo, x, y, args)
+    if not rank0:
+        return None
+    assert profile is not None
+    result = {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "model": args.model, "parameters": parameter_count(base), "batch_size": args.batch_size,
+        "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
+        "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
+                  "call": params.call},
+        "contention": {**cont, "ranks_per_host": ranks_per_host},
+        "profile_step_ms": profile.phases["step"].median * 1e3,
+        "profile": profile.to_dict(),
+        "codecs": costs.to_dict(),
+        "sync_options": options,
+        "hook_rates": hook_rates,
+        "engine_costs": args.costs,
+        "measured": rows, "details": details,
+    }  # fmt: skip
+    return compare(result)
+
+
+def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+    """The effective cores from the ``local`` contender (no synchronization: every worker's step
+    at once), measured in the same interleaved rounds as the other contenders: ranks x one
+    worker's step alone / local's step. The contention measurement before the rounds is one
+    pass at another moment, and this machine's speed drifts by 10-30 % between such moments, so
+    it is only the fallback (no ``local`` among the contenders). None without ``local``."""
+    local = [r for r in rows if r["contender"] == "local" and r.get("step_ms")]
+    if not local or not cont.get("alone_ms"):
+        return None
+    return float(cont["ranks_per_host"] * cont["alone_ms"] / local[0]["step_ms"])
+
+
+def compare(result: dict[str, Any]) -> dict[str, Any]:
+    """Simulate every measured contender from the result's stored measurements and put the
+    predictions next to the measured steps (``rows``, ``summary``, ``predicted``)."""
+    from gradsync.collectives.cost import CostParams, Link
+    from gradsync.observe.profiler import Profile
+    from gradsync.whatif.codec_costs import CodecTable
+    from gradsync.whatif.network import Network
+    from gradsync.whatif.predict import Point, predict_point
+    from gradsync.whatif.simulate import Cpu
+    from gradsync.whatif.workload import Workload
+
+    workload = Workload.from_profile(Profile.from_dict(result["profile"]))
+    links = result["links"]
+    params = CostParams(
+        Link(**links["intra"]), Link(**links["inter"]), links["gamma"], call=links.get("call", 0.0)
+    )
+    costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
+    cont = result["contention"]
+    rows = result["measured"]
+    cores = cores_from_local(cont, rows)
+    cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"])
+    point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
+    contenders = [r["contender"] for r in rows]
+    one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
+    gpu = torch.cuda.is_available()
+    ddp_buckets = {c: one_bucket for c in contenders if c.startswith("ddp-powersgd") and not gpu}
+    # the hooks' work as measured running (results stored before it was: the codec's timing)
+    hooks = result.get("hook_rates") or {}
+    predicted = predict_point(
+        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets, hooks
+    )
+    table = []
+    for meas, pred in zip(rows, predicted, strict=True):
+        err = pred["step_ms"] / meas["step_ms"] - 1
+        table.append({
+            "contender": meas["contender"], "measured_ms": meas["step_ms"], "predicted_ms": pred["step_ms"],
+            "error": err, "measured_exposed_ms": meas["exposed_ms"],
+            "predicted_exposed_ms": pred["exposed_ms"],
+            "measured_plan": meas["compressed_buckets"], "predicted_plan": pred["notes"],
+        })  # fmt: skip
+    errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
+    used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention"}
+    return {
+        **result, "rows": table, "predicted": predicted, "contention_used": used,
+        "summary": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
+    }  # fmt: skip
+
+
+COLUMNS = ("contender", "measured ms", "predicted ms", "error", "measured exposed ms", "predicted exposed ms",
+           "compressed buckets (measured)", "plan (predicted)")  # fmt: skip
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    exp = r["measured_exposed_ms"]
+    return [
+        r["contender"], f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}", f"{100 * r['error']:+.1f}%",
+        "" if exp is None else f"{exp:.1f}", f"{r['predicted_exposed_ms']:.1f}", r["measured_plan"],
+        r["predicted_plan"],
+    ]  # fmt: skip
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [markdown_table(COLUMNS, [cells(r) for r in result["rows"]])]
+    s = result["summary"]
+    lines += [f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run checked options (see :func:`check`)."""
+    status = run_emulated(args, "bench whatif")
+    if status is not None:
+        return status
+    owned = not dist.is_initialized()
+    if args.replay is not None:
+        import json
+
+        with open(args.replay) as fh:
+            stored = json.load(fh)
+        result: dict[str, Any] | None = compare(stored)
+    else:
+        result = run(args)
+    if result is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"predicted vs measured step, {result['model']}, {result['nodes']} x "
+                      f"{result['per_node']} ranks, link {result['link']}")  # fmt: skip
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col == "contender" or "plan" in col else "right")
+        for r in result["rows"]:
+            table.add_row(*cells(r))
+        (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
+        s = result["summary"]
+        print(f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%")
+        save_result(result, args.json, args.markdown, markdown(result))
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

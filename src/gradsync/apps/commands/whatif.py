@@ -1,0 +1,297 @@
+"""``gradsync whatif``: predicted step time, exposed synchronization and scaling factor of each
+contender for a profiled model on any cluster and network (docs/whatif.md).
+
+    gradsync whatif --profile docs/results/profile-resnet50-cpu.json --step-time 90ms \\
+        --cluster 8x8 --inter 25gbit --scheme horovod,ddp,hierarchical,hitopk:density=0.01 \\
+        --sweep inter=1,10,25,100gbit --png scaling.png --json scaling.json
+
+``gradsync calibrate`` (:mod:`gradsync.apps.commands.calibrate`) writes the ``--links`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import TYPE_CHECKING, Any
+
+from gradsync.units import parse_duration, parse_rate
+from gradsync.whatif.network import DEFAULT_INTER_LATENCY, DEFAULT_INTRA, DEFAULT_INTRA_LATENCY
+
+if TYPE_CHECKING:
+    from gradsync.observe.profile_format import Profile
+
+DEFAULT_SCHEMES = (
+    "horovod,ddp,ddp-fp16,ddp-powersgd:rank=4,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
+)
+_CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    m = _CLUSTER.match(text or "")
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile", required=True, metavar="PATH.json", help="a gradsync profile (gradsync profile --out)"
+    )
+    p.add_argument(
+        "--cluster", default="2x8", metavar="NODESxGPUS", help="nodes x workers per node (default 2x8)"
+    )
+    p.add_argument("--inter", default="25gbit", help="the node cable's rate (default 25gbit)")
+    p.add_argument(
+        "--inter-latency",
+        default=DEFAULT_INTER_LATENCY,
+        help=f"its start-up time (default {DEFAULT_INTER_LATENCY})",
+    )
+    p.add_argument(
+        "--intra", default=DEFAULT_INTRA, help=f"the links inside a node (default {DEFAULT_INTRA})"
+    )
+    p.add_argument(
+        "--intra-latency", default=DEFAULT_INTRA_LATENCY, help=f"(default {DEFAULT_INTRA_LATENCY})"
+    )
+    p.add_argument(
+        "--add-rate",
+        default="400GB/s",
+        help="element-wise add (and copy) throughput, paper 02's AddEst (default 400GB/s)",
+    )
+    p.add_argument(
+        "--links", metavar="PATH.json", help="calibrated links (gradsync calibrate) instead of the rates"
+    )
+    p.add_argument("--scheme", default=DEFAULT_SCHEMES, help="comma-separated contenders (docs/whatif.md)")
+    p.add_argument(
+        "--sync-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a SyncConfig option for every gradsync scheme",
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="inter, inter_latency, nodes, per_node or ratio (repeatable: crossed)",
+    )
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument(
+        "--compute-scale", type=float, help="target device time / profiled device time (default 1)"
+    )
+    scale.add_argument(
+        "--step-time", help="one worker's step alone on the target device, e.g. 90ms: sets the scale"
+    )
+    p.add_argument(
+        "--costs",
+        metavar="PATH.json",
+        help="what synchronization cost in a running engine, as its closed loop refitted it "
+        "(gradsync train --save-costs): its links (instead of --links or the rates; --sweep inter=... "
+        "changes them), its cost per collective call and its codecs' encode and decode as they ran",
+    )
+    p.add_argument("--codec-costs", metavar="PATH.json", help="codec costs measured on the target device")
+    p.add_argument(
+        "--codec-scale", type=float, help="codec time ratio target/this machine (default: the compute scale)"
+    )
+    p.add_argument("--save-codec-costs", metavar="PATH.json", help="write the codec costs used")
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        help="effective cores a host's workers share (CPU training; default: unbounded)",
+    )
+    p.add_argument("--ranks-per-host", type=int, help="workers sharing those cores (default: GPUs per node)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (default 25)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--png", metavar="PATH", help="scaling factor against the first --sweep")
+    p.add_argument(
+        "--trace", metavar="PATH.json", help="a Chrome trace of each contender's simulated step (first point)"
+    )
+
+
+def _schemes(args: argparse.Namespace) -> list[str]:
+    return [s.strip() for s in args.scheme.split(",") if s.strip()]
+
+
+def check(args: argparse.Namespace) -> None:
+    from gradsync.sync.config import SyncConfig, parse_options
+    from gradsync.whatif.predict import check_contenders, parse_sweep
+
+    parse_cluster(args.cluster)
+    if args.costs and args.links:
+        raise ValueError("--costs holds the engine's links: give --costs or --links, not both")
+    if args.costs:
+        from gradsync.sync.engine_costs import EngineCosts
+
+        EngineCosts.load(args.costs)
+    parse_rate(args.inter, "--inter")
+    parse_rate(args.intra, "--intra")
+    parse_rate(args.add_rate, "--add-rate")
+    parse_duration(args.inter_latency, "--inter-latency")
+    parse_duration(args.intra_latency, "--intra-latency")
+    if args.step_time is not None:
+        parse_duration(args.step_time, "--step-time")
+    for name in ("compute_scale", "codec_scale", "host_cores", "ddp_bucket_mb"):
+        v = getattr(args, name)
+        if v is not None and not (v > 0 and v != float("inf")):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+    if args.ranks_per_host is not None and args.ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be at least 1, got {args.ranks_per_host}")
+    sweeps = [parse_sweep(s) for s in args.sweep or []]
+    keys = [k for k, _ in sweeps]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ValueError(f"--sweep {k} is given twice")
+    schemes = _schemes(args)
+    if not schemes:
+        raise ValueError(f"--scheme must name at least one contender, got {args.scheme!r}")
+    for s in schemes:
+        if schemes.count(s) > 1:
+            raise ValueError(f"--scheme names {s!r} twice")
+    check_contenders(schemes, "ratio" in keys)
+    options = parse_options(args.sync_option)
+    SyncConfig.from_options({"scheme": "auto", **options})
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from gradsync.observe.profiler import Profile
+    from gradsync.sync.config import parse_options
+    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.units import rate_text
+    from gradsync.whatif.codec_costs import CodecTable
+    from gradsync.whatif.network import Network, from_rates, load_links
+    from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
+    from gradsync.whatif.simulate import Cpu
+    from gradsync.whatif.workload import Workload
+
+    profile = Profile.load(args.profile)
+    workload = Workload.from_profile(profile)
+    if args.step_time is not None:
+        workload = workload.scaled_to_step(parse_duration(args.step_time, "--step-time"))
+    elif args.compute_scale is not None:
+        workload = workload.scaled(args.compute_scale)
+    nodes, per_node = parse_cluster(args.cluster)
+    engine = EngineCosts.load(args.costs) if args.costs else None
+    if engine is not None:
+        network = Network(engine.params, f"engine costs {args.costs}")
+    elif args.links:
+        network = load_links(args.links)
+    else:
+        network = from_rates(args.inter, args.intra, args.inter_latency, args.intra_latency,
+                             1.0 / parse_rate(args.add_rate, "--add-rate"))  # fmt: skip
+    codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
+    costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
+    if engine is not None:  # the engine's own codec costs come first
+        costs.entries.update(engine.codecs)
+    cpu = Cpu(args.ranks_per_host or per_node, args.host_cores) if args.host_cores else Cpu()
+    sweeps = [parse_sweep(s) for s in args.sweep or []]
+    schemes = _schemes(args)
+    options = parse_options(args.sync_option)
+    ddp_buckets = {s: int(args.ddp_bucket_mb * 2**20) for s in schemes if s.startswith("ddp")}
+    hook_rates, hook_work = powersgd_hook_rates(profile, schemes, codec_scale)
+    rows: list[dict[str, Any]] = []
+    for pt in points(Point(nodes, per_node, network), sweeps):
+        rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets, hook_rates)
+    title = (
+        f"{workload.model}, {args.cluster}, "
+        + (
+            f"links {args.links or args.costs}"
+            if args.links or args.costs
+            else f"inter {rate_text(network.inter_bytes_per_s)}"
+        )
+        + f", one worker's step {workload.step * 1e3:.1f} ms"
+    )
+    result: dict[str, Any] = {
+        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "title": title,
+        "profile": args.profile,
+        "model": workload.model,
+        "batch_size": workload.batch_size,
+        "profiled_on": workload.device,
+        "compute_scale": workload.compute_scale,
+        "codec_scale": codec_scale,
+        "single_worker_step_ms": workload.step * 1e3,
+        "network": network.to_dict(),
+        "cpu": {
+            "ranks_per_host": cpu.ranks_per_host,
+            "cores": None if cpu.cores == float("inf") else cpu.cores,
+        },
+        "sweeps": [[k, v] for k, v in sweeps],
+        "codecs_measured_here": list(costs.measured),
+        "powersgd_hook_work": hook_work,
+        "rows": rows,
+    }
+    if args.save_codec_costs:
+        costs.save(args.save_codec_costs)
+    if args.trace:
+        from gradsync.whatif.report import trace_document, write_trace
+
+        first = points(Point(nodes, per_node, network), sweeps)[0]
+        steps = []
+        for s in schemes:
+            from gradsync.whatif.predict import contender_name
+
+            name = contender_name(s, first.ratio)
+            res, _, _ = simulate_contender(
+                name, workload, first, costs, cpu, options, True, ddp_buckets.get(s), hook_rates.get(s)
+            )
+            steps.append((name, res.spans, res.step_s))
+        write_trace(args.trace, trace_document(steps, first.nodes, first.per_node))
+    return result
+
+
+def powersgd_hook_rates(
+    profile: Profile, schemes: list[str], scale: float
+) -> tuple[dict[str, float], dict[str, str]]:
+    """For each ``ddp-powersgd`` contender, the hook's own work per gradient byte from the
+    profile (``gradsync profile --powersgd-hook-ranks``), times ``scale`` (the codecs' scale: the
+    hook's work is compute on the profiled device); and, per contender, what its compute is
+    charged: ``"profiled"`` or ``"codec"`` (gradsync's PowerSGD codec's timing, said on stderr:
+    on VGG that misses 8-10x of the hook's work, docs/whatif.md)."""
+    from gradsync.whatif.contenders import powersgd_rank
+
+    rates: dict[str, float] = {}
+    work: dict[str, str] = {}
+    for s in schemes:
+        if not s.startswith("ddp-powersgd"):
+            continue
+        rank = powersgd_rank(s)
+        if rank in profile.powersgd_hook:
+            rates[s] = profile.powersgd_hook[rank] * scale
+            work[s] = "profiled"
+        else:
+            work[s] = "codec"
+            print(
+                f"gradsync whatif: {s}: the profile has no timing of PyTorch's PowerSGD hook at rank "
+                f"{rank} (gradsync profile --powersgd-hook-ranks {rank}); its compute is charged "
+                "gradsync's PowerSGD codec's timing, which leaves out the hook's error feedback and copies",
+                file=sys.stderr,
+            )
+    return rates, work
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gradsync.apps.commands.bench.output import save_result
+    from gradsync.whatif.report import COLUMNS, cells, markdown, plot, point_key
+
+    result = run(args)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    rows = result["rows"]
+    for key in dict.fromkeys(point_key(r) for r in rows):
+        table = Table(title=f"predicted: {result['model']}, {key}")
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col in ("contender", "notes") else "right")
+        for r in rows:
+            if point_key(r) == key:
+                table.add_row(*cells(r))
+        console.print(table)
+    print(f"one worker alone: {result['single_worker_step_ms']:.1f} ms per step (T_1)")
+    save_result(result, args.json, args.markdown, markdown(result))
+    if args.png:
+        plot(result, args.png)
+        print(f"plot: {args.png}")
+    if args.trace:
+        print(f"simulated timeline: {args.trace}")
+    return 0

@@ -1,0 +1,398 @@
+"""One worker of ``gradsync train``: started by torchrun (or by ``gradsync train``, which runs
+torchrun's launcher), it joins the world, builds data, model, gradsync and optimizer, and trains.
+
+The trajectory is a function of the options and the seed: the model starts from ``seed`` on
+every rank (and rank 0's copy is broadcast), every rank then draws from its own stream
+(``seed + rank``, for dropout), the data order of an epoch comes from ``seed + epoch``, and the
+codecs draw from their own seeded generators. A checkpoint stores all of that state, so a
+resumed run continues exactly where the interrupted one was.
+
+This module holds the :class:`Trainer` (its set-up, the run over the epochs and what it reports)
+and the worker's entry point; the trainer's steps and evaluation are in
+:mod:`~gradsync.apps.train.trainer_steps`, its checkpoints in :mod:`~gradsync.apps.train.trainer_state`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+from gradsync.apps.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
+from gradsync.apps.data.cache.partition import PartitionSampler
+from gradsync.apps.models import build_model_for, parameter_count
+from gradsync.apps.train.arguments import SELF_SYNCING
+from gradsync.apps.train.epoch_plan import epoch_plan
+from gradsync.apps.train.metrics import EpochMeter, cache_figures, epoch_record
+from gradsync.apps.train.optim import DEFAULT_LR, build_optimizer, build_scheduler, compressed_options
+from gradsync.apps.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.apps.train.pto_choice import PtoChoice, choose_pto
+from gradsync.apps.train.trainer_state import TrainerState
+from gradsync.apps.train.trainer_steps import TrainerSteps, TrainingDiverged, _Flags, accumulated_backward
+from gradsync.collectives import Topology
+from gradsync.collectives.primitives import comm_device
+from gradsync.observe.telemetry import format_line, step_record
+from gradsync.optim.layerwise import LayerwiseOptimizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "Trainer",
+    "TrainingDiverged",
+    "accumulated_backward",
+    "default_model",
+    "run_worker",
+]
+
+DEFAULT_MODEL = {"classify": "vgg-small", "lm": "lstm"}
+
+
+def default_model(task: str) -> str:
+    return DEFAULT_MODEL[task]
+
+
+class Trainer(TrainerState, TrainerSteps):
+    """The state of one worker's run; :meth:`run` trains and returns the summary (rank 0)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        torch.set_num_threads(args.threads)
+        self.device = self._join()
+        self.topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
+        self.rank, self.world = self.topo.rank, self.topo.world
+        self.node = self.rank // self.topo.per_node
+        self.partitioned = args.cache is not None and args.cache_shuffle == "partition"
+        """Each rank reads a fixed part of the data (``--cache``): the node's store holds only its part."""
+        self.data: DataBundle = build_data(
+            args.data, seq_len=args.seq_len, seed=args.seed, cache=cache_config(args, self.node)
+        )
+        self.model_name = args.model or default_model(self.data.task)
+        torch.manual_seed(args.seed)  # identical initial weights everywhere (wrap broadcasts rank 0's)
+        net = build_model_for(self.model_name, self.data.task, self.data.input_shape, self.data.num_classes)
+        net = net.to(self.device)
+        self.grad_bytes = sum(p.numel() * 4 for p in net.parameters() if p.requires_grad)
+        self.sampler: ShardedSampler | PartitionSampler
+        if self.partitioned:
+            self.sampler = PartitionSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
+        else:
+            self.sampler = ShardedSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
+        native = self.data.input_shape[-1] if self.data.task == "classify" else None
+        self.plan = epoch_plan(args, self.world, len(self.sampler), native)
+        self.accumulation = self.plan.accumulation
+        self.loader = PrefetchLoader(self.data.train, self.sampler, self.plan.per_worker[0], drop_last=True)
+        if min(self.plan.steps) == 0:
+            epoch = self.plan.steps.index(0)
+            raise ValueError(
+                f"a worker's batch of {self.plan.per_worker[epoch]} is larger than its share of the "
+                f"training data ({len(self.sampler)} samples on each of {self.world} workers)"
+            )
+        cuda = self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if args.amp and cuda else None
+        self.config = sync_config(args, self.plan.to_steps)
+        self.clip_after_sync = clip_where(args, self.config) == "sync"
+        """``--clip-grad`` on the synchronized gradient (else the engine clips locally, or nothing)."""
+        self.model = gradsync.wrap(
+            net,
+            self.config,
+            self.topo,
+            grad_scaler=self.scaler,
+            trace=args.trace,
+            trace_steps=trace_steps(args.trace_steps) if args.trace else None,
+        )
+        self.net = net
+        self.self_syncing = args.optimizer in SELF_SYNCING
+        """The optimizer synchronizes the model (compressed momentum): the engine must not."""
+        self._local_gradients = contextlib.ExitStack()
+        if self.self_syncing:
+            if self.scaler is not None:
+                raise ValueError(
+                    f"--optimizer {args.optimizer} does not support a GradScaler (--amp on a GPU)"
+                )
+            self._local_gradients.enter_context(self.model.no_sync())  # for the whole run
+        lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+        base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
+        self.optimizer = build_optimizer(
+            net,
+            args.optimizer,
+            base_lr,
+            args.momentum,
+            args.nesterov,
+            args.weight_decay,
+            trust_coefficient=args.trust_coefficient,
+            parallel=self._pto_group() if args.pto == "on" else None,
+            compressed=compressed_options(args, self.plan.total_steps) if self.self_syncing else None,
+            topology=self.topo,
+        )
+        self.pto_choice: PtoChoice | None = None
+        if args.pto == "auto" and self.world > 1 and isinstance(self.optimizer, LayerwiseOptimizer):
+            group = self._pto_group()
+            assert group is not None  # a world of more than one
+            self.pto_choice = choose_pto(self.optimizer, group, self.topo)
+            if self.rank == 0:
+                print(f"gradsync train: {self.pto_choice.line()}", file=sys.stderr, flush=True)
+        ratios = [scaled_lr(lr, args, self.world, self.plan.global_batch(e)) / base_lr
+                  for e in range(self.plan.epochs)]  # fmt: skip
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            args.schedule,
+            self.plan.to_steps(args.warmup_epochs),
+            self.plan.total_steps,
+            args.poly_power,
+            None if self.plan.uniform else (lambda s: ratios[self.plan.epoch_of_step(s)]),
+        )
+        torch.manual_seed(args.seed + 1 + self.rank)  # per-rank stream (dropout)
+        self.epoch, self.batch, self.global_step = 0, 0, 0
+        self.meter = EpochMeter()
+        self.history: list[dict[str, Any]] = []
+        self.telemetry: list[dict[str, Any]] = []  # rank 0's step records, every --log-every steps
+        self._unchecked: _Flags | None = None  # the last step's finiteness flags, in flight
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        if args.checkpoint_dir and (args.resume or restarted):
+            self._resume()
+
+    # ------------------------------------------------------------------ set-up
+    def _join(self) -> torch.device:
+        if not dist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            timeout = datetime.timedelta(seconds=self.args.timeout)
+            backend = "nccl" if cuda else "gloo"
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if attempt is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                # torchrun keeps its store across restarts: without a prefix per attempt, the
+                # restarted workers would find (and try to connect to) the dead workers' addresses
+                store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+                store = dist.PrefixStore(f"gradsync/attempt-{attempt}", store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dev = comm_device(None)
+        return dev
+
+    def _pto_group(self) -> dist.ProcessGroup | None:
+        """``--pto``: a group of its own for the trust ratios' all-gather (every rank creates it,
+        at the same point), so that it never interleaves with the engine's collectives."""
+        if self.args.pto == "off" or self.world == 1:
+            return None
+        return dist.new_group(list(range(self.world)))
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any] | None:
+        a = self.args
+        show = self.rank == 0 and not a.quiet
+        if self.rank == 0:
+            print(self._banner(), file=sys.stderr, flush=True)
+        from gradsync.apps.train.progress import EpochProgress
+
+        while self.epoch < a.epochs:
+            self.sampler.set_epoch(self.epoch)
+            self.loader.batch_size = self.plan.per_worker[self.epoch]
+            started = time.perf_counter()
+            cache_before = self._cache_counters()
+            with EpochProgress(show, self.epoch, a.epochs, self.steps_per_epoch, self.batch) as bar:
+                waited = time.perf_counter()
+                for x, y in self.loader.iter_from(self.batch):
+                    t0 = time.perf_counter()
+                    loss = self._step(x, y)
+                    dt = time.perf_counter() - t0
+                    self.meter.wait_s += t0 - waited
+                    self.batch += 1
+                    self.global_step += 1
+                    save_now = bool(
+                        a.checkpoint_dir
+                        and a.checkpoint_every
+                        and self.global_step % a.checkpoint_every == 0
+                        and self.batch < self.steps_per_epoch
+                    )
+                    # the parameters are checked where they matter: before a checkpoint keeps
+                    # them and at the epoch's end (the next loss would show them anyway), and
+                    # there the verdict is awaited at once; elsewhere it comes one step later
+                    self._check_finite(loss, save_now or self.batch == self.steps_per_epoch)
+                    self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    if self.self_syncing:  # what the optimizer sent this step
+                        compressing = self.optimizer.compressing  # type: ignore[attr-defined]
+                        self.meter.add_sent(self.optimizer.traffic.take(), compressing)  # type: ignore[attr-defined]
+                    if a.log_every and self.rank == 0 and self.global_step % a.log_every == 0:
+                        self._log_telemetry(loss, dt, bar)
+                    bar.advance(loss, x.shape[0] * self.world / dt if dt > 0 else 0.0)
+                    if save_now:
+                        self._save()
+                    self._maybe_crash()
+                    waited = time.perf_counter()
+            self.synchronize_optimizer()  # evaluate one model (0/1 Adam's ranks drift between exchanges)
+            record: dict[str, Any] = {"epoch": self.epoch + 1}
+            record.update(
+                epoch_record(
+                    self.meter, time.perf_counter() - started, self.grad_bytes, self.world, self.device
+                )
+            )
+            record.update(self.evaluate())
+            if cache_before is not None:  # after the evaluation: its reads count too
+                record.update(self._cache_record(cache_before))
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+            if a.resize_schedule:
+                record["input_size"] = self._size()
+                record["global_batch"] = self.plan.global_batch(self.epoch)
+            self.history.append(record)
+            if self.rank == 0:
+                print(_epoch_line(record), file=sys.stderr, flush=True)
+            self.epoch, self.batch, self.meter = self.epoch + 1, 0, EpochMeter()
+            if a.checkpoint_dir:
+                self._save()
+        self.model.close()
+        return self._summary() if self.rank == 0 else None
+
+    def _cache_counters(self) -> dict[str, float] | None:
+        """The data cache's counters of this rank (``None`` for data read without the cache)."""
+        counters = getattr(self.data.train, "cache_counters", None)
+        return counters() if counters is not None else None
+
+    def _cache_record(self, before: dict[str, float]) -> dict[str, float]:
+        """The epoch's cache figures summed over ranks (evaluation included): where samples came
+        from, bytes fetched from central storage, decode time."""
+        now = self._cache_counters()
+        assert now is not None
+        keys = sorted(now)
+        t = torch.tensor([now[k] - before[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        got = dict(zip(keys, t.tolist(), strict=True))
+        return cache_figures(got, self.meter.steps)
+
+    def _log_telemetry(self, loss: float, step_s: float, bar: Any) -> None:
+        """Rank 0's telemetry of the step just taken (local figures: no collective)."""
+        stats = self.model.last_stats
+        if stats is None:  # a world of one synchronizes nothing
+            return
+        rec = step_record(stats, residual_norm=self.model.engine.residual_norm())
+        rec.update(
+            global_step=self.global_step, epoch=self.epoch + 1, loss=loss, step_ms=round(step_s * 1e3, 3)
+        )
+        self.telemetry.append(rec)
+        bar.log(f"{format_line(rec)}, loss {loss:.4f}, {rec['step_ms']:.0f} ms/step")
+
+    def _banner(self) -> str:
+        d = self.data
+        return (
+            f"gradsync train: {self.model_name} ({parameter_count(self.net) / 1e6:.2f} M parameters) on "
+            f"{d.name} ({len(d.train)} train / {len(d.val)} val), {self.world} workers as "
+            f"{self.topo.nodes} x {self.topo.per_node}, {self._sync_words()}, "
+            f"{self.steps_per_epoch} steps per epoch, device {self.device}"
+        )
+
+    def _sync_words(self) -> str:
+        if self.self_syncing:
+            return f"no gradient sync (--optimizer {self.args.optimizer} synchronizes the model)"
+        return f"scheme {self.args.scheme} (plan {self.args.plan})"
+
+    def _summary(self) -> dict[str, Any]:
+        a = self.args
+        last = self.history[-1] if self.history else {}
+        return {
+            "command": "gradsync " + " ".join(getattr(a, "argv", []) or []),
+            "data": self.data.name,
+            "data_source": self.data.source,
+            "task": self.data.task,
+            "model": self.model_name,
+            "parameters": parameter_count(self.net),
+            "scheme": "none" if self.self_syncing else a.scheme,
+            "optimizer": a.optimizer,
+            "plan": a.plan,
+            "plan_table": self.model.plan_table(),
+            "plan_summary": self.model.engine.report.summary if self.model.engine.report else "",
+            "world": self.world,
+            "nodes": self.topo.nodes,
+            "per_node": self.topo.per_node,
+            "batch_size": a.batch_size,
+            "global_batch": self.plan.global_batch(self.plan.epochs - 1),
+            **({} if self.plan.uniform else {"global_batches": self.plan.global_batches}),
+            "accumulation": self.accumulation,
+            **({} if self.pto_choice is None else {"pto_choice": self.pto_choice.summary()}),
+            "epochs": a.epochs,
+            "steps": self.global_step,
+            "final": last,
+            "history": self.history,
+            "telemetry": self.telemetry,
+            "trace": a.trace,
+        }
+
+
+def _epoch_line(r: dict[str, Any]) -> str:
+    metric = (
+        f"val acc {100 * r['val_accuracy']:.2f}%"
+        if "val_accuracy" in r
+        else f"val ppl {r['val_perplexity']:.2f}"
+    )
+    return (
+        f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, {metric}, "
+        f"{r['samples_per_s']:.0f} samples/s, sent/step intra {r['bytes_per_step_intra'] / 1e6:.3f} MB "
+        f"inter {r['bytes_per_step_inter'] / 1e6:.3f} MB world {r['bytes_per_step_world'] / 1e6:.3f} MB, "
+        f"compression x{r['compression_ratio']:.1f}, "
+        f"exposed sync {100 * r['exposed_sync_share']:.1f}% of step, "
+        f"data wait {r['data_wait_ms']:.1f} ms/step"
+        + (
+            f", cache hits memory {100 * r['cache_memory_hit']:.0f}% disk {100 * r['cache_disk_hit']:.0f}%, "
+            f"{r['central_bytes'] / 1e6:.1f} MB from central storage"
+            if "cache_memory_hit" in r
+            else ""
+        )
+    )
+
+
+def save_costs(trainer: Trainer, path: str) -> None:
+    """Rank 0: write the engine's refitted costs to ``path`` (atomically), or say why there are
+    none (no closed-loop round ran: the plan was not ``auto``, the scheme dense, or the run too
+    short for a round)."""
+    costs = trainer.model.engine.costs()
+    if costs is None:
+        print(
+            f"gradsync train: --save-costs {path}: nothing written: the closed loop never refitted the "
+            "costs (it runs with --plan auto and a compressed scheme, after replan_steps + 2 compressed "
+            "steps)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    costs.save(tmp)
+    os.replace(tmp, path)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """The worker's entry point: train, print the summary on rank 0, write ``--json``. A run
+    whose loss diverged returns 1 on every rank (the message is printed once per machine)."""
+    try:
+        trainer = Trainer(args)
+        try:
+            summary = trainer.run()
+        except TrainingDiverged as e:
+            trainer.model.close()
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per machine
+                print(f"gradsync train: {e}", file=sys.stderr, flush=True)
+            return 1
+        if summary is not None:
+            from gradsync.apps.train.progress import print_summary
+
+            print_summary(summary)
+            if args.json:
+                tmp = f"{args.json}.tmp-{os.getpid()}"
+                with open(tmp, "w") as fh:
+                    json.dump(summary, fh, indent=1)
+                os.replace(tmp, args.json)
+            if args.save_costs:
+                save_costs(trainer, args.save_costs)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
