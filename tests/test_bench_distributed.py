@@ -379,7 +379,7 @@ def test_rounds_merge_and_ratios_by_hand():
 def test_a_contender_carries_its_own_sync_options():
     """``scheme@key=value``: validated before any process group; a bad one names what is wrong."""
     assert (
-        bench_step._contender("hierarchical@grad_as_bucket_view=true")
+        bench_step.check_contender("hierarchical@grad_as_bucket_view=true")
         == "hierarchical@grad_as_bucket_view=true"
     )
     assert bench_step.contender_options("auto@replan=0@replan_gain=0.1") == (
@@ -387,8 +387,8 @@ def test_a_contender_carries_its_own_sync_options():
         {"replan": "0", "replan_gain": "0.1"},
     )
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        bench_step._contender("hierarchical@oops")
+        bench_step.check_contender("hierarchical@oops")
     with pytest.raises(ValueError, match="no_such_option"):
-        bench_step._contender("hierarchical@no_such_option=1")
+        bench_step.check_contender("hierarchical@no_such_option=1")
     with pytest.raises(ValueError, match="replan"):
-        bench_step._contender("auto@replan=-1")
+        bench_step.check_contender("auto@replan=-1")

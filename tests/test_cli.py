@@ -15,10 +15,10 @@ from gradsync.apps.commands import main
 from gradsync.apps.commands.bench import codecs as bench_codecs
 from gradsync.apps.commands.bench.timing import paired
 from gradsync.apps.train.checkpoint import CheckpointError
-from gradsync.apps.train.loop import TrainingDiverged
+from gradsync.apps.train.trainer import TrainingDiverged
 from gradsync.collectives import MismatchError, TopologyError
+from gradsync.integrate.engine import SyncError
 from gradsync.sync import TaskError
-from gradsync.sync.engine import SyncError
 from gradsync.sync.sequence import OutOfStepError
 
 

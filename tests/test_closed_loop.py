@@ -1,4 +1,4 @@
-"""The closed-loop planner (gradsync.sync.closed_loop): the refit against known links and codec
+"""The closed-loop planner (gradsync.planner.closed_loop): the refit against known links and codec
 costs, the plan switch's handling of compression state, and, in a 2-rank world, re-planning that
 every rank agrees on, that is checkpointed, and whose gradients after a switch equal an
 independent float64 reference (top-k of residual + gradient, plain mean for dense buckets)."""
@@ -18,8 +18,7 @@ import gradsync
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.sync import Scheme, SyncConfig
-from gradsync.sync.closed_loop import (
+from gradsync.planner.closed_loop import (
     ClosedLoop,
     Refit,
     Sample,
@@ -29,7 +28,8 @@ from gradsync.sync.closed_loop import (
     refit_links,
     same_plan,
 )
-from gradsync.sync.plan import BucketPlan, Plan
+from gradsync.planner.plan import BucketPlan, Plan
+from gradsync.sync import Scheme, SyncConfig
 from worlds import named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -332,8 +332,8 @@ def check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone():
     """``auto:candidates=``: the re-plan gives each bucket the candidate the (forced) model finds
     cheapest; on the first compressed step, the top-k buckets equal a float64 top-k reference and
     the PowerSGD bucket equals an engine that runs PowerSGD alone from the same step."""
-    from gradsync.sync import planner as planner_module
-    from gradsync.sync import replan as replan_module
+    from gradsync.planner import decide as planner_module
+    from gradsync.planner import replan as replan_module
 
     world = dist.get_world_size()
     real = replan_module.refit
@@ -420,7 +420,7 @@ def check_a_switch_that_measured_slower_is_undone():
     real), so after step 6 every rank goes back to the first plan and settles; the streams end,
     and step 7 is the mean over the ranks of gradient + the residual each rank's streams held
     after step 6 (carried into the dense step, not dropped)."""
-    from gradsync.sync import replan as replan_module
+    from gradsync.planner import replan as replan_module
 
     world = dist.get_world_size()
     real = replan_module.refit
@@ -491,7 +491,7 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     above for switches in general; here: every rank has the same plan)."""
     import time
 
-    from gradsync.sync import replan as replan_module
+    from gradsync.planner import replan as replan_module
 
     real = replan_module.refit
     replan_module.refit = _forced_refits([_compress_all])
@@ -529,7 +529,7 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     if int(plans) != len(engine.plan.buckets):
         failed.append("the ranks hold different plans")
     # what the round refitted is rank 0's (it decides), as a document whatif reads
-    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.planner.engine_costs import EngineCosts
 
     costs = engine.costs()
     if dist.get_rank() == 0:
@@ -558,7 +558,7 @@ def closed_loop_world():
 
 
 def check_switches_carry_state_and_match_the_reference():
-    from gradsync.sync import replan as replan_module
+    from gradsync.planner import replan as replan_module
 
     world = dist.get_world_size()
     real = replan_module.refit

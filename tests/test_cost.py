@@ -125,7 +125,7 @@ def test_local_aggregation_without_peers_is_predicted_as_the_engine_runs_it():
     all-gather over the world, one encode and one all-gather per part, no chunks, so the planner
     predicts paper 04's packed all-gather (naive), not the chunked pipeline. On one node nothing
     crosses a node: a dense intra-node reduce-scatter and all-gather."""
-    from gradsync.sync.planner import predict
+    from gradsync.planner.decide import predict
     from gradsync.sync.scheme import Scheme
 
     c = codec(enc=1e-8)

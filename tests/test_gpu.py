@@ -273,7 +273,7 @@ def check_autocast_with_a_grad_scaler(device):
 # ---------------------------------------------------------------------------------- planner
 def check_planner_times_codecs_on_the_gradients_device(device):
     """The plan (made on rank 0 after the first step) timed its codecs on the gradients' device."""
-    from gradsync.sync import planner
+    from gradsync.planner import decide as planner
 
     real = planner.measure_codec
     signature = inspect.signature(real)

@@ -31,7 +31,7 @@ import gradsync
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology
 from gradsync.collectives.compressed import compressed_allreduce
-from gradsync.sync.plan import BucketPlan, Plan
+from gradsync.planner.plan import BucketPlan, Plan
 from worlds import named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,11 +17,11 @@ from torch.nn.parallel import DistributedDataParallel
 import gradsync
 from gradsync.codecs import build_codec
 from gradsync.codecs.lowrank import PowerSGD
+from gradsync.planner.closed_loop import ClosedLoop
+from gradsync.planner.plan import BucketPlan, Plan
 from gradsync.sync.carry import whole
-from gradsync.sync.closed_loop import ClosedLoop
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.momentum import SyncMomentum
-from gradsync.sync.plan import BucketPlan, Plan
 from worlds import expect_all, named_check, run_checks, run_world
 
 pytestmark = pytest.mark.timeout(300)

@@ -447,7 +447,7 @@ def check_recut_merges_compressed_buckets_across_dense_ones(topo):
     into one bucket that launches after the biases' dense one. The gradients stay the plain
     all-reduce's (a lossless codec)."""
     from gradsync.collectives.cost import CostParams, Link
-    from gradsync.sync import planner
+    from gradsync.planner import decide as planner
 
     rank = dist.get_rank()
     assumed = planner.DEFAULT_PARAMS

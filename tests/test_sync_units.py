@@ -10,9 +10,10 @@ import torch
 from gradsync.codecs import ErrorFeedback
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.collectives.program import ProgramError, chain, last, run
-from gradsync.sync import Plan, Scheme, SyncConfig, TaskError, TaskManager
+from gradsync.planner.decide import make_plan
+from gradsync.planner.plan import Plan
+from gradsync.sync import Scheme, SyncConfig, TaskError, TaskManager
 from gradsync.sync.buckets import Bucket, Slot, build_groups
-from gradsync.sync.planner import make_plan
 
 
 # ------------------------------------------------------------------------------------- schemes
@@ -325,7 +326,7 @@ def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_lau
     apart_s, merged_s = 2 * c(mib, 5e-3) + d, max(1e-3 + d, 2e-3) + c(2 * mib, 5e-3)
     assert merged_s < apart_s
     # the span the re-cut minimizes, written out, for both plans
-    from gradsync.sync.recut import span
+    from gradsync.planner.recut import span
 
     assert span(merged.buckets, [0.0, 1e-3, 2e-3]) == pytest.approx(merged_s)
     apart = plan(5e-3, None)  # no ready times: no re-cut

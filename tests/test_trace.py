@@ -21,7 +21,8 @@ import gradsync
 from gradsync.apps.commands import main as cli
 from gradsync.collectives import Topology
 from gradsync.observe.telemetry import format_line, step_record
-from gradsync.observe.trace import check_trace, load_trace, merge_traces, rank_file
+from gradsync.observe.trace_events import rank_file
+from gradsync.observe.trace_read import check_trace, load_trace, merge_traces
 from worlds import expect_all, named_check, run_checks, run_world
 
 # the engine's step check: ten int64 words (step, forward, backward and frozen counts as max/min

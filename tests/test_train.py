@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from gradsync.apps.commands import main
 from gradsync.apps.train import checkpoint
-from gradsync.apps.train.loop import Trainer, TrainingDiverged
+from gradsync.apps.train.trainer import Trainer, TrainingDiverged
 from worlds import run_checks, run_world
 
 pytestmark = pytest.mark.timeout(600)
@@ -374,7 +374,7 @@ def test_option_errors_come_before_any_process(extra, message, capsys, monkeypat
 def test_the_engines_refitted_costs_are_saved_for_whatif(tmp_path, monkeypatch, capfd):
     """``--save-costs``: with the closed loop on, rank 0 writes what its last round refitted (a
     document ``gradsync whatif --costs`` reads); where no round runs it says so and writes none."""
-    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.planner.engine_costs import EngineCosts
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

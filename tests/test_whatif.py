@@ -15,8 +15,8 @@ from torch import nn
 from gradsync.apps.commands import main
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.observe.profiler import Profile, profile_step
-from gradsync.observe.trace import check_trace
-from gradsync.sync.planner import predict
+from gradsync.observe.trace_read import check_trace
+from gradsync.planner.decide import predict
 from gradsync.sync.scheme import Scheme
 from gradsync.units import parse_rate
 from gradsync.whatif.codec_costs import CODEC_COSTS_FORMAT, CodecTable
@@ -336,7 +336,7 @@ def test_validation_and_calibration_commands_name_the_option(argv, message, monk
 
 # ------------------------------------------------------------------ the engine's refitted costs
 def _engine_costs(call: float = 2e-3):
-    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.planner.engine_costs import EngineCosts
 
     params = CostParams(Link(1e-4, 2e-10), Link(9e-4, 8e-8), 3e-10, call=call)
     codec = CodecCost(Linear(1e-3, 2e-9), Linear(1e-4, 5e-10), Linear(40.0, 0.02), bounded=True)
@@ -344,7 +344,7 @@ def _engine_costs(call: float = 2e-3):
 
 
 def test_engine_costs_round_trip_and_refusals(tmp_path):
-    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.planner.engine_costs import EngineCosts
 
     costs = _engine_costs()
     path = tmp_path / "costs.json"

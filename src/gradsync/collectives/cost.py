@@ -373,7 +373,7 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from small ones with every group of the level busy;
     gamma from timing local adds; the start-up of a small world all-gather
     (:func:`measure_gather_start`). The per-call cost is left at zero: the closed loop fits it
-    from the running engine (:func:`gradsync.sync.closed_loop.refit_links`). Every
+    from the running engine (:func:`gradsync.planner.closed_loop.refit_links`). Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """

@@ -252,7 +252,7 @@ class FsdpCompression:
         min_compress_bytes: int,
         grad_scaler: Any | None = None,
     ) -> None:
-        self.scheme = _parse_scheme(scheme)
+        self.scheme = parse_fsdp_scheme(scheme)
         self.where = where
         self.replicate_group = replicate_group
         self.codec: Compressor | None = self.scheme.build(error_feedback)
@@ -622,7 +622,7 @@ class FsdpCompression:
         self._round = set()
 
 
-def _parse_scheme(scheme: str) -> Scheme:
+def parse_fsdp_scheme(scheme: str) -> Scheme:
     parsed = Scheme.parse(scheme)
     if parsed.kind == "dense" and parsed.comm_dtype is not None and "/" not in parsed.text:
         # plain fp16 / bf16: under FSDP, the codec (16-bit payloads in the reduce-scatter and
@@ -707,7 +707,7 @@ def describe_options(scheme: str, options: dict[str, Any]) -> str:
             f"gradsync.fsdp.replicate: unknown option(s) {', '.join(unknown)}; the options are "
             f"{', '.join(_OPTIONS)} (and blocks=, mp_policy=)"
         )
-    _parse_scheme(scheme)
+    parse_fsdp_scheme(scheme)
     error_feedback = options.get("error_feedback")
     if error_feedback not in (None, True, False):
         raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")

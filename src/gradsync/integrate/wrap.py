@@ -27,8 +27,8 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
+from gradsync.integrate.engine import SyncEngine
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.engine import SyncEngine
 from gradsync.sync.stats import StepStats
 
 if TYPE_CHECKING:

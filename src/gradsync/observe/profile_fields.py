@@ -16,24 +16,24 @@ import torch
 # --------------------------------------------------------------------------- JSON field helpers
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _mapping(d: Any, where: str) -> dict[str, Any]:
+def read_mapping(d: Any, where: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"profile field {where!r}: expected an object, got {type(d).__name__}")
     return d
 
 
-def _field(d: dict[str, Any], key: str, where: str) -> Any:
+def read_field(d: dict[str, Any], key: str, where: str) -> Any:
     name = f"{where}.{key}" if where else key
     if key not in d:
         raise ValueError(f"profile field {name!r} is missing")
     return d[key]
 
 
-def _no_extra(d: dict[str, Any], known: Iterable[str], where: str) -> None:
+def no_extra_keys(d: dict[str, Any], known: Iterable[str], where: str) -> None:
     extra = sorted(set(d) - set(known))
     if extra:
         raise ValueError(
@@ -41,25 +41,25 @@ def _no_extra(d: dict[str, Any], known: Iterable[str], where: str) -> None:
         )
 
 
-def _number(v: Any, where: str) -> float:
+def read_number(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"profile field {where!r}: expected a finite number, got {v!r}")
     return float(v)
 
 
-def _count(v: Any, where: str) -> int:
-    if not _is_int(v) or v < 0:
+def read_count(v: Any, where: str) -> int:
+    if not is_int(v) or v < 0:
         raise ValueError(f"profile field {where!r}: expected an integer >= 0, got {v!r}")
     return int(v)
 
 
-def _string(v: Any, where: str) -> str:
+def read_string(v: Any, where: str) -> str:
     if not isinstance(v, str):
         raise ValueError(f"profile field {where!r}: expected a string, got {v!r}")
     return v
 
 
-def _boolean(v: Any, where: str) -> bool:
+def read_boolean(v: Any, where: str) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"profile field {where!r}: expected true or false, got {v!r}")
     return v
@@ -70,7 +70,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _itemsize(name: str, where: str) -> int:
+def itemsize_of(name: str, where: str) -> int:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"profile field {where!r}: unknown dtype {name!r}")

@@ -22,15 +22,15 @@ import torch
 
 import gradsync
 from gradsync.observe.profile_fields import (
-    _boolean,
-    _count,
-    _field,
-    _is_int,
-    _itemsize,
-    _mapping,
-    _no_extra,
-    _number,
-    _string,
+    is_int,
+    itemsize_of,
+    no_extra_keys,
+    read_boolean,
+    read_count,
+    read_field,
+    read_mapping,
+    read_number,
+    read_string,
 )
 
 PROFILE_FORMAT = "gradsync.profile/1"
@@ -75,11 +75,12 @@ class Spread:
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Spread:
-        d = _mapping(d, where)
+        d = read_mapping(d, where)
         values = {
-            k: _number(_field(d, k, where), f"{where}.{k}") for k in ("median", "p10", "p90", "min", "max")
+            k: read_number(read_field(d, k, where), f"{where}.{k}")
+            for k in ("median", "p10", "p90", "min", "max")
         }
-        _no_extra(d, values, where)
+        no_extra_keys(d, values, where)
         s = cls(**values)
         if not s.min <= s.p10 <= s.median <= s.p90 <= s.max:
             raise ValueError(f"profile field {where!r}: expected min <= p10 <= median <= p90 <= max, got {s}")
@@ -131,28 +132,28 @@ class ParamProfile:
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> ParamProfile:
-        d = _mapping(d, where)
-        shape = _field(d, "shape", where)
-        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        d = read_mapping(d, where)
+        shape = read_field(d, "shape", where)
+        if not isinstance(shape, list) or not all(is_int(s) and s >= 0 for s in shape):
             raise ValueError(
                 f"profile field {where + '.shape'!r}: expected a list of sizes >= 0, got {shape!r}"
             )
-        ready = _field(d, "ready", where)
-        rank = _field(d, "backward_rank", where)
-        if rank is not None and not _is_int(rank):
+        ready = read_field(d, "ready", where)
+        rank = read_field(d, "backward_rank", where)
+        if rank is not None and not is_int(rank):
             raise ValueError(f"profile field {where + '.backward_rank'!r}: expected an integer or null")
         out = cls(
-            name=_string(_field(d, "name", where), f"{where}.name"),
+            name=read_string(read_field(d, "name", where), f"{where}.name"),
             shape=tuple(shape),
-            numel=_count(_field(d, "numel", where), f"{where}.numel"),
-            dtype=_string(_field(d, "dtype", where), f"{where}.dtype"),
-            bytes=_count(_field(d, "bytes", where), f"{where}.bytes"),
-            requires_grad=_boolean(_field(d, "requires_grad", where), f"{where}.requires_grad"),
+            numel=read_count(read_field(d, "numel", where), f"{where}.numel"),
+            dtype=read_string(read_field(d, "dtype", where), f"{where}.dtype"),
+            bytes=read_count(read_field(d, "bytes", where), f"{where}.bytes"),
+            requires_grad=read_boolean(read_field(d, "requires_grad", where), f"{where}.requires_grad"),
             ready=None if ready is None else Spread.from_dict(ready, f"{where}.ready"),
-            ready_steps=_count(_field(d, "ready_steps", where), f"{where}.ready_steps"),
+            ready_steps=read_count(read_field(d, "ready_steps", where), f"{where}.ready_steps"),
             backward_rank=rank,
         )
-        _no_extra(d, cls.__dataclass_fields__, where)
+        no_extra_keys(d, cls.__dataclass_fields__, where)
         return out
 
 
@@ -262,83 +263,83 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: Any) -> Profile:
-        d = _mapping(d, "profile")
-        fmt = _field(d, "format", "")
+        d = read_mapping(d, "profile")
+        fmt = read_field(d, "format", "")
         if fmt != PROFILE_FORMAT:
             raise ValueError(
                 f"profile field 'format': expected {PROFILE_FORMAT!r}, got {fmt!r} "
                 "(a profile written by another gradsync version; re-run gradsync profile)"
             )
-        dev = _mapping(_field(d, "device", ""), "device")
+        dev = read_mapping(read_field(d, "device", ""), "device")
         device = DeviceInfo(
-            type=_string(_field(dev, "type", "device"), "device.type"),
-            name=_string(_field(dev, "name", "device"), "device.name"),
-            threads=_count(_field(dev, "threads", "device"), "device.threads"),
+            type=read_string(read_field(dev, "type", "device"), "device.type"),
+            name=read_string(read_field(dev, "name", "device"), "device.name"),
+            threads=read_count(read_field(dev, "threads", "device"), "device.threads"),
         )
-        _no_extra(dev, DeviceInfo.__dataclass_fields__, "device")
-        phases_raw = _mapping(_field(d, "phases", ""), "phases")
-        phases = {k: Spread.from_dict(_field(phases_raw, k, "phases"), f"phases.{k}") for k in PHASES}
-        _no_extra(phases_raw, phases, "phases")
-        params_raw = _field(d, "parameters", "")
+        no_extra_keys(dev, DeviceInfo.__dataclass_fields__, "device")
+        phases_raw = read_mapping(read_field(d, "phases", ""), "phases")
+        phases = {k: Spread.from_dict(read_field(phases_raw, k, "phases"), f"phases.{k}") for k in PHASES}
+        no_extra_keys(phases_raw, phases, "phases")
+        params_raw = read_field(d, "parameters", "")
         if not isinstance(params_raw, list):
             raise ValueError("profile field 'parameters': expected a list")
         params = [ParamProfile.from_dict(p, f"parameters[{i}]") for i, p in enumerate(params_raw)]
-        order = _field(d, "backward_order", "")
-        if not isinstance(order, list) or not all(_is_int(i) for i in order):
+        order = read_field(d, "backward_order", "")
+        if not isinstance(order, list) or not all(is_int(i) for i in order):
             raise ValueError("profile field 'backward_order': expected a list of parameter indices")
-        over_raw = _field(d, "overhead", "")
+        over_raw = read_field(d, "overhead", "")
         overhead = None
         if over_raw is not None:
-            o = _mapping(over_raw, "overhead")
+            o = read_mapping(over_raw, "overhead")
             overhead = Overhead(
-                rounds=_count(_field(o, "rounds", "overhead"), "overhead.rounds"),
+                rounds=read_count(read_field(o, "rounds", "overhead"), "overhead.rounds"),
                 profiled_step=Spread.from_dict(
-                    _field(o, "profiled_step", "overhead"), "overhead.profiled_step"
+                    read_field(o, "profiled_step", "overhead"), "overhead.profiled_step"
                 ),
                 unprofiled_step=Spread.from_dict(
-                    _field(o, "unprofiled_step", "overhead"), "overhead.unprofiled_step"
+                    read_field(o, "unprofiled_step", "overhead"), "overhead.unprofiled_step"
                 ),
-                ratio=Spread.from_dict(_field(o, "ratio", "overhead"), "overhead.ratio"),
+                ratio=Spread.from_dict(read_field(o, "ratio", "overhead"), "overhead.ratio"),
             )
-            _no_extra(o, Overhead.__dataclass_fields__, "overhead")
-        batch_size = _field(d, "batch_size", "")
+            no_extra_keys(o, Overhead.__dataclass_fields__, "overhead")
+        batch_size = read_field(d, "batch_size", "")
         if batch_size is not None:
-            batch_size = _count(batch_size, "batch_size")
-        dtypes = _field(d, "dtypes", "")
+            batch_size = read_count(batch_size, "batch_size")
+        dtypes = read_field(d, "dtypes", "")
         if not isinstance(dtypes, list) or not all(isinstance(t, str) for t in dtypes):
             raise ValueError("profile field 'dtypes': expected a list of dtype names")
-        meta = _mapping(_field(d, "meta", ""), "meta")
-        unit = _field(d, "unit", "")
+        meta = read_mapping(read_field(d, "meta", ""), "meta")
+        unit = read_field(d, "unit", "")
         if unit != "seconds":
             raise ValueError(f"profile field 'unit': expected 'seconds', got {unit!r}")
         profile = cls(
-            model=_string(_field(d, "model", ""), "model"),
+            model=read_string(read_field(d, "model", ""), "model"),
             batch_size=batch_size,
             dtypes=list(dtypes),
-            steps=_count(_field(d, "steps", ""), "steps"),
-            warmup=_count(_field(d, "warmup", ""), "warmup"),
-            data_source=_string(_field(d, "data_source", ""), "data_source"),
+            steps=read_count(read_field(d, "steps", ""), "steps"),
+            warmup=read_count(read_field(d, "warmup", ""), "warmup"),
+            data_source=read_string(read_field(d, "data_source", ""), "data_source"),
             phases=phases,
             parameters=params,
             backward_order=list(order),
-            order_stable_steps=_count(_field(d, "order_stable_steps", ""), "order_stable_steps"),
+            order_stable_steps=read_count(read_field(d, "order_stable_steps", ""), "order_stable_steps"),
             device=device,
             overhead=overhead,
             format=fmt,
-            gradsync_version=_string(_field(d, "gradsync_version", ""), "gradsync_version"),
-            torch_version=_string(_field(d, "torch_version", ""), "torch_version"),
-            created=_string(_field(d, "created", ""), "created"),
+            gradsync_version=read_string(read_field(d, "gradsync_version", ""), "gradsync_version"),
+            torch_version=read_string(read_field(d, "torch_version", ""), "torch_version"),
+            created=read_string(read_field(d, "created", ""), "created"),
             meta=dict(meta),
             powersgd_hook=_hook_rates(d.get("powersgd_hook_s_per_byte", {})),
         )
-        measured = _boolean(_field(d, "data_measured", ""), "data_measured")
+        measured = read_boolean(read_field(d, "data_measured", ""), "data_measured")
         if measured != profile.data_measured:
             raise ValueError(
                 f"profile field 'data_measured': {measured} contradicts data_source {profile.data_source!r}"
             )
         known = {f.name for f in dataclasses.fields(cls) if f.name != "powersgd_hook"}
         known |= {"data_measured", "unit", "powersgd_hook_s_per_byte"}
-        _no_extra(d, known, "profile")
+        no_extra_keys(d, known, "profile")
         profile.validate()
         return profile
 
@@ -371,7 +372,7 @@ class Profile:
                 raise ValueError(
                     f"profile field '{where}.numel': {p.numel} != product of shape {list(p.shape)}"
                 )
-            size = _itemsize(p.dtype, f"{where}.dtype")
+            size = itemsize_of(p.dtype, f"{where}.dtype")
             if p.bytes != p.numel * size:
                 raise ValueError(
                     f"profile field '{where}.bytes': {p.bytes} != numel {p.numel} x {size} bytes of {p.dtype}"
@@ -410,7 +411,7 @@ class Profile:
         if self.overhead is not None and self.overhead.rounds < 1:
             raise ValueError("profile field 'overhead.rounds': expected >= 1")
         for t in self.dtypes:
-            _itemsize(t, "dtypes")
+            itemsize_of(t, "dtypes")
         for r, v in self.powersgd_hook.items():
             if not (isinstance(r, int) and r >= 1 and math.isfinite(v) and v >= 0):
                 raise ValueError(
@@ -421,7 +422,7 @@ class Profile:
 
 def _hook_rates(raw: Any) -> dict[int, float]:
     """``powersgd_hook_s_per_byte``: ``{"1": seconds per byte, ...}`` (checked by ``validate``)."""
-    rates = _mapping(raw, "powersgd_hook_s_per_byte")
+    rates = read_mapping(raw, "powersgd_hook_s_per_byte")
     out: dict[int, float] = {}
     for key, value in rates.items():
         if (

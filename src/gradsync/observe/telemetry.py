@@ -4,7 +4,7 @@ The engine measures every step anyway (:class:`~gradsync.sync.StepStats`, per bu
 :class:`~gradsync.sync.stats.BucketStats`): reading them costs nothing, and the slowest
 rank's lag travels in the step check's all-reduce, which runs anyway. One figure costs a pass
 over memory and is taken only when asked: the error-feedback residual's norm
-(:meth:`~gradsync.sync.engine.SyncEngine.residual_norm`, between steps).
+(:meth:`~gradsync.integrate.engine.SyncEngine.residual_norm`, between steps).
 
 Field meanings (times in milliseconds, sizes in bytes, per rank):
 

@@ -35,7 +35,7 @@ gathers every rank's events (bytes of JSON over the control group) into the merg
 
 The event builders and the file writing live in :mod:`gradsync.observe.trace_events`, the clock
 alignment in :mod:`gradsync.observe.trace_clock`, and the reading, merging and checking in
-:mod:`gradsync.observe.trace_read`; their public names are importable from here as well.
+:mod:`gradsync.observe.trace_read`.
 """
 
 from __future__ import annotations
@@ -56,17 +56,15 @@ from gradsync.observe.trace_clock import align_clocks
 from gradsync.observe.trace_events import (
     COMM,
     COMPUTE,
-    THREAD_NAMES,
     TRACE_FORMAT,
     TRAINING,
-    _flow,
-    _metadata,
-    _slice,
-    _us,
+    flow_event,
+    metadata_events,
     rank_file,
+    slice_event,
+    to_us,
     write_json,
 )
-from gradsync.observe.trace_read import check_trace, iter_slices, load_trace, merge_traces
 from gradsync.sync.stats import StepStats
 from gradsync.sync.tasks import Task
 
@@ -104,7 +102,7 @@ class TraceRecorder:
 
     # ------------------------------------------------------------------ recording
     def attach(self, engine: Any) -> None:
-        """Record ``engine``'s steps (a :class:`~gradsync.sync.engine.SyncEngine`)."""
+        """Record ``engine``'s steps (a :class:`~gradsync.integrate.engine.SyncEngine`)."""
         engine.manager.record = True
         engine.observers.append(self.on_step)
         self._engines.append(engine)
@@ -152,7 +150,7 @@ class TraceRecorder:
             step = self._engines[0].step - (1 if after_step else 0)
             if not self.window[0] <= step < self.window[1]:
                 return
-        self._add([_slice(name, "step", TRAINING, start, end, args)])
+        self._add([slice_event(name, "step", TRAINING, start, end, args)])
 
     def _flow_id(self) -> int:
         self._flow += 1
@@ -175,12 +173,12 @@ class TraceRecorder:
         by_index = {b.index: b for b in stats.bucket_stats}
         if stats.first_ready_at < stats.backward_end_at:
             ev.append(
-                _slice(
+                slice_event(
                     "backward", "step", TRAINING, stats.first_ready_at, stats.backward_end_at, {"step": step}
                 )
             )
         ev.append(
-            _slice(
+            slice_event(
                 "sync wait",
                 "step",
                 TRAINING,
@@ -279,7 +277,7 @@ class TraceRecorder:
         flow_name = f"{label} (step {step})"
         if flow is not None:
             assert ready_at is not None
-            ev.append(_flow("s", flow, flow_name, TRAINING, ready_at))
+            ev.append(flow_event("s", flow, flow_name, TRAINING, ready_at))
         segment = 0
         for sp in task.spans:
             if sp.kind == "compute":
@@ -288,7 +286,7 @@ class TraceRecorder:
                     name = task.name
                 segment += 1
                 ev.append(
-                    _slice(
+                    slice_event(
                         f"{name} {label}" if bucket >= 0 else name,
                         "compute",
                         COMPUTE,
@@ -298,14 +296,14 @@ class TraceRecorder:
                     )
                 )
                 if flow is not None and segment == 1:  # the arrows: ready, encode, collectives, decode
-                    ev.append(_flow("t", flow, flow_name, COMPUTE, sp.start))
+                    ev.append(flow_event("t", flow, flow_name, COMPUTE, sp.start))
             elif sp.kind == "comm":
                 ev += self._comm_events(sp, step, bucket, label)
                 if flow is not None:
-                    ev.append(_flow("t", flow, flow_name, COMM, sp.start))
+                    ev.append(flow_event("t", flow, flow_name, COMM, sp.start))
             else:
                 ev.append(
-                    _slice(
+                    slice_event(
                         f"decode {label}" if bucket >= 0 else f"{task.name} result",
                         "compute",
                         COMPUTE,
@@ -315,7 +313,7 @@ class TraceRecorder:
                     )
                 )
                 if flow is not None:
-                    ev.append(_flow("f", flow, flow_name, COMPUTE, sp.start))
+                    ev.append(flow_event("f", flow, flow_name, COMPUTE, sp.start))
                     flow = None
         return ev
 
@@ -323,11 +321,11 @@ class TraceRecorder:
         calls = sp.calls
         base = {"step": step, "bucket": bucket}
         if not calls:
-            return [_slice(f"wait {label}", "comm", COMM, sp.start, sp.end, base)]
+            return [slice_event(f"wait {label}", "comm", COMM, sp.start, sp.end, base)]
         if len(calls) == 1:
             op, level, nbytes, _ = calls[0]
             return [
-                _slice(
+                slice_event(
                     f"{op} {level}",
                     "comm",
                     COMM,
@@ -338,7 +336,7 @@ class TraceRecorder:
             ]
         levels = sorted({c[1] for c in calls})
         ev = [
-            _slice(
+            slice_event(
                 f"{label}: {len(calls)} collectives",
                 "comm",
                 COMM,
@@ -351,7 +349,7 @@ class TraceRecorder:
         for op, level, nbytes, end in calls:
             end = min(max(end, prev), sp.end)  # a child stays inside its parent
             ev.append(
-                _slice(
+                slice_event(
                     f"{op} {level}",
                     "comm",
                     COMM,
@@ -394,13 +392,13 @@ class TraceRecorder:
 
     def _document(self, shift: float, spread: float, offset: float, run_id: str) -> dict[str, Any]:
         pid = self.rank
-        events = _metadata(pid, self.rank, self.topo.node)
+        events = metadata_events(pid, self.rank, self.topo.node)
         with self._lock:
             recorded = list(self.events)
         for e in recorded:
-            out = {**e, "pid": pid, "ts": _us(e["ts"] - shift)}
+            out = {**e, "pid": pid, "ts": to_us(e["ts"] - shift)}
             if "dur" in e:  # both ends rounded alike: no overlap appears from rounding
-                out["dur"] = round(_us(e["ts"] + e["dur"] - shift) - out["ts"], 3)
+                out["dur"] = round(to_us(e["ts"] + e["dur"] - shift) - out["ts"], 3)
             events.append(out)
         return {
             "traceEvents": events,
@@ -421,19 +419,4 @@ class TraceRecorder:
         }
 
 
-__all__ = [
-    "COMM",
-    "COMPUTE",
-    "DEFAULT_MAX_EVENTS",
-    "THREAD_NAMES",
-    "TRACE_FORMAT",
-    "TRAINING",
-    "TraceRecorder",
-    "align_clocks",
-    "check_trace",
-    "iter_slices",
-    "load_trace",
-    "merge_traces",
-    "rank_file",
-    "write_json",
-]
+__all__ = ["DEFAULT_MAX_EVENTS", "TraceRecorder"]

@@ -19,7 +19,7 @@ TRAINING, COMPUTE, COMM = 1, 2, 3
 THREAD_NAMES = {TRAINING: "training thread", COMPUTE: "compute thread", COMM: "communication thread"}
 
 
-def _us(t: float) -> float:
+def to_us(t: float) -> float:
     """Seconds -> microseconds rounded to the nanosecond (both ends of a slice round alike)."""
     return round(t * 1e6, 3)
 
@@ -31,7 +31,9 @@ def rank_file(path: str | os.PathLike[str], rank: int) -> Path:
     return p.with_name(f"{p.name[: -len(p.suffix)] if p.suffix else p.name}.rank{rank}{suffix}")
 
 
-def _slice(name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
+def slice_event(
+    name: str, cat: str, tid: int, start: float, end: float, args: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "name": name,
         "cat": cat,
@@ -43,14 +45,14 @@ def _slice(name: str, cat: str, tid: int, start: float, end: float, args: dict[s
     }
 
 
-def _flow(ph: str, flow: int, name: str, tid: int, ts: float) -> dict[str, Any]:
+def flow_event(ph: str, flow: int, name: str, tid: int, ts: float) -> dict[str, Any]:
     e: dict[str, Any] = {"name": name, "cat": "flow", "ph": ph, "id": flow, "tid": tid, "ts": ts}
     if ph == "f":
         e["bp"] = "e"  # bind to the slice that encloses it (the decode), not the next one
     return e
 
 
-def _metadata(pid: int, rank: int, node: int) -> list[dict[str, Any]]:
+def metadata_events(pid: int, rank: int, node: int) -> list[dict[str, Any]]:
     ev: list[dict[str, Any]] = [
         {
             "name": "process_name",

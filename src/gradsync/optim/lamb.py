@@ -29,8 +29,8 @@ from gradsync.optim.layerwise import (
     LayerwiseOptimizer,
     Parallel,
     Rate,
-    _check,
     add_scaled_,
+    check_hyperparameter,
     per_layer,
     work_dtype,
 )
@@ -68,11 +68,11 @@ class LAMB(LayerwiseOptimizer):
     ) -> None:
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        _check("betas[0]", betas[0], 0.0, 1.0)
-        _check("betas[1]", betas[1], 0.0, 1.0)
-        _check("eps", eps, 0.0)
+        check_hyperparameter("betas[0]", betas[0], 0.0, 1.0)
+        check_hyperparameter("betas[1]", betas[1], 0.0, 1.0)
+        check_hyperparameter("eps", eps, 0.0)
         if max_trust_ratio is not None:
-            _check("max_trust_ratio", max_trust_ratio, 0.0, low_open=True)
+            check_hyperparameter("max_trust_ratio", max_trust_ratio, 0.0, low_open=True)
         defaults = dict(
             lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay,
             trust_coefficient=trust_coefficient, max_trust_ratio=max_trust_ratio,

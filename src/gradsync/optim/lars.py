@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from gradsync.optim.layerwise import Batch, LayerwiseOptimizer, Parallel, Rate, _check, add_scaled_, per_layer
+from gradsync.optim.layerwise import (
+    Batch,
+    LayerwiseOptimizer,
+    Parallel,
+    Rate,
+    add_scaled_,
+    check_hyperparameter,
+    per_layer,
+)
 from gradsync.optim.norms import safe_ratio
 
 
@@ -59,8 +67,8 @@ class LARS(LayerwiseOptimizer):
         trust_clip: bool = False,
         parallel: Parallel = None,
     ) -> None:
-        _check("momentum", momentum, 0.0, 1.0)
-        _check("eps", eps, 0.0)
+        check_hyperparameter("momentum", momentum, 0.0, 1.0)
+        check_hyperparameter("eps", eps, 0.0)
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs a momentum above 0")
         defaults = dict(

@@ -104,7 +104,7 @@ def add_scaled_(
         torch._foreach_addcmul_(target, source, rate, value=sign)
 
 
-def _check(
+def check_hyperparameter(
     name: str, value: object, low: float, high: float | None = None, *, low_open: bool = False
 ) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -139,9 +139,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     _float32_state: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], parallel: Parallel) -> None:
-        _check("lr", defaults["lr"], 0.0)
-        _check("weight_decay", defaults["weight_decay"], 0.0)
-        _check("trust_coefficient", defaults["trust_coefficient"], 0.0, low_open=True)
+        check_hyperparameter("lr", defaults["lr"], 0.0)
+        check_hyperparameter("weight_decay", defaults["weight_decay"], 0.0)
+        check_hyperparameter("trust_coefficient", defaults["trust_coefficient"], 0.0, low_open=True)
         defaults.setdefault("adapt", True)
         super().__init__(params, defaults)
         for group in self.param_groups:

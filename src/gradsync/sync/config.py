@@ -48,7 +48,7 @@ class SyncConfig(OptionsConfig):
     partitions: int = 0
     """Split a compressed bucket into this many parts that pipeline (0: the planner picks 1, 2 or 4)."""
     replan: int = 2
-    """The closed loop (:mod:`gradsync.sync.closed_loop`, ``plan="auto"`` only): how many times
+    """The closed loop (:mod:`gradsync.planner.closed_loop`, ``plan="auto"`` only): how many times
     the plan may be remade from what its buckets cost in the running engine; 0 keeps the first
     plan."""
     replan_steps: int = 3
@@ -110,7 +110,7 @@ class SyncConfig(OptionsConfig):
     """Detect parameters no rank used in a step (one small extra all-reduce) and leave their
     gradient as None. Without it a parameter unused on some rank counts as a zero gradient there;
     the ranks still agree on the used parameters at the first step and, once some rank had a
-    parameter without a gradient, at every later step (see :mod:`gradsync.sync.engine`)."""
+    parameter without a gradient, at every later step (see :mod:`gradsync.integrate.engine`)."""
     check_overflow: bool | None = None
     """All-reduce an inf/NaN flag every step so that every rank's GradScaler skips together, and
     roll back error-feedback residuals on such steps. None: on when a GradScaler is attached."""
@@ -122,7 +122,7 @@ class SyncConfig(OptionsConfig):
     passes on different ranks."""
     calibrate: bool = True
     """Measure alpha/beta of each link level after the first step (else assume
-    :data:`gradsync.sync.planner.DEFAULT_PARAMS`: 10 GB/s inside a node, 10 Gbit/s across)."""
+    :data:`gradsync.planner.decide.DEFAULT_PARAMS`: 10 GB/s inside a node, 10 Gbit/s across)."""
     timeout_s: float = 300.0
     """How long ``finish_sync`` waits for the synchronization tasks before raising."""
     log_plan: bool = True

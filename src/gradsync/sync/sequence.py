@@ -25,7 +25,7 @@ check (microseconds). Its MAX is the previous step's lag of the slowest rank beh
   from one that took a look: it shows when the ranks run out of batches at different steps.)
   The engine's words also carry one flag, MAX-reduced: whether some rank had a parameter
   without a gradient in an earlier step (the engine then agrees on the used parameters at every
-  step, see :mod:`gradsync.sync.engine`). Forward counts that differ are reported back (the
+  step, see :mod:`gradsync.integrate.engine`). Forward counts that differ are reported back (the
   engine warns once), not refused.
 
 A rank that takes part without data (it has joined under ``torch.distributed.algorithms.Join``)

@@ -14,8 +14,8 @@ Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contender
   formula, the transfer divided by a compression ratio R that costs nothing (its Figure 8);
 - any gradsync scheme (``hierarchical``, ``hitopk:density=0.01``, ``powersgd:rank=4``, ``auto``,
   with ``--sync-option`` settings): gradsync's engine, with its own bucketing
-  (:func:`gradsync.sync.planner.first_step_groups`) and its planner's decisions
-  (:func:`gradsync.sync.planner.make_plan`) made from the simulated cluster's cost model and the
+  (:func:`gradsync.planner.decide.first_step_groups`) and its planner's decisions
+  (:func:`gradsync.planner.decide.make_plan`) made from the simulated cluster's cost model and the
   codec's measured cost. Each bucket (or each of its parts) is a task: pack and encode on the
   compute thread, the scheme's collectives on the communication thread, decode and unpack on the
   compute thread. How a part's predicted time splits into encode, communication and decode is
@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.planner.decide import FirstStep, first_step_groups, launch_ready, make_plan, predict
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.planner import FirstStep, first_step_groups, launch_ready, make_plan, predict
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
 from gradsync.whatif.workload import Workload

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gradsync.observe.trace import COMM as COMM_TID
-from gradsync.observe.trace import COMPUTE as COMPUTE_TID
-from gradsync.observe.trace import TRACE_FORMAT, TRAINING, _metadata, _slice, write_json
+from gradsync.observe.trace_events import COMM as COMM_TID
+from gradsync.observe.trace_events import COMPUTE as COMPUTE_TID
+from gradsync.observe.trace_events import TRACE_FORMAT, TRAINING, metadata_events, slice_event, write_json
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Span
 
 COLUMNS = ("contender", "step ms", "exposed sync ms", "scaling factor", "vs local", "MB/cable/step",
@@ -89,7 +89,7 @@ def trace_document(steps: list[tuple[str, list[Span], float]], nodes: int, per_n
     (``steps``: name, spans, step seconds), threads as in a measured trace."""
     events: list[dict[str, Any]] = []
     for pid, (name, spans, step_s) in enumerate(steps):
-        meta = _metadata(pid, pid, 0)
+        meta = metadata_events(pid, pid, 0)
         meta[0]["args"]["name"] = f"{name} (simulated)"
         events += meta
         merged: list[Span] = []
@@ -113,7 +113,7 @@ def trace_document(steps: list[tuple[str, list[Span], float]], nodes: int, per_n
                 args["task"] = s.task
             name_ = f"{s.task}: {s.label}" if s.task and s.thread != MAIN else s.label
             start, end = round(s.start * 1e6, 3), round(s.end * 1e6, 3)  # both ends alike: no overlap
-            e = _slice(name_, "whatif", _TIDS[s.thread], start, end, args)
+            e = slice_event(name_, "whatif", _TIDS[s.thread], start, end, args)
             e["pid"], e["dur"] = pid, round(end - start, 3)
             events.append(e)
         events.append(

@@ -11,7 +11,7 @@ import time
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.sync import Scheme
-from gradsync.sync.planner import make_plan
+from gradsync.planner.decide import make_plan
 
 
 def main() -> None:

@@ -19,16 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gradsync.observe.trace import (
-    COMM,
-    COMPUTE,
-    THREAD_NAMES,
-    TRAINING,
-    check_trace,
-    load_trace,
-    merge_traces,
-    write_json,
-)
+from gradsync.observe.trace import COMM, COMPUTE, TRAINING
+from gradsync.observe.trace_events import THREAD_NAMES, write_json
+from gradsync.observe.trace_read import check_trace, load_trace, merge_traces
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

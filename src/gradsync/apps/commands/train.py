@@ -28,7 +28,7 @@ def _check_data_and_model(args: argparse.Namespace) -> None:
     """Data spec, model name and batch size, checked before any process starts."""
     from gradsync.apps.data import build_data
     from gradsync.apps.models import build_model_for
-    from gradsync.apps.train.loop import default_model
+    from gradsync.apps.train.trainer import default_model
 
     cache = cache_config(args, 0)
     if cache is not None:  # the launcher only lists and checks: no memory store of its own
@@ -99,7 +99,7 @@ def check(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run checked options (see :func:`check`): as a worker inside torchrun, else as the launcher."""
     if _is_worker():
-        from gradsync.apps.train.loop import run_worker
+        from gradsync.apps.train.trainer import run_worker
 
         return run_worker(args)
     return _launch(args)

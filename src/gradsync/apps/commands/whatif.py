@@ -120,7 +120,7 @@ def check(args: argparse.Namespace) -> None:
     if args.costs and args.links:
         raise ValueError("--costs holds the engine's links: give --costs or --links, not both")
     if args.costs:
-        from gradsync.sync.engine_costs import EngineCosts
+        from gradsync.planner.engine_costs import EngineCosts
 
         EngineCosts.load(args.costs)
     parse_rate(args.inter, "--inter")
@@ -154,8 +154,8 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.observe.profiler import Profile
+    from gradsync.planner.engine_costs import EngineCosts
     from gradsync.sync.config import parse_options
-    from gradsync.sync.engine_costs import EngineCosts
     from gradsync.units import rate_text
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.network import Network, from_rates, load_links

@@ -20,7 +20,7 @@ from gradsync.collectives.cost import CostModel, measure_gather_start, time_slow
 from gradsync.optim import ParallelTensorOperator
 from gradsync.optim.layerwise import LayerwiseOptimizer
 from gradsync.optim.parallel import largest_share
-from gradsync.sync.planner import DEFAULT_PARAMS
+from gradsync.planner.decide import DEFAULT_PARAMS
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from gradsync.apps.commands.bench.world import CableMeter, join_world, link_byte
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology, allreduce, compressed_allreduce
 from gradsync.collectives.cost import CostModel, CostParams, calibrate, measure_codec
-from gradsync.sync.planner import encode_sizes, predict
+from gradsync.planner.decide import encode_sizes, predict
 from gradsync.sync.scheme import Scheme
 
 DEFAULT_SCHEMES = (

@@ -210,7 +210,7 @@ class _TrainOptionParser(argparse.ArgumentParser):
         raise ValueError(f"--train-option: {message}")
 
 
-def _train_args(argv: list[str]) -> argparse.Namespace:
+def train_args(argv: list[str]) -> argparse.Namespace:
     """A ``gradsync train ...`` command line as the train command's arguments, unchecked."""
     parser = _TrainOptionParser(prog="gradsync train")
     train.add_arguments(parser)
@@ -251,7 +251,7 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--epochs must be at least 1, got {args.epochs}")
     with tempfile.TemporaryDirectory() as tmp:  # --json must name a file in an existing folder
         for *_, argv in _runs(args, tmp):
-            train.check(_train_args(argv))
+            train.check(train_args(argv))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"gradsync bench convergence: {label}: gradsync {' '.join(argv)}", file=sys.stderr, flush=True
             )
-            rc = train.main(_train_args(argv))
+            rc = train.main(train_args(argv))
             if rc != 0:
                 raise RunFailed(f"the {label} run failed (exit {rc})")
             with open(out) as fh:

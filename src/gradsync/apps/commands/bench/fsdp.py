@@ -83,9 +83,9 @@ def parse_contender(text: str) -> tuple[str, str | None]:
             f"--contenders: {text!r}: ddp takes no scheme (see gradsync bench train for DDP hooks)"
         )
     if slash:
-        from gradsync.integrate.fsdp import _parse_scheme
+        from gradsync.integrate.fsdp import parse_fsdp_scheme
 
-        _parse_scheme(scheme.strip())  # the same checks compress_fsdp makes
+        parse_fsdp_scheme(scheme.strip())  # the same checks compress_fsdp makes
     return kind, scheme.strip() or None
 
 

@@ -25,7 +25,7 @@ import tempfile
 from typing import Any
 
 from gradsync.apps.commands import train
-from gradsync.apps.commands.bench.convergence import RunFailed, _train_args
+from gradsync.apps.commands.bench.convergence import RunFailed, train_args
 from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
 
 SMALL = 32  # samples per worker per step in the small-batch run
@@ -125,7 +125,7 @@ def check(args: argparse.Namespace) -> None:
             )
     with tempfile.TemporaryDirectory() as tmp:
         for *_, argv in _runs(args, tmp):
-            train.check(_train_args(argv))
+            train.check(train_args(argv))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
         for dataset, run, out, argv in _runs(args, tmp):
             where = f"gradsync bench large-batch: {dataset} / {run}"
             print(f"{where}: gradsync {' '.join(argv)}", file=sys.stderr, flush=True)
-            if train.main(_train_args(argv)) != 0:
+            if train.main(train_args(argv)) != 0:
                 raise RunFailed(f"the {dataset} / {run} run failed")
             with open(out) as fh:
                 summary = json.load(fh)

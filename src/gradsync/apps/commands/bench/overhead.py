@@ -87,7 +87,7 @@ def _contender(
         reps = 200
         t0 = time.perf_counter()
         for _ in range(reps):
-            engine._bucket_stats()
+            engine.current_bucket_stats()
         out["bookkeeping_s"] = max_over_ranks([(time.perf_counter() - t0) / reps])[0]
     t0 = time.perf_counter()
     model.close()  # writes the trace when traced

@@ -69,7 +69,7 @@ class StepRow:
     nic_busy_pct: float | None = None
 
 
-def _contender(name: str) -> str:
+def check_contender(name: str) -> str:
     """Validate a contender name: ``local``, ``ddp``, ``ddp-fp16``, ``ddp-powersgd[:rank=R]`` or a
     gradsync scheme, optionally with its own sync options after ``@``
     (``hierarchical@grad_as_bucket_view=true@bucket_bytes=26214400``)."""
@@ -87,7 +87,7 @@ def contender_options(name: str) -> tuple[str, dict[str, str]]:
     """``scheme@key=value@...`` -> the scheme and the contender's own sync options."""
     scheme, *items = name.split("@")
     try:
-        return scheme, _options(items)
+        return scheme, parse_sync_options(items)
     except ValueError:
         raise ValueError(f"contender {name!r}: options after '@' take KEY=VALUE") from None
 
@@ -172,7 +172,7 @@ ROUND_WARMUP = 1
 rebuilds its buckets in its first step), the plan and the compression state are carried."""
 
 
-def _measure(
+def measure_contender(
     name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
     carry: Carry | None = None,
 ) -> tuple[StepRow, dict[str, Any]]:  # fmt: skip
@@ -188,7 +188,9 @@ def _measure(
     elif name != "local":
         scheme, own = contender_options(name)
         options = dict(
-            SyncConfig.from_options({**_options(args.sync_option), **own, "scheme": scheme}).to_dict()
+            SyncConfig.from_options(
+                {**parse_sync_options(args.sync_option), **own, "scheme": scheme}
+            ).to_dict()
         )
         trace = trace_path(args.trace, name) if getattr(args, "trace", None) and not later else None
         window = (warmup, warmup + args.steps)  # the measured steps
@@ -267,7 +269,7 @@ def _measure(
     return result, extra
 
 
-def _options(items: list[str] | None) -> dict[str, str]:
+def parse_sync_options(items: list[str] | None) -> dict[str, str]:
     return parse_options(items)
 
 
@@ -285,7 +287,7 @@ def join_with_batch(args: argparse.Namespace) -> tuple[Topology, nn.Module, torc
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    contenders = [_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    contenders = [check_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
     topo, base, x, y = join_with_batch(args)
     rank0 = topo.rank == 0
     if rank0:
@@ -299,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     rows, extras = [], {}
     local_backward = None
     for name in contenders:
-        row, extra = _measure(name, base, topo, x, y, args)
+        row, extra = measure_contender(name, base, topo, x, y, args)
         if name == "local":
             local_backward = row.backward_ms
         if is_ddp(name) and local_backward is not None:
@@ -408,8 +410,8 @@ def check(args: argparse.Namespace) -> None:
             raise ValueError(f"--trace: {e}") from e
     for c in args.contenders.split(","):
         if c.strip():
-            _contender(c.strip())
-    SyncConfig.from_options(_options(args.sync_option))
+            check_contender(c.strip())
+    SyncConfig.from_options(parse_sync_options(args.sync_option))
     bench_nic.check(args)
 
 

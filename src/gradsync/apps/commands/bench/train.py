@@ -119,7 +119,7 @@ def measure_contenders(
     details: dict[str, Any] = {}
     for r in range(rounds):
         for name in round_order(contenders, r):
-            row, extra = bench_step._measure(name, base, topo, x, y, args, carry[name])
+            row, extra = bench_step.measure_contender(name, base, topo, x, y, args, carry[name])
             measured[name].append(row)
             if "closed_loop" in details.get(name, {}):  # the re-plans happened in the first round
                 extra["closed_loop"] = details[name]["closed_loop"]
@@ -221,8 +221,8 @@ def is_automatic(name: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    contenders = [bench_step._contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
-    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    contenders = [bench_step.check_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    bench_step.SyncConfig.from_options(bench_step.parse_sync_options(args.sync_option))
     topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
     link = os.environ.get("TB_RATE")
@@ -380,11 +380,11 @@ def check(args: argparse.Namespace) -> None:
     if not names:
         raise ValueError(f"--contenders must name at least one contender, got {args.contenders!r}")
     for c in names:
-        bench_step._contender(c)
+        bench_step.check_contender(c)
         if names.count(c) > 1:
             raise ValueError(f"--contenders names {c!r} more than once")
     check_world_options(args)
-    bench_step.SyncConfig.from_options(bench_step._options(args.sync_option))
+    bench_step.SyncConfig.from_options(bench_step.parse_sync_options(args.sync_option))
     bench_nic.check(args)
 
 

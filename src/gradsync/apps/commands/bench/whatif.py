@@ -84,7 +84,7 @@ def check(args: argparse.Namespace) -> None:
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
         raise ValueError(f"--ranks-per-host must be at least 1, got {args.ranks_per_host}")
     if args.costs is not None:
-        from gradsync.sync.engine_costs import EngineCosts
+        from gradsync.planner.engine_costs import EngineCosts
 
         EngineCosts.load(args.costs)
 
@@ -127,12 +127,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from gradsync.collectives.cost import calibrate
     from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, powersgd_hook_rate
     from gradsync.observe.profiler import profile_step
-    from gradsync.sync.engine_costs import EngineCosts
+    from gradsync.planner.engine_costs import EngineCosts
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.contenders import codec_spec_of, powersgd_rank
 
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    options = bench_step._options(args.sync_option)
+    options = bench_step.parse_sync_options(args.sync_option)
     topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
     link = os.environ.get("TB_RATE")

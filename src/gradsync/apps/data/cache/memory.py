@@ -45,15 +45,15 @@ from pathlib import Path
 import numpy as np
 
 from gradsync.apps.data.cache.memory_files import (
-    _HEADER,
-    _MAGIC,
-    _MAX_DIMS,
-    _open,
-    _pwrite_all,
-    _release,
+    HEADER,
+    MAGIC,
+    MAX_DIMS,
     default_root,
+    open_store,
     private_root,
+    pwrite_all,
     reclaim_stale,
+    release,
     shared_memory,
 )
 
@@ -138,12 +138,12 @@ class SharedSampleStore:
         # in a forked child, where a copy could be held by a thread that no longer exists)
         self._thread_lock = threading.Lock()
         self._lock_pid = os.getpid()
-        header = _HEADER.pack(
-            _MAGIC, self.slots, self._nbytes, self.dtype.str.encode(), len(self.shape),
-            *self.shape, *[0] * (_MAX_DIMS - len(self.shape)),
+        header = HEADER.pack(
+            MAGIC, self.slots, self._nbytes, self.dtype.str.encode(), len(self.shape),
+            *self.shape, *[0] * (MAX_DIMS - len(self.shape)),
         )  # fmt: skip
-        self._handle = _open(self.path, header, _DATA_AT + self.slots * self.record_bytes)
-        self._finalizer = weakref.finalize(self, _release, self._handle)
+        self._handle = open_store(self.path, header, _DATA_AT + self.slots * self.record_bytes)
+        self._finalizer = weakref.finalize(self, release, self._handle)
 
     def get(self, i: int) -> np.ndarray | None:
         """A copy of slot ``i``, or ``None`` if it is not stored (or fails its crc check)."""
@@ -221,9 +221,9 @@ class SharedSampleStore:
             return False
         try:
             fd = self._handle.fd
-            _pwrite_all(fd, payload, at + _PAYLOAD_AT)
-            _pwrite_all(fd, _CRC.pack(zlib.crc32(payload)), at + _CRC_AT)
-            _pwrite_all(fd, bytes([_READY]), at)
+            pwrite_all(fd, payload, at + _PAYLOAD_AT)
+            pwrite_all(fd, _CRC.pack(zlib.crc32(payload)), at + _CRC_AT)
+            pwrite_all(fd, bytes([_READY]), at)
         except BaseException as err:
             self._reserve(mm, -1)
             if not isinstance(err, OSError) or err.errno not in _FULL:
@@ -287,8 +287,8 @@ def _positive_int(param: str, value: object) -> int:
 def _check_shape(shape: object) -> tuple[int, ...]:
     dims = tuple(shape) if isinstance(shape, (tuple, list)) else ()
     positive = all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
-    if not 1 <= len(dims) <= _MAX_DIMS or not positive:
-        raise ValueError(f"shape must be a tuple of 1 to {_MAX_DIMS} positive integers, got {shape!r}")
+    if not 1 <= len(dims) <= MAX_DIMS or not positive:
+        raise ValueError(f"shape must be a tuple of 1 to {MAX_DIMS} positive integers, got {shape!r}")
     return dims
 
 

@@ -35,10 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-_MAGIC = b"GSSHM001"
-_MAX_DIMS = 8
+MAGIC = b"GSSHM001"
+MAX_DIMS = 8
 # magic, slots, sample bytes, dtype (numpy's dtype.str), ndim, shape padded with zeros
-_HEADER = struct.Struct(f"<8sQQ16sI{_MAX_DIMS}Q")
+HEADER = struct.Struct(f"<8sQQ16sI{MAX_DIMS}Q")
 _STORE_FILE = re.compile(r"gradsync-([0-9a-z-]{1,64})\.store")
 _STALE_AFTER_S = 60.0  # a store without users dir this old was left by a crash during creation
 _LOCK_TIMEOUT_S = 30.0
@@ -103,7 +103,7 @@ def reclaim_stale(root: str | os.PathLike[str] | None = None) -> list[str]:
         return _reclaim_locked(home)
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -135,7 +135,7 @@ def _registry_lock(root: Path) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def _open(store: Path, header: bytes, size: int) -> _Handle:
+def open_store(store: Path, header: bytes, size: int) -> _Handle:
     """Open (creating if absent) and register the store; checks its owner and header."""
     root, name = store.parent, store.name[len("gradsync-") : -len(".store")]
     users = root / f"gradsync-{name}.users"
@@ -183,7 +183,7 @@ def _create(store: Path, header: bytes, size: int, flags: int) -> int:
     tmp.unlink(missing_ok=True)  # we hold the registry lock: a leftover of a crashed process
     fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        _pwrite_all(fd, header, 0)
+        pwrite_all(fd, header, 0)
         os.ftruncate(fd, size)  # sparse: a slot takes memory once written
         os.link(tmp, store)
     except FileExistsError:  # another user's store of this name; the owner check refuses it
@@ -198,14 +198,14 @@ def _create(store: Path, header: bytes, size: int, flags: int) -> int:
 
 
 def _describe(header: bytes) -> str:
-    if len(header) < _HEADER.size or not header.startswith(_MAGIC):
+    if len(header) < HEADER.size or not header.startswith(MAGIC):
         return "a header that is not a gradsync store's"
-    _, slots, _, dtype, ndim, *dims = _HEADER.unpack_from(header)
+    _, slots, _, dtype, ndim, *dims = HEADER.unpack_from(header)
     dtype_str = dtype.rstrip(b"\0").decode(errors="replace")
     return f"slots={slots}, shape={tuple(dims[:ndim])}, dtype={dtype_str!r}"
 
 
-def _release(h: _Handle) -> None:
+def release(h: _Handle) -> None:
     """Close the handle; in the registering process also deregister, removing the store if last."""
     if h.closed:
         return

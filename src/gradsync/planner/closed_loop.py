@@ -1,6 +1,6 @@
 """The closed-loop planner: re-plan from what each bucket actually cost in the running engine.
 
-The first plan (:mod:`gradsync.sync.planner`) rests on links calibrated with barrier-synchronized
+The first plan (:mod:`gradsync.planner.decide`) rests on links calibrated with barrier-synchronized
 all-reduces and on codecs timed alone. Inside the running engine both cost more: each collective
 call pays for Python, the task threads and the size exchanges around it, and each encode runs
 next to the backward pass, sharing its cores. So, after a plan is installed, the engine
@@ -15,12 +15,12 @@ measures every bucket for a few steps: the time inside its collectives, on the c
      pull towards the calibrated values where the measurements do not pin a parameter down;
    - each codec's encode and decode, scaled to what its buckets measured;
    - the dense buckets' packing and unpacking time, which the first plan ignores.
-3. **Re-plan.** :func:`~gradsync.sync.planner.make_plan` runs over the same buckets with the
+3. **Re-plan.** :func:`~gradsync.planner.decide.make_plan` runs over the same buckets with the
    refitted model. It asks a compressed bucket for a win of only ``replan_gain`` (the first plan
    asks for 2x, because its model is the uncorrected one).
 4. **Switch or settle.** The new plan replaces the old one only when the refitted model predicts
    it at least ``replan_gain`` faster in total (hysteresis: no oscillation between near-equal
-   plans). Rank 0 sends the decision (:func:`~gradsync.sync.planner.share_plan`), so every rank
+   plans). Rank 0 sends the decision (:func:`~gradsync.planner.decide.share_plan`), so every rank
    switches at the same step. A round that keeps the plan settles the loop.
 5. **Guard.** Every switch is measured once more: the median time from a step's first ready
    gradient to the end of its synchronization (agreed as the maximum over the ranks). If the new
@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
 from gradsync.collectives.topology import Topology
-from gradsync.sync.plan import Plan
-from gradsync.sync.planner import FirstStep, best_partitions, encode_sizes, predict, scheme_for
+from gradsync.planner.decide import FirstStep, best_partitions, encode_sizes, predict, scheme_for
+from gradsync.planner.plan import Plan
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 
@@ -112,7 +112,7 @@ def comm_seconds(
 ) -> float:
     """The model's communication time of a measured bucket: its collectives without the codec's
     compute (which the compute thread's measurement covers). ``schemes``: one per codec id, as
-    in :func:`~gradsync.sync.planner.make_plan`."""
+    in :func:`~gradsync.planner.decide.make_plan`."""
     if not s.compressed:
         dense = scheme if scheme.kind == "dense" else Scheme("", "dense", s.algorithm)
         return predict(dense, model, s.nbytes, None)

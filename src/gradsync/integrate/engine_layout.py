@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gradsync.codecs import Compressor
+from gradsync.planner.plan import Plan
 from gradsync.sync.buckets import Bucket, Slot, build_groups
 from gradsync.sync.carry import Layouts
-from gradsync.sync.plan import Plan
 from gradsync.sync.scheme import Scheme
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.collectives.cost import CodecCost, CostParams, Linear, Link
-from gradsync.sync.closed_loop import Refit
+from gradsync.planner.closed_loop import Refit
 
 ENGINE_COSTS_FORMAT = "gradsync.engine-costs/1"
 

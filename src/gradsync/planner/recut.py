@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gradsync.sync.plan import BucketPlan
+from gradsync.planner.plan import BucketPlan
 
 MIN_GAIN = 0.1
 """The share of the earlier bucket's predicted time a merge must save to be made."""

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.collectives.topology import Topology
+from gradsync.planner.plan import Plan
 from gradsync.sync.buckets import Slot
 from gradsync.sync.checkpoint import front_state
 from gradsync.sync.codec_set import CodecSet
-from gradsync.sync.plan import Plan
 
 if TYPE_CHECKING:
-    from gradsync.sync.engine import SyncEngine
+    from gradsync.integrate.engine import SyncEngine
 
 STATE_FORMAT = "gradsync.sync/1"
 

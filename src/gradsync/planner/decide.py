@@ -13,7 +13,7 @@ rank 0). For each bucket of S bytes the planner predicts
 and picks the cheapest (``plan="auto"``), or forces compression (``compress``) or dense
 (``dense``). :func:`plan_after_first_step` is the whole procedure the sync engine runs after its
 first step: calibrate the links, time the codecs, decide on rank 0, broadcast the plan (an int64
-tensor, :mod:`gradsync.sync.plan`) so every rank runs the same one.
+tensor, :mod:`gradsync.planner.plan`) so every rank runs the same one.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link, ca
 from gradsync.collectives.dense import HybridPolicy
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks
 from gradsync.collectives.topology import Topology
+from gradsync.planner.plan import BucketPlan, Plan
+from gradsync.planner.recut import merge_compressed
 from gradsync.sync.buckets import Slot, build_groups
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.plan import BucketPlan, Plan
-from gradsync.sync.recut import merge_compressed
 from gradsync.sync.scheme import Scheme
 
 DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
@@ -153,7 +153,7 @@ def make_plan(
 
     With ``ready`` (each slot's ready time, seconds after the step's first gradient) and
     ``fuse_bytes``, compressed buckets of one codec are merged where the saved fixed costs
-    outweigh the later launch (:func:`gradsync.sync.recut.merge_compressed`), before the dense
+    outweigh the later launch (:func:`gradsync.planner.recut.merge_compressed`), before the dense
     buckets are fused."""
 
     def decide(slots: list[int], codec_id: int) -> BucketPlan:
@@ -309,7 +309,7 @@ def relative_ready(first: FirstStep) -> list[float | None]:
 
 
 def launch_ready(first: FirstStep) -> list[float]:
-    """The ready times the planner's re-cut weighs (:func:`gradsync.sync.recut.merge_compressed`):
+    """The ready times the planner's re-cut weighs (:func:`gradsync.planner.recut.merge_compressed`):
     :func:`relative_ready`, with a gradient never ready taken as ready with the last one."""
     rel = relative_ready(first)
     last = max((t for t in rel if t is not None), default=0.0)

@@ -21,11 +21,11 @@ import torch
 from gradsync.codecs import Compressor
 from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.collectives.topology import Topology
+from gradsync.planner.decide import scheme_for
+from gradsync.planner.plan import Plan
 from gradsync.sync.buckets import Slot
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.plan import Plan
-from gradsync.sync.planner import scheme_for
 from gradsync.sync.scheme import Scheme
 
 log = logging.getLogger("gradsync")
@@ -70,7 +70,7 @@ def explain_plan(
     schemes: Sequence[Scheme] | None = None,
 ) -> PlanReport:
     """The report of ``plan`` over ``slots`` (``classes``: each slot's codec class, -1 for never
-    compressed; ``rejects`` and ``schemes`` as in :func:`gradsync.sync.planner.make_plan`)."""
+    compressed; ``rejects`` and ``schemes`` as in :func:`gradsync.planner.decide.make_plan`)."""
     report = PlanReport(scheme.name)
     if scheme.kind == "dense":
         report.summary = f"dense scheme {scheme.name}: nothing is compressed"

@@ -1,6 +1,6 @@
 """The engine's plans over a run: the first plan after the first (dense) step, and the rounds of
 the closed loop that re-plan from what the buckets cost in the running engine
-(:mod:`gradsync.sync.closed_loop` has the measurements and the refit, :mod:`gradsync.sync.planner`
+(:mod:`gradsync.planner.closed_loop` has the measurements and the refit, :mod:`gradsync.planner.decide`
 the decisions).
 
 :class:`Replanner` decides; it never touches gradients or compression state. A round that
@@ -17,12 +17,8 @@ from typing import Any
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.topology import Topology
-from gradsync.sync.buckets import Slot
-from gradsync.sync.closed_loop import ClosedLoop, Refit, plan_seconds, refit, same_plan, samples_of
-from gradsync.sync.codec_set import CodecSet
-from gradsync.sync.config import SyncConfig
-from gradsync.sync.plan import Plan
-from gradsync.sync.planner import (
+from gradsync.planner.closed_loop import ClosedLoop, Refit, plan_seconds, refit, same_plan, samples_of
+from gradsync.planner.decide import (
     FirstStep,
     first_step_groups,
     launch_ready,
@@ -31,6 +27,10 @@ from gradsync.sync.planner import (
     share_plan,
     time_codecs,
 )
+from gradsync.planner.plan import Plan
+from gradsync.sync.buckets import Slot
+from gradsync.sync.codec_set import CodecSet
+from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 

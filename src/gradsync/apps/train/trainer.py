@@ -7,9 +7,11 @@ every rank (and rank 0's copy is broadcast), every rank then draws from its own 
 codecs draw from their own seeded generators. A checkpoint stores all of that state, so a
 resumed run continues exactly where the interrupted one was.
 
-This module holds the :class:`Trainer` (its set-up, the run over the epochs and what it reports)
-and the worker's entry point; the trainer's steps and evaluation are in
-:mod:`~gradsync.apps.train.trainer_steps`, its checkpoints in :mod:`~gradsync.apps.train.trainer_state`.
+This module holds the :class:`Trainer`: its set-up, one step (micro-batches for gradient
+accumulation, the optimizer step, the check that stops every rank together once the loss or the
+parameters stop being finite), the validation pass, the run over the epochs and what it reports,
+saving and resuming (:mod:`~gradsync.apps.train.checkpoint` writes and reads the files); and the
+worker's entry point.
 """
 
 from __future__ import annotations
@@ -18,30 +20,95 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import gradsync
 from gradsync.apps.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
 from gradsync.apps.data.cache.partition import PartitionSampler
+from gradsync.apps.data.loader import load_batch
 from gradsync.apps.models import build_model_for, parameter_count
+from gradsync.apps.train import checkpoint
 from gradsync.apps.train.arguments import SELF_SYNCING
 from gradsync.apps.train.epoch_plan import epoch_plan
 from gradsync.apps.train.metrics import EpochMeter, cache_figures, epoch_record
 from gradsync.apps.train.optim import DEFAULT_LR, build_optimizer, build_scheduler, compressed_options
 from gradsync.apps.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
 from gradsync.apps.train.pto_choice import PtoChoice, choose_pto
-from gradsync.apps.train.trainer_state import TrainerState
-from gradsync.apps.train.trainer_steps import TrainerSteps, TrainingDiverged, _Flags, accumulated_backward
+from gradsync.apps.train.resize import resize
 from gradsync.collectives import Topology
 from gradsync.collectives.primitives import comm_device
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.optim.layerwise import LayerwiseOptimizer
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss (or the parameters) stopped being finite; raised on every rank at the
+    same step."""
+
+
+# one step's finiteness flags: the all-reduce (None in a world of one), its tensor (lowest and
+# highest rank with a non-finite loss, whether it was NaN, lowest rank with non-finite
+# parameters; ranks encoded so that MAX combines them), and where the step was
+StepFlags = tuple[Any, torch.Tensor, str]
+
+_HINT = "lower --lr, add --clip-grad, or check the data"
+
+
+def _verdict(flags: StepFlags, world: int, quiet: bool = False) -> None:
+    """Wait for one step's flags and raise :class:`TrainingDiverged` if they say so."""
+    work, t, where = flags
+    if work is not None:
+        work.wait()
+    if quiet:
+        return
+    low_loss, high_loss, nan, low_params = t.tolist()
+    if low_loss > 0:
+        lowest, highest = world - int(low_loss), int(high_loss) - 1
+        ranks = f"rank {lowest}" if lowest == highest else f"ranks {lowest} to {highest}"
+        kind = "nan" if nan > 0 else "inf"
+        raise TrainingDiverged(f"the training loss became {kind} {where} on {ranks}; {_HINT}")
+    if low_params > 0:
+        raise TrainingDiverged(
+            f"the model's parameters became non-finite (nan or inf) {where}, first seen on rank "
+            f"{world - int(low_params)}; {_HINT}"
+        )
+
+
+def accumulated_backward(
+    model: gradsync.GradSync,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: int,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """Forward and backward over a worker's batch in ``parts`` equal micro-batches (gradient
+    accumulation, ``--global-batch``): all but the last under ``model.no_sync()``, so their
+    gradients add up locally and the last backward synchronizes the sum; each loss is divided by
+    ``parts``, so the gradient is that of the whole batch's mean loss. Returns that mean loss."""
+    total = 0.0
+    pieces = list(zip(x.chunk(parts), y.chunk(parts), strict=True))
+    for i, (xs, ys) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        with nullcontext() if last else model.no_sync():
+            with autocast():
+                loss = loss_fn(model(xs), ys) / len(pieces)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += float(loss.detach())
+    return total
+
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -59,7 +126,7 @@ def default_model(task: str) -> str:
     return DEFAULT_MODEL[task]
 
 
-class Trainer(TrainerState, TrainerSteps):
+class Trainer:
     """The state of one worker's run; :meth:`run` trains and returns the summary (rank 0)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -153,7 +220,7 @@ class Trainer(TrainerState, TrainerSteps):
         self.meter = EpochMeter()
         self.history: list[dict[str, Any]] = []
         self.telemetry: list[dict[str, Any]] = []  # rank 0's step records, every --log-every steps
-        self._unchecked: _Flags | None = None  # the last step's finiteness flags, in flight
+        self._unchecked: StepFlags | None = None  # the last step's finiteness flags, in flight
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.checkpoint_dir and (args.resume or restarted):
             self._resume()
@@ -324,6 +391,243 @@ class Trainer(TrainerState, TrainerSteps):
             "telemetry": self.telemetry,
             "trace": a.trace,
         }
+
+    def synchronize_optimizer(self) -> None:
+        """An optimizer that synchronizes the model itself (``--optimizer onebit-adam`` ...)
+        brings the ranks' parameters into agreement (0/1 Adam's local steps), counting the bytes."""
+        if self.self_syncing:
+            self.optimizer.synchronize()  # type: ignore[attr-defined]
+            self.meter.add_sent(self.optimizer.traffic.take())  # type: ignore[attr-defined]
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been saved by (else resuming would misapply it)."""
+        a = self.args
+        ident = {
+            "data": self.data.fingerprint,
+            "model": self.model_name,
+            "scheme": a.scheme,
+            "world": self.world,
+            "nodes": self.topo.nodes,
+            "batch_size": a.batch_size,
+            "seq_len": a.seq_len,
+            "seed": a.seed,
+            "optimizer": a.optimizer,
+            "epochs": a.epochs,
+        }
+        # absent unless given, so that older checkpoints still match
+        if a.global_batch is not None:
+            ident["global_batch"] = a.global_batch
+        if a.resize_schedule is not None:
+            ident["resize_schedule"] = a.resize_schedule
+        if a.resize_batch != "constant":
+            ident["resize_batch"] = a.resize_batch
+        if self.partitioned:
+            ident["data_order"] = "partition"
+        return ident
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self) -> None:
+        self.synchronize_optimizer()  # main.pt keeps rank 0's parameters for every rank
+        main = {
+            "identity": self.identity(),
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "position": {"epoch": self.epoch, "batch": self.batch, "global_step": self.global_step},
+            "history": self.history,
+        }
+        local = {
+            "sync": self.model.sync_state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            "meter": self.meter.to_state(),
+            # batch-norm statistics are per rank (each sees its own shard); main.pt has rank 0's
+            "buffers": {n: b for n, b in self.net.named_buffers()},
+        }
+        if self.self_syncing:  # error-feedback residuals and the momentum exchange are per rank
+            local["optimizer"] = self.optimizer.state_dict()
+        checkpoint.save(
+            self.args.checkpoint_dir, self.global_step, main, local, self.rank, self.args.keep_checkpoints
+        )
+
+    def _resume(self) -> None:
+        folder = checkpoint.agreed_latest(self.args.checkpoint_dir)  # the same folder on every rank
+        if folder is None:
+            if self.rank == 0:
+                print(
+                    f"gradsync train: no checkpoint in {self.args.checkpoint_dir}, starting afresh",
+                    file=sys.stderr,
+                )
+            return
+        main, local = checkpoint.load(folder, self.rank)
+        checkpoint.check_identity(main["identity"], self.identity())
+        self.net.load_state_dict(main["model"])
+        self.optimizer.load_state_dict(local["optimizer"] if self.self_syncing else main["optimizer"])
+        self.scheduler.load_state_dict(main["scheduler"])
+        if self.scaler is not None and main["scaler"] is not None:
+            self.scaler.load_state_dict(main["scaler"])
+        pos = main["position"]
+        self.epoch, self.batch, self.global_step = pos["epoch"], pos["batch"], pos["global_step"]
+        self.history = list(main["history"])
+        with torch.no_grad():
+            for n, b in self.net.named_buffers():
+                b.copy_(local["buffers"][n])
+        self.model.load_sync_state_dict(local["sync"])
+        torch.set_rng_state(local["rng"])
+        if local["cuda_rng"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(local["cuda_rng"])
+        self.meter = EpochMeter.from_state(local["meter"])
+        if self.rank == 0:
+            print(
+                f"gradsync train: resumed from {folder} (epoch {self.epoch + 1}, batch {self.batch}, "
+                f"step {self.global_step})",
+                file=sys.stderr,
+            )
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if not self.args.amp:
+            return nullcontext()
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.float16)
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        smoothing = self.args.label_smoothing if self.data.task == "classify" else 0.0
+        return nn.functional.cross_entropy(
+            out.reshape(-1, out.shape[-1]).float(), y.reshape(-1), label_smoothing=smoothing
+        )
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return accumulated_backward(
+            self.model, self._loss, x, y, self.accumulation, self._autocast, self.scaler
+        )
+
+    def _size(self) -> int | None:
+        """This epoch's input resolution under ``--resize-schedule`` (None: the data's own)."""
+        return self.plan.sizes[min(self.epoch, self.plan.epochs - 1)]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """The optimizer steps of the current epoch (they differ under ``--resize-batch memory``)."""
+        return self.plan.steps[min(self.epoch, self.plan.epochs - 1)]
+
+    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        size = self._size()
+        return resize(x, size) if size is not None else x
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = self._inputs(x), y.to(self.device, non_blocking=True)
+        loss = self._backward(x, y)
+        clip = self.args.clip_grad if self.clip_after_sync else None
+        if self.scaler is not None:
+            if clip:
+                self.scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.net.parameters(), clip)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if clip:
+                nn.utils.clip_grad_norm_(self.net.parameters(), clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss
+
+    def _check_finite(self, loss: float, now: bool) -> None:
+        """Stop every rank at the same step once any rank's loss is NaN or infinite.
+
+        Each step's flags travel in one small all-reduce on the default group (gradsync's engine
+        communicates on its own groups). It is started without waiting and read after the next
+        step, so its latency hides behind that step's compute; every rank reads it at the same
+        point, so all of them stop together, one step after the bad one. With ``now`` (before a
+        checkpoint is saved, at an epoch's end) the parameters are checked too and the verdict
+        is awaited at once: no checkpoint keeps a diverged model. A step that a GradScaler
+        skipped for an overflowing gradient leaves the loss finite and passes."""
+        bad_loss = not math.isfinite(loss)
+        bad_params = False
+        if now:
+            finite = [torch.isfinite(p).all() for p in self.net.parameters()]
+            bad_params = bool(finite) and not bool(torch.stack(finite).all())
+        up = self.world - self.rank  # under MAX the largest value marks the lowest rank
+        t = torch.tensor(
+            [up * bad_loss, (self.rank + 1) * bad_loss, float(math.isnan(loss)), up * bad_params],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True) if self.world > 1 else None
+        where = (
+            f"at epoch {self.epoch + 1}, step {self.global_step} "
+            f"(batch {self.batch} of {self.steps_per_epoch})"
+        )
+        mine: StepFlags = (work, t, where)
+        earlier, self._unchecked = self._unchecked, mine
+        if earlier is not None:
+            try:
+                _verdict(earlier, self.world)
+            except TrainingDiverged:
+                _verdict((work, t, ""), self.world, quiet=True)  # leave no collective in flight
+                raise
+        if now or work is None:
+            self._unchecked = None
+            _verdict(mine, self.world)
+
+    def _maybe_crash(self) -> None:
+        a = self.args
+        first_try = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        last_rank = self.rank == self.world - 1
+        if a.crash_at_step is not None and first_try and last_rank and self.global_step == a.crash_at_step:
+            print(
+                f"gradsync train: rank {self.rank} kills itself at step {self.global_step} (--crash-at-step)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ evaluation
+    def _average_buffers(self) -> None:
+        """Batch-norm statistics differ per rank (each saw its own shard): use their mean."""
+        if self.world == 1:
+            return
+        for b in self.net.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b)
+                b.div_(self.world)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy (classification) or perplexity (language model) on the validation set,
+        each rank taking every world-th sample."""
+        self._average_buffers()
+        self.net.eval()
+        val = self.data.val
+        idx = list(range(self.rank, len(val), self.world))
+        loss_sum, correct, count = 0.0, 0.0, 0.0
+        bs = max(self.args.batch_size, 64)
+        for i in range(0, len(idx), bs):
+            xs, ys = load_batch(val, idx[i : i + bs])
+            x = self._inputs(xs)
+            y = ys.to(self.device)
+            with self._autocast():
+                out = self.net(x)
+            out = out.reshape(-1, out.shape[-1]).float()
+            yy = y.reshape(-1)
+            loss_sum += float(nn.functional.cross_entropy(out, yy, reduction="sum"))
+            correct += float((out.argmax(-1) == yy).sum())
+            count += yy.numel()
+        self.net.train()
+        t = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        loss = float(t[0] / t[2]) if t[2] > 0 else float("nan")
+        out = {"val_loss": loss}
+        if self.data.task == "lm":
+            out["val_perplexity"] = float(torch.tensor(loss).exp())
+        else:
+            out["val_accuracy"] = float(t[1] / t[2]) if t[2] > 0 else float("nan")
+        return out
 
 
 def _epoch_line(r: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The plan: per bucket, which parameters, compressed or dense, in how many parts, and why.
 
-The planner (:mod:`gradsync.sync.planner`) makes it after the first step; rank 0 sends it to every
+The planner (:mod:`gradsync.planner.decide`) makes it after the first step; rank 0 sends it to every
 rank as an int64 tensor (:meth:`Plan.to_tensor`) and it is saved in checkpoints
 (:meth:`Plan.to_state`), so that every rank runs the same plan and a resumed run does not re-plan.
 """

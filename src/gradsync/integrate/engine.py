@@ -14,7 +14,7 @@ backward pass):
    buffers (``broadcast_buffers``), and the engine waits for all of them;
 3. after the first step the engine measures the link levels, times the codec, makes the plan on
    rank 0 from the gradient-ready order and times it observed, and broadcasts it; later the
-   closed loop re-plans from what the buckets cost (:mod:`gradsync.sync.replan`).
+   closed loop re-plans from what the buckets cost (:mod:`gradsync.planner.replan`).
 
 Parameters as DDP leaves them:
 
@@ -40,7 +40,7 @@ order, the same on every rank, and the task manager issues their collectives in 
 The codecs are a :class:`~gradsync.sync.codec_set.CodecSet`; what error feedback owes (the
 codecs' streams, the carry of ended streams, the round an overflow undoes) is the
 :class:`~gradsync.sync.ledger.Ledger`, the same object the DDP hook and FSDP2 drive; the
-checkpoint format is :mod:`gradsync.sync.engine_state`.
+checkpoint format is :mod:`gradsync.integrate.engine_state`.
 """
 
 from __future__ import annotations
@@ -61,26 +61,26 @@ from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
+from gradsync.integrate.engine_failure import Failure, SyncError
+from gradsync.integrate.engine_layout import BucketLayout
+from gradsync.integrate.engine_one_rank import finish_one_rank
+from gradsync.integrate.engine_state import STATE_FORMAT, engine_state, load_engine_state, signature
+from gradsync.planner.closed_loop import ClosedLoop, kept_streams
+from gradsync.planner.decide import FirstStep
+from gradsync.planner.engine_costs import EngineCosts
+from gradsync.planner.explain import PlanReport, report_plan
+from gradsync.planner.plan import Plan
+from gradsync.planner.replan import Replanner
 from gradsync.sync.bucket_sync import bucket_program, nonfinite_flag, unpacker
 from gradsync.sync.buckets import Bucket, Slot
 from gradsync.sync.carry import Carry, whole
 from gradsync.sync.checkpoint import must_reset
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
-from gradsync.sync.closed_loop import ClosedLoop, kept_streams
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.engine_costs import EngineCosts
-from gradsync.sync.engine_state import STATE_FORMAT, engine_state, load_engine_state, signature
-from gradsync.sync.explain import PlanReport, report_plan
-from gradsync.sync.failure import Failure, SyncError
 from gradsync.sync.flags import apply_flags, flags_program, rescale_for_join
-from gradsync.sync.layout import BucketLayout
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.momentum import SyncMomentum
-from gradsync.sync.one_rank import finish_one_rank
-from gradsync.sync.plan import Plan
-from gradsync.sync.planner import FirstStep
-from gradsync.sync.replan import Replanner
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, LagClock, sequence_program, warn_forwards_apart
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
@@ -267,7 +267,7 @@ class SyncEngine:
     def finish_alone(self) -> None:
         """A world of one rank synchronizes nothing, but ``clip_local`` still clips and momentum
         correction still applies the momentum: once per synchronizing backward pass (the wrapper
-        calls this at its end; :mod:`gradsync.sync.one_rank`)."""
+        calls this at its end; :mod:`gradsync.integrate.engine_one_rank`)."""
         if not self.active and self.enabled:
             finish_one_rank(self.slots, self.config.clip_local, self.momentum, self.grad_scaler)
 
@@ -566,12 +566,13 @@ class SyncEngine:
             self.topo.world, lag, self.codec_set.density,
         )  # fmt: skip
 
-    def _bucket_stats(self) -> list[BucketStats]:
+    def current_bucket_stats(self) -> list[BucketStats]:
+        """Each bucket's figures of the current step, computed as the step's statistics compute them."""
         return bucket_stats(self._buckets, self.cur)
 
     def costs(self) -> EngineCosts | None:
         """What synchronization cost in this engine, as the closed loop's last round refitted it
-        (:mod:`gradsync.sync.engine_costs`; ``gradsync whatif --costs`` reads it); None where no
+        (:mod:`gradsync.planner.engine_costs`; ``gradsync whatif --costs`` reads it); None where no
         round ran, and on every rank but 0 (rank 0 refits)."""
         fit, t = self.replanner.last_refit, self.topo
         if fit is None:

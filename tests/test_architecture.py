@@ -1,0 +1,111 @@
+"""The house rules of docs/architecture.md, read from the source itself (no import needed):
+
+- each library package imports only the packages below it, and none imports ``gradsync.apps``;
+- no module uses another module's private name (``from m import _x`` or ``m._x``);
+- no ``__init__`` re-exports names that a split moved to another package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "gradsync"
+
+# What each package of the library may import (besides itself). The order is the layering of
+# docs/architecture.md: codecs, collectives, sync, planner, observe, integrate, optim, whatif.
+ALLOWED = {
+    "codecs": set(),
+    "collectives": {"codecs"},
+    "sync": {"codecs", "collectives"},
+    "planner": {"codecs", "collectives", "sync"},
+    "observe": {"collectives", "sync"},
+    "integrate": {"codecs", "collectives", "sync", "planner", "observe"},
+    "optim": {"codecs", "collectives"},
+    "whatif": {"codecs", "collectives", "sync", "planner", "observe", "units"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, list[str], int]]:
+    """(module, names, line) of every gradsync import, at module level or inside functions."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradsync":
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "gradsync"]
+    return found
+
+
+def test_each_library_package_imports_only_the_layers_below_it():
+    bad = []
+    for name, path in _modules().items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[1] not in ALLOWED:
+            continue
+        own = parts[1]
+        for module, names, line in _imports(ast.parse(path.read_text())):
+            targets = [module] + [f"{module}.{n}" for n in names] if module == "gradsync" else [module]
+            for target in targets:
+                pkg = target.split(".")[1] if "." in target else ""
+                if pkg in ("", own, "_native") or pkg == "__version__":
+                    continue
+                if pkg not in ALLOWED[own]:
+                    bad.append(f"{path.relative_to(SRC)}:{line} imports {target}")
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for module, names, line in _imports(tree):
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and n != "_native" and module != name:
+                    bad.append(f"{name}:{line} imports {module}.{n}")
+                if f"{module}.{n}" in modules:
+                    aliases[n] = f"{module}.{n}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in modules:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and aliases.get(node.value.id, name) != name
+            ):
+                bad.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+def test_the_library_never_imports_the_apps():
+    bad = []
+    for name, path in _modules().items():
+        if name.startswith("gradsync.apps") or name in (
+            "gradsync.cli",
+            "gradsync.__main__",
+        ):
+            continue
+        for module, names, line in _imports(ast.parse(path.read_text())):
+            if module.startswith("gradsync.apps") or (module == "gradsync" and "apps" in names):
+                bad.append(f"{name}:{line} imports {module}")
+    assert not bad, "the library imports the apps:\n" + "\n".join(bad)
