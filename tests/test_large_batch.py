@@ -14,8 +14,9 @@ from torch import nn
 
 import gradsync
 from gradsync.apps.commands import main
+from gradsync.apps.train.arguments import add_arguments
 from gradsync.apps.train.optim import lr_factor
-from gradsync.apps.train.options import add_arguments, batch_plan, scaled_lr
+from gradsync.apps.train.options import batch_plan, scaled_lr
 from gradsync.apps.train.trainer import accumulated_backward
 from worlds import named_check, run_checks, run_world
 

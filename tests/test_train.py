@@ -444,7 +444,8 @@ def test_convergence_benchmark_option_errors_come_before_any_run(extra, message,
 def test_clip_grad_clips_before_error_feedback_where_the_scheme_has_it(argv, where, clip_local, mode):
     import argparse
 
-    from gradsync.apps.train.options import add_arguments, clip_where, per_epoch, sync_config
+    from gradsync.apps.train.arguments import add_arguments
+    from gradsync.apps.train.options import clip_where, per_epoch, sync_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -211,7 +211,7 @@ def test_powersgd_with_local_aggregation_is_predicted_as_its_rounds():
     c = table()("powersgd:rank=4", [])
     scheme = Scheme.parse("powersgd:rank=4").resolve(2, 4)
     assert scheme.local
-    assert predict(scheme, model, 8e6, c) == pytest.approx(model.locally_aggregated("allgather", 8e6, c))
+    assert predict(scheme, model, 8e6, c) == pytest.approx(model.lowrank_locally_aggregated(8e6, c))
 
 
 def test_sweeps_cross_and_name_their_options():

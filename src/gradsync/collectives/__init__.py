@@ -2,14 +2,30 @@
 strategies (packed sparse all-gather, hierarchical top-k, CaSync ring and parameter server) and
 their alpha-beta cost model. Only typed tensors move; codecs are used, never re-implemented."""
 
-from gradsync.collectives.compressed import STRATEGIES, compressed_allreduce, hitopk
-from gradsync.collectives.dense import ALGORITHMS, HybridPolicy, allreduce
+import warnings
+from typing import Any
+
+from gradsync.collectives.compressed import compressed_allreduce, hitopk
+from gradsync.collectives.dense import (
+    DenseAlgorithm,
+    HybridPolicy,
+    allreduce,
+    dense_algorithm,
+    dense_algorithm_names,
+    register_dense_algorithm,
+)
 from gradsync.collectives.primitives import MismatchError, Traffic, record_traffic
+from gradsync.collectives.strategies import (
+    CompressedStrategy,
+    compressed_strategy,
+    compressed_strategy_names,
+    register_compressed_strategy,
+)
 from gradsync.collectives.topology import Topology, TopologyError
 
 __all__ = [
-    "ALGORITHMS",
-    "STRATEGIES",
+    "CompressedStrategy",
+    "DenseAlgorithm",
     "HybridPolicy",
     "MismatchError",
     "Topology",
@@ -17,6 +33,24 @@ __all__ = [
     "Traffic",
     "allreduce",
     "compressed_allreduce",
+    "compressed_strategy",
+    "compressed_strategy_names",
+    "dense_algorithm",
+    "dense_algorithm_names",
     "hitopk",
     "record_traffic",
+    "register_compressed_strategy",
+    "register_dense_algorithm",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    moved = {"ALGORITHMS": dense_algorithm_names, "STRATEGIES": compressed_strategy_names}
+    if name in moved:
+        warnings.warn(
+            f"gradsync.collectives.{name} is deprecated: call {moved[name].__name__}()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return moved[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

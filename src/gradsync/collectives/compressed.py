@@ -43,14 +43,13 @@ from gradsync.collectives.pieces import (
     unpack_pieces,
 )
 from gradsync.collectives.program import Program, chain, last, run, scaled
-from gradsync.collectives.strategies import STRATEGIES, Coder, run_strategy
+from gradsync.collectives.strategies import Coder, compressed_strategy, run_strategy
 from gradsync.collectives.topology import Topology, default_topology
 
 
 def check_arguments(tensor: torch.Tensor, codec: object, strategy: str, op: str, pipeline: object) -> None:
     """Raise for arguments :func:`compressed_allreduce` cannot take (before communicating)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    compressed_strategy(strategy)  # ValueError naming the registered ones
     if not isinstance(pipeline, int) or isinstance(pipeline, bool) or pipeline < 1:
         raise ValueError(f"pipeline must be a positive number of chunks, got {pipeline!r}")
     if op not in ("sum", "mean"):

@@ -152,7 +152,8 @@ class CostModel:
         self.p = nodes * per_node
 
     @property
-    def _world_link(self) -> Link:
+    def world_link(self) -> Link:
+        """The link a collective over the whole world is limited by: inter-node on several nodes."""
         return self.params.inter if self.m > 1 else self.params.intra
 
     # ------------------------------------------------------------------ dense
@@ -169,13 +170,13 @@ class CostModel:
 
     def flat(self, nbytes: float) -> float:
         """One ring over the world; on several nodes each node cable carries 2(p-1)/p S."""
-        return self.ring_allreduce(nbytes, self.p, self._world_link)
+        return self.ring_allreduce(nbytes, self.p, self.world_link)
 
     def paper02_ring(self, nbytes: float, ratio: float = 1.0) -> float:
         """Paper 02's what-if ring: ``2S(N-1)/N / bw + (N-1) AddEst(S/N)`` with AddEst(x) = gamma x,
         no start-up term, and the transfer divided by a compression ``ratio`` that costs nothing
         (the paper's Figure 8). It is :meth:`ring_allreduce` with alpha = 0 and beta / ratio."""
-        link = Link(0.0, self._world_link.beta / ratio)
+        link = Link(0.0, self.world_link.beta / ratio)
         return self.ring_allreduce(nbytes, self.p, link)
 
     def hierarchical(self, nbytes: float) -> float:
@@ -219,8 +220,13 @@ class CostModel:
 
     def naive(self, nbytes: float, c: CodecCost) -> float:
         """Every rank's payload all-gathered over the world (sizes first), decoded p times."""
-        gather = self.allgather(c.payload(nbytes), self.p, self._world_link, messages=c.messages)
-        return c.encode(nbytes) + gather + self.p * c.decode(nbytes)
+        return self.gathered(nbytes, c, self.p, self.world_link)
+
+    def gathered(self, nbytes: float, c: CodecCost, ranks: int, link: Link) -> float:
+        """The ``allgather`` strategy over ``ranks``: one encode, the payloads all-gathered (their
+        sizes first unless bounded), ``ranks`` decodes."""
+        gather = self.allgather(c.payload(nbytes), ranks, link, messages=c.messages)
+        return c.encode(nbytes) + gather + ranks * c.decode(nbytes)
 
     def hitopk(self, nbytes: float, c: CodecCost, chunks: int = 1) -> float:
         """Paper 01 Eq. 7-10: intra reduce-scatter, top-k of the shard, inter all-gather of the
@@ -253,7 +259,7 @@ class CostModel:
         ``messages`` start-ups per send (gradsync's steps send a size, then the payload: 2)."""
         n = n or self.p
         k = k or n
-        link = link or self._world_link
+        link = link or self.world_link
         a, b, g = self.casync_steps(strategy, c, n, k)
         part = nbytes / k
         send = messages * (link.alpha + self.params.call) + c.payload(part) * link.beta
@@ -263,7 +269,7 @@ class CostModel:
         """PowerSGD's two rounds: ring all-reduces of the P and Q factors (together the payload)
         plus one encode (both products, orthogonalization) and one decode."""
         p = p or self.p
-        link = link or self._world_link
+        link = link or self.world_link
         return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
 
     # ------------------------------------------------------------------ PTO (paper 01)
@@ -274,23 +280,26 @@ class CostModel:
         where :func:`calibrate` took it, plus the bytes."""
         nbytes = values * value_bytes
         if self.params.gather_start is None:
-            return local_s * share + self.allgather(nbytes, self.p, self._world_link)
-        return local_s * share + self.params.gather_start + (self.p - 1) * nbytes * self._world_link.beta
+            return local_s * share + self.allgather(nbytes, self.p, self.world_link)
+        return local_s * share + self.params.gather_start + (self.p - 1) * nbytes * self.world_link.beta
 
-    def locally_aggregated(self, strategy: str, nbytes: float, c: CodecCost) -> float:
-        """Intra reduce-scatter, the strategy over the m nodes on S/n (the n local indices' streams
-        share the cable), the compressed results forwarded inside the node, all of them decoded."""
+    def lowrank_locally_aggregated(self, nbytes: float, c: CodecCost) -> float:
+        """A low-rank codec with local aggregation: intra reduce and broadcast around the
+        leaders' low-rank rounds across the nodes."""
+        return 2 * self._tree(nbytes) + self.lowrank(nbytes, c, self.m, self.params.inter)
+
+    def locally_aggregated(
+        self, nbytes: float, c: CodecCost, across: Callable[[float, int, Link], float]
+    ) -> float:
+        """Intra reduce-scatter, a strategy over the m nodes on S/n (``across(shard bytes, ranks,
+        link)``; the n local indices' streams share the cable), the compressed results forwarded
+        inside the node, all of them decoded."""
         i, o = self.params.intra, self.params.inter
-        if c.lowrank:  # intra reduce and broadcast around the leaders' low-rank rounds
-            return 2 * self._tree(nbytes) + self.lowrank(nbytes, c, self.m, o)
-        if strategy == "allgather":
-            return self.hitopk(nbytes, c)
         rs = self.intra_shard_step(nbytes)
         shard = nbytes / self.n
         shared = Link(o.alpha, o.beta * self.n)
-        across = self.casync(strategy, shard, c, n=self.m, link=shared, messages=2)
         forward = self.allgather(c.payload(shard), self.n, i, messages=c.messages)
-        return rs + across + forward + c.decode(nbytes)
+        return rs + across(shard, self.m, shared) + forward + c.decode(nbytes)
 
 
 # -------------------------------------------------------------------------------- calibration

@@ -10,6 +10,12 @@
   all-gather inside the node. Each node cable carries 2(m-1)/m of the data instead of 2(p-1)/p.
 - ``hybrid`` (paper 03): ``small`` below a size threshold (bytes), ``large`` above it.
 
+Each algorithm is a :class:`DenseAlgorithm` in one registry: its step program and its predicted
+seconds (a function of :class:`~gradsync.collectives.cost.CostModel`, whose α–β terms it combines).
+Scheme strings, :class:`~gradsync.sync.config.SyncConfig`, the plan, the planner's ``auto`` choice
+and the what-if simulator all read the registry, so a new algorithm is one
+:func:`register_dense_algorithm` call (docs/architecture.md shows one).
+
 Any algorithm can communicate in fp16 or bf16 (``comm_dtype``): the tensor goes through the fp16 /
 bf16 codec with a scale agreed from the global max and the world size, so partial sums can never
 overflow; the value section is reduced and decoded back.
@@ -17,6 +23,7 @@ overflow; the value section is reduced and decoded back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,10 +33,10 @@ import torch.distributed as dist
 from gradsync.codecs import EncodeContext, build_codec
 from gradsync.codecs.ops import Workspace, abs_max
 from gradsync.collectives import primitives as P
+from gradsync.collectives.cost import CostModel
 from gradsync.collectives.program import Program, chain, last, run
 from gradsync.collectives.topology import Topology, default_topology
 
-ALGORITHMS = ("flat", "hierarchical", "torus2d", "hybrid")
 OPS = ("sum", "mean")
 COMM_DTYPES = (None, "fp16", "bf16")
 
@@ -52,9 +59,10 @@ class HybridPolicy:
     def __post_init__(self) -> None:
         if self.threshold < 0:
             raise ValueError(f"hybrid threshold must be >= 0 bytes, got {self.threshold}")
+        allowed = [a for a in dense_algorithm_names() if a != "hybrid"]
         for name in (self.small, self.large):
-            if name not in ("flat", "hierarchical", "torus2d"):
-                raise ValueError(f"hybrid algorithms must be flat, hierarchical or torus2d, got {name!r}")
+            if name not in allowed:
+                raise ValueError(f"hybrid algorithms must be one of {', '.join(allowed)}, got {name!r}")
 
     def pick(self, nbytes: int) -> str:
         return self.small if nbytes < self.threshold else self.large
@@ -95,8 +103,7 @@ def allreduce(
 
 def check_arguments(tensor: torch.Tensor, algorithm: str, op: str, comm_dtype: str | None) -> None:
     """Raise for arguments :func:`allreduce` cannot take (before any communication)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    dense_algorithm(algorithm)  # ValueError naming the registered ones
     if op not in OPS:
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     if comm_dtype not in COMM_DTYPES:
@@ -137,22 +144,29 @@ def allreduce_program(
 
 
 def dense_steps(buf: torch.Tensor, topo: Topology, algorithm: str, ws: Workspace) -> Program:
-    """Sum the flat ``buf`` over all ranks with a dense ``algorithm`` (not ``hybrid``)."""
-    if algorithm == "flat":
-        yield last(partial(P.all_reduce, buf, topo.world_group, "world"))
-        return None
-    if topo.per_node == 1:  # no node-internal phase: one all-reduce across the nodes (no copies)
-        yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
-        return None
-    if algorithm == "hierarchical":
-        return (yield from hierarchical(buf, topo))
-    return (yield from torus2d(buf, topo, ws))
+    """Sum the flat ``buf`` over all ranks with a registered dense ``algorithm`` (not ``hybrid``,
+    which its caller resolves by size)."""
+    return (yield from dense_algorithm(algorithm).steps(buf, topo, ws))
 
 
-def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
-    """Paper 03's three phases on a flat buffer (sum), with more than one rank per node. The
-    inter-node phase is left out on a single node (every step is a hand-over between the engine's
-    threads); the last step is marked last."""
+def flat(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
+    """One all-reduce over the world."""
+    yield last(partial(P.all_reduce, buf, topo.world_group, "world"))
+    return None
+
+
+def across_nodes(buf: torch.Tensor, topo: Topology) -> Program:
+    """One all-reduce across the nodes: what a hierarchical algorithm becomes with one rank per
+    node (no node-internal phase, no copies)."""
+    yield last(partial(P.all_reduce, buf, topo.inter_group, "inter"))
+    return None
+
+
+def hierarchical(buf: torch.Tensor, topo: Topology, ws: Workspace | None = None) -> Program:
+    """Paper 03's three phases on a flat buffer (sum). The inter-node phase is left out on a single
+    node (every step is a hand-over between the engine's threads); the last step is marked last."""
+    if topo.per_node == 1:
+        return (yield from across_nodes(buf, topo))
     yield partial(P.reduce, buf, topo.leader, topo.intra_group, "intra")
     if topo.local_rank == 0 and topo.nodes > 1:  # the leaders' group is the one of local index 0
         yield partial(P.all_reduce, buf, topo.inter_group, "inter")
@@ -161,8 +175,10 @@ def hierarchical(buf: torch.Tensor, topo: Topology) -> Program:
 
 
 def torus2d(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
-    """Paper 01's 2D-torus all-reduce on a flat buffer (sum), with more than one rank per node; a
-    single node skips the inter-node phase."""
+    """Paper 01's 2D-torus all-reduce on a flat buffer (sum); a single node skips the inter-node
+    phase."""
+    if topo.per_node == 1:
+        return (yield from across_nodes(buf, topo))
     padded, shard = shard_buffers(buf, topo, ws)
     scratch = ws.get("rs", padded.numel(), buf.dtype, buf.device)
     yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
@@ -186,3 +202,68 @@ def shard_buffers(buf: torch.Tensor, topo: Topology, ws: Workspace) -> tuple[tor
         padded[: buf.numel()].copy_(buf)
         padded[buf.numel() :].zero_()
     return padded, ws.get("shard", shard_len, buf.dtype, buf.device)
+
+
+# -------------------------------------------------------------------------------- the registry
+DenseSteps = Callable[[torch.Tensor, Topology, Workspace], Program]
+"""An algorithm's program: sums the flat buffer over the world in place (world size > 1)."""
+DenseCost = Callable[[CostModel, float], float]
+"""An algorithm's predicted seconds for a buffer of so many bytes, from the cost model."""
+
+
+@dataclass(frozen=True)
+class DenseAlgorithm:
+    """A dense all-reduce algorithm. ``auto``: the planner's ``dense_algorithm="auto"`` weighs it
+    against the others (``hybrid``, a choice between two of them, is not weighed)."""
+
+    name: str
+    steps: DenseSteps
+    cost: DenseCost
+    auto: bool = True
+
+
+_DENSE: dict[str, DenseAlgorithm] = {}
+
+
+def register_dense_algorithm(algorithm: DenseAlgorithm) -> DenseAlgorithm:
+    """Add ``algorithm`` to the registry (a name can be registered once) and return it. Register
+    on every rank, in the same order, before any scheme names it: the plan that rank 0 broadcasts
+    names algorithms by their place in the registry."""
+    name = algorithm.name
+    if not name.isidentifier() or name in ("none", "auto") or name in _DENSE:
+        raise ValueError(
+            f"dense algorithm name must be a new identifier other than none and auto, got {name!r} "
+            f"(registered: {', '.join(_DENSE)})"
+        )
+    _DENSE[name] = algorithm
+    return algorithm
+
+
+def dense_algorithm(name: str) -> DenseAlgorithm:
+    """The registered algorithm ``name``; ``ValueError`` naming the registered ones."""
+    try:
+        return _DENSE[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"algorithm must be one of {', '.join(_DENSE)}, got {name!r}") from None
+
+
+def dense_algorithm_names() -> tuple[str, ...]:
+    """Every registered dense algorithm, in registration order."""
+    return tuple(_DENSE)
+
+
+def _hybrid_steps(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
+    return (yield from dense_steps(buf, topo, HybridPolicy().pick(buf.numel() * buf.element_size()), ws))
+
+
+register_dense_algorithm(DenseAlgorithm("flat", flat, CostModel.flat))
+register_dense_algorithm(DenseAlgorithm("hierarchical", hierarchical, CostModel.hierarchical))
+register_dense_algorithm(DenseAlgorithm("torus2d", torus2d, CostModel.torus2d))
+register_dense_algorithm(
+    DenseAlgorithm(
+        "hybrid",
+        _hybrid_steps,
+        lambda model, nbytes: dense_algorithm(HybridPolicy().pick(int(nbytes))).cost(model, nbytes),
+        auto=False,
+    )
+)

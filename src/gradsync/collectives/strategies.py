@@ -15,13 +15,17 @@ Each runs on the flat tensor of one rank over a group of p ranks and returns the
   partitions, partition j owned by group rank j. Every partition is encoded and sent to its owner
   (all-to-all); owners decode and sum (or add values), encode the aggregate, and all-gather it.
 
+Each is a :class:`CompressedStrategy` in one registry, with its program and its predicted
+seconds; scheme strings (``STRATEGY[+local]/CODEC``), the planner and the what-if simulator read
+the registry, so a new strategy is one :func:`register_compressed_strategy` call.
+
 :func:`reduce_scatter_pieces` is ``ps``'s first phase alone, a compressed reduce-scatter (what
 FSDP needs: :mod:`gradsync.integrate.fsdp`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -32,10 +36,9 @@ import torch.distributed as dist
 from gradsync.codecs import Codec, Compressor, EncodeContext, Payload
 from gradsync.codecs.ops import abs_max
 from gradsync.collectives import primitives as P
+from gradsync.collectives.cost import CodecCost, CostModel, Link
 from gradsync.collectives.pieces import Piece, fixed_capacity, trimmed
 from gradsync.collectives.program import Step, last
-
-STRATEGIES = ("allgather", "ring", "ps")
 
 Pieces = Generator[Step, Any, "list[Piece]"]
 
@@ -90,13 +93,9 @@ def run_strategy(
     rank: int,
     final: bool = False,
 ) -> Pieces:
-    """Run ``strategy`` on the flat ``x`` over ``group``; return the pieces of the result.
-    ``final``: nothing follows it in the caller's program (its last step is marked last)."""
-    if strategy == "allgather":
-        return (yield from _allgather(x, group, level, coder, final))
-    if strategy == "ring":
-        return (yield from _ring(x, group, level, coder, rank, final))
-    return (yield from _ps(x, group, level, coder, rank, final))
+    """Run the registered ``strategy`` on the flat ``x`` over ``group``; return the pieces of the
+    result. ``final``: nothing follows it in the caller's program (its last step is marked last)."""
+    return (yield from compressed_strategy(strategy).run(x, group, level, coder, rank, final))
 
 
 def _agreed(
@@ -113,7 +112,7 @@ def _agreed(
 
 
 def _allgather(
-    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, final: bool
+    x: torch.Tensor, group: dist.ProcessGroup | None, level: str, coder: Coder, rank: int, final: bool
 ) -> Pieces:
     payload = coder.encode(x, "allgather")
     capacity = fixed_capacity(coder.plain, x.numel(), x.dtype)
@@ -223,3 +222,62 @@ def _ps(
         pieces.append(Piece(offset, coder.received(data, parts[j])))
         offset += parts[j].numel()
     return pieces
+
+
+# -------------------------------------------------------------------------------- the registry
+StrategyRun = Callable[[torch.Tensor, "dist.ProcessGroup | None", str, Coder, int, bool], Pieces]
+"""A strategy's program: ``(x, group, level, coder, rank, final)`` -> the pieces of the sum."""
+StrategyCost = Callable[[CostModel, float, CodecCost, int, Link], float]
+"""A strategy's predicted seconds: ``(model, bytes, codec cost, ranks, link)`` over one group."""
+
+
+@dataclass(frozen=True)
+class CompressedStrategy:
+    """A compressed aggregation over one group of ranks: its program and its predicted seconds."""
+
+    name: str
+    run: StrategyRun
+    cost: StrategyCost
+
+
+_STRATEGIES: dict[str, CompressedStrategy] = {}
+
+
+def register_compressed_strategy(strategy: CompressedStrategy) -> CompressedStrategy:
+    """Add ``strategy`` to the registry (a name can be registered once; ``hitopk`` is the
+    scheme grammar's name for ``allgather+local``) and return it. Register on every rank."""
+    name = strategy.name
+    if not name.isidentifier() or name == "hitopk" or name in _STRATEGIES:
+        raise ValueError(
+            f"strategy name must be a new identifier other than hitopk, got {name!r} "
+            f"(registered: {', '.join(_STRATEGIES)})"
+        )
+    _STRATEGIES[name] = strategy
+    return strategy
+
+
+def compressed_strategy(name: str) -> CompressedStrategy:
+    """The registered strategy ``name``; ``ValueError`` naming the registered ones."""
+    try:
+        return _STRATEGIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"strategy must be one of {', '.join(_STRATEGIES)}, got {name!r}") from None
+
+
+def compressed_strategy_names() -> tuple[str, ...]:
+    """Every registered compressed strategy, in registration order."""
+    return tuple(_STRATEGIES)
+
+
+def _casync_cost(name: str) -> StrategyCost:
+    """Paper 05's Eq. 2 for its ring or PS; every send is a size, then the payload."""
+
+    def cost(model: CostModel, nbytes: float, c: CodecCost, ranks: int, link: Link) -> float:
+        return model.casync(name, nbytes, c, n=ranks, link=link, messages=2)
+
+    return cost
+
+
+register_compressed_strategy(CompressedStrategy("allgather", _allgather, CostModel.gathered))
+register_compressed_strategy(CompressedStrategy("ring", _ring, _casync_cost("ring")))
+register_compressed_strategy(CompressedStrategy("ps", _ps, _casync_cost("ps")))

@@ -75,8 +75,9 @@ import torch.distributed as dist
 
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec, codec_names
 from gradsync.codecs.feedback import FeedbackConfig
-from gradsync.collectives import STRATEGIES, Topology, Traffic, compressed_allreduce
+from gradsync.collectives import Topology, Traffic, compressed_allreduce
 from gradsync.collectives import primitives as P
+from gradsync.collectives.strategies import compressed_strategy
 from gradsync.collectives.topology import default_topology
 
 DEFAULT_CODEC = "onebit"
@@ -146,8 +147,7 @@ class MomentumExchange:
     """
 
     def __init__(self, codec: str, strategy: str, topology: Topology | None) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        compressed_strategy(strategy)  # ValueError naming the registered ones
         self.spec = codec
         self.codec = build_exchange_codec(codec)
         self.strategy = strategy

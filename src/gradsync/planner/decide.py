@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from gradsync.codecs import Compressor
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link, calibrate, measure_codec
-from gradsync.collectives.dense import HybridPolicy
+from gradsync.collectives.dense import dense_algorithm, dense_algorithm_names
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks
+from gradsync.collectives.strategies import compressed_strategy
 from gradsync.collectives.topology import Topology
 from gradsync.planner.plan import BucketPlan, Plan
 from gradsync.planner.recut import merge_compressed
@@ -36,7 +37,6 @@ from gradsync.sync.buckets import Slot, build_groups
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 
-DENSE_ALGORITHMS = ("flat", "hierarchical", "torus2d")
 # compress a bucket only when the model predicts at least a 2x win: at about 1 MiB the
 # compressed schemes took up to 2.0x their predicted time in the collectives benchmark (several
 # small collectives whose latency the calibrated alpha underestimates), dense all-reduces 1.0-1.1x
@@ -47,26 +47,26 @@ COMPRESS_MARGIN = 0.5
 def predict(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
     """Predicted seconds of one synchronization of ``nbytes`` (float32 bytes) with ``scheme``."""
     if scheme.kind == "dense":
-        algo = scheme.algorithm
-        if algo == "hybrid":
-            algo = HybridPolicy().pick(int(nbytes))
-        return getattr(model, algo)(nbytes // 2 if scheme.comm_dtype else nbytes)
+        return dense_algorithm(scheme.algorithm).cost(model, nbytes // 2 if scheme.comm_dtype else nbytes)
     if codec is None:
         raise ValueError("a compressed scheme needs the codec's measured cost")
     # local aggregation needs ranks to aggregate: with one rank per node the engine runs the plain
     # strategy over the world (compressed_program), one encode and one all-gather, no chunks
     local = bool(scheme.local) and model.n > 1
     if codec.lowrank:  # PowerSGD's rounds, around an intra-node reduction with local aggregation
-        return model.locally_aggregated("allgather", nbytes, codec) if local else model.lowrank(nbytes, codec)
+        return model.lowrank_locally_aggregated(nbytes, codec) if local else model.lowrank(nbytes, codec)
     if local and model.m == 1:  # nothing crosses a node: a dense reduce-scatter and all-gather
         return 2 * model.intra_shard_step(nbytes)
     if scheme.strategy == "allgather" and local:  # hitopk, pipelined in chunks
         return model.hitopk(nbytes, codec, pipeline_chunks(int(nbytes), 4))
+    strategy = compressed_strategy(scheme.strategy or ("allgather" if local else "ring"))
+    if local and strategy.name == "allgather":
+        return model.hitopk(nbytes, codec)
     if local:
-        return model.locally_aggregated(scheme.strategy or "allgather", nbytes, codec)
-    if scheme.strategy == "allgather":
-        return model.naive(nbytes, codec)
-    return model.casync(scheme.strategy or "ring", nbytes, codec, messages=2)
+        return model.locally_aggregated(
+            nbytes, codec, lambda s, n, link: strategy.cost(model, s, codec, n, link)
+        )
+    return strategy.cost(model, nbytes, codec, model.p, model.world_link)
 
 
 def encode_sizes(scheme: Scheme, nbytes: float, nodes: int, per_node: int) -> float:
@@ -88,7 +88,7 @@ def best_dense(model: CostModel, nbytes: float, algorithm: str) -> tuple[str, fl
     """The dense algorithm to use (``auto``: the cheapest) and its predicted seconds."""
     if algorithm != "auto":
         return algorithm, predict(Scheme("", "dense", algorithm), model, nbytes, None)
-    costs = {a: getattr(model, a)(nbytes) for a in DENSE_ALGORITHMS}
+    costs = {a.name: a.cost(model, nbytes) for a in map(dense_algorithm, dense_algorithm_names()) if a.auto}
     best = min(costs, key=costs.__getitem__)
     return best, costs[best]
 

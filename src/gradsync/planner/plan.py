@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gradsync.collectives.dense import ALGORITHMS
+from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.sync.scheme import Scheme
 
 DENSE_REASONS = ("", "cost", "plan", "codec")
@@ -44,9 +44,10 @@ class Plan:
     # ------------------------------------------------------------------ wire and disk
     def to_tensor(self) -> torch.Tensor:
         words: list[int] = [len(self.buckets)]
+        algorithms = dense_algorithm_names()
         for b in self.buckets:
             words += [
-                len(b.slots), b.codec_id, int(b.compress), b.partitions, ALGORITHMS.index(b.dense_algorithm),
+                len(b.slots), b.codec_id, int(b.compress), b.partitions, algorithms.index(b.dense_algorithm),
                 _us(b.dense_ms), _us(b.compressed_ms), DENSE_REASONS.index(b.dense_reason), *b.slots,
             ]  # fmt: skip
         return torch.tensor(words, dtype=torch.int64, device="cpu")
@@ -60,7 +61,7 @@ class Plan:
             pos += 8
             buckets.append(
                 BucketPlan(
-                    w[pos : pos + n], codec_id, bool(compress), parts, ALGORITHMS[algo],
+                    w[pos : pos + n], codec_id, bool(compress), parts, dense_algorithm_names()[algo],
                     _ms(dense_us), _ms(comp_us), DENSE_REASONS[reason],
                 )
             )  # fmt: skip

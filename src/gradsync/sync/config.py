@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from gradsync.codecs.config import OptionsConfig, check_choice, check_range
-from gradsync.collectives.dense import ALGORITHMS
+from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.sync.clipping import CLIP_MODES
 from gradsync.sync.density_schedule import DensitySchedule
 from gradsync.sync.scheme import Scheme
@@ -25,9 +25,6 @@ def parse_options(items: list[str] | None, what: str = "--sync-option") -> dict[
             raise ValueError(f"{what} takes KEY=VALUE, got {item!r}")
         out[key.strip()] = value.strip()
     return out
-
-
-DENSE_CHOICES = ("auto", *ALGORITHMS)
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class SyncConfig(OptionsConfig):
     def validate(self) -> None:
         Scheme.parse(self.scheme)
         check_choice(self.codec, "plan", self.plan, PLAN_MODES)
-        check_choice(self.codec, "dense_algorithm", self.dense_algorithm, DENSE_CHOICES)
+        check_choice(self.codec, "dense_algorithm", self.dense_algorithm, ("auto", *dense_algorithm_names()))
         check_choice(self.codec, "clip_local_mode", self.clip_local_mode, CLIP_MODES)
         if self.clip_local is not None and not (math.isfinite(self.clip_local) and self.clip_local > 0):
             raise ValueError(f"sync: clip_local must be a positive number or None, got {self.clip_local!r}")

@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.codecs.config import split_spec
-from gradsync.collectives.dense import ALGORITHMS
-from gradsync.collectives.strategies import STRATEGIES
+from gradsync.collectives.dense import dense_algorithm_names
+from gradsync.collectives.strategies import compressed_strategy_names
 
 DEFAULT_CODEC = "mstopk:density=0.01"
 
@@ -62,7 +62,7 @@ class Scheme:
             return cls._with_candidates(text)
         if head == "auto" and not slash:
             return cls(text, "compressed", codec=DEFAULT_CODEC)
-        if head in ("none", *ALGORITHMS):
+        if head in ("none", *dense_algorithm_names()):
             if tail not in ("", "fp16", "bf16") or (head == "none" and tail):
                 raise ValueError(
                     f"scheme {text!r}: a dense algorithm takes /fp16 or /bf16 (none takes nothing), "
@@ -72,11 +72,13 @@ class Scheme:
         if slash:
             strategy, plus, local = head.partition("+")
             strategy = strategy.strip()
-            if strategy not in (*STRATEGIES, "hitopk") or (plus and local.strip() != "local"):
+            if strategy not in (*compressed_strategy_names(), "hitopk") or (
+                plus and local.strip() != "local"
+            ):
                 raise ValueError(
                     f"scheme {text!r}: expected STRATEGY[+local]/CODEC with STRATEGY one of "
-                    f"{', '.join((*STRATEGIES, 'hitopk'))}, or a dense algorithm "
-                    f"({', '.join(('none', *ALGORITHMS))})"
+                    f"{', '.join((*compressed_strategy_names(), 'hitopk'))}, or a dense algorithm "
+                    f"({', '.join(('none', *dense_algorithm_names()))})"
                 )
             if not tail:
                 raise ValueError(f"scheme {text!r}: a compressed scheme needs /CODEC, e.g. {head}/topk")

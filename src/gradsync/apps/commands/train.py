@@ -14,7 +14,8 @@ import os
 import sys
 from dataclasses import replace
 
-from gradsync.apps.train.options import add_arguments, batch_plan, cache_config, validate
+from gradsync.apps.train.arguments import add_arguments
+from gradsync.apps.train.options import batch_plan, cache_config, validate
 from gradsync.apps.train.resize import check_model_takes, parse_resize_schedule
 
 __all__ = ["add_arguments", "check", "main"]

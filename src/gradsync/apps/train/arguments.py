@@ -7,13 +7,10 @@ from __future__ import annotations
 import argparse
 
 from gradsync.apps.models import models_for
+from gradsync.apps.train.optim import optimizer_names
 
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "onebit-adam", "zeroone-adam", "onebit-lamb")
-SELF_SYNCING = ("onebit-adam", "zeroone-adam", "onebit-lamb")
 DEFAULT_MAX_SYNC_INTERVAL = 2
 """zeroone-adam's longest run of local steps (docs/benchmarks.md, the Adam family)."""
-"""Optimizers that synchronize the model themselves (compressed momentum): the model is built
-without gradient synchronization for them."""
 DEFAULT_SCHEME = "hitopk:density=0.01"
 SCHEDULES = ("cosine", "step", "constant", "poly")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -72,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--optimizer", default="sgd", help=f"one of {', '.join(OPTIMIZERS)}")
+    g.add_argument("--optimizer", default="sgd", help=f"one of {', '.join(optimizer_names())}")
     g.add_argument(
         "--lr",
         type=float,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,56 +22,121 @@ from gradsync.collectives import Topology
 from gradsync.optim import LAMB, LARS, OneBitAdam, OneBitLamb, ZeroOneAdam, layerwise_param_groups
 from gradsync.optim.layerwise import Parallel
 
-DEFAULT_LR = {
-    "sgd": 0.1, "adamw": 0.002, "lars": 2.0, "lamb": 0.005,
-    "onebit-adam": 0.002, "zeroone-adam": 0.002, "onebit-lamb": 0.005,
-}  # fmt: skip
-DEFAULT_TRUST = {"lars": 0.001, "lamb": 1.0}  # LARS paper's eta; LAMB paper's ratio as it is
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """What ``gradsync train`` hands an optimizer's builder besides its parameter groups."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+    trust_coefficient: float | None = None
+    parallel: Parallel = None
+    compressed: dict[str, Any] | None = None
+    topology: Topology | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One ``--optimizer`` choice: its default peak learning rate, how to build it, and what it
+    takes. ``momentum``: it takes ``--momentum`` and ``--nesterov``. ``trust``: a layer-wise
+    optimizer's default trust coefficient (it takes ``--trust-coefficient`` and ``--pto``); None
+    for the others. ``warmup``: an optimizer that synchronizes the model itself (compressed
+    momentum, so gradsync's own synchronization is off) and its default warm-up options, as
+    shares of the run's steps; None for the others."""
+
+    name: str
+    lr: float
+    build: Callable[[list[dict[str, Any]], float, OptimizerOptions], torch.optim.Optimizer]
+    momentum: bool = False
+    trust: float | None = None
+    warmup: dict[str, float] | None = None
+
+    @property
+    def layerwise(self) -> bool:
+        return self.trust is not None
+
+    @property
+    def self_syncing(self) -> bool:
+        return self.warmup is not None
+
+
+_KINDS: dict[str, OptimizerKind] = {}
+
+
+def register_optimizer(kind: OptimizerKind) -> OptimizerKind:
+    """Make ``kind`` a ``--optimizer`` choice (a name can be registered once) and return it."""
+    if not kind.name or kind.name in _KINDS:
+        raise ValueError(f"optimizer name must be new and non-empty, got {kind.name!r}")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    """The registered ``--optimizer`` choice ``name``; ``ValueError`` naming them all."""
+    try:
+        return _KINDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"--optimizer must be one of {', '.join(_KINDS)}, got {name!r}") from None
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """Every ``--optimizer`` choice, in registration order."""
+    return tuple(_KINDS)
 
 
 def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float | None,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    trust_coefficient: float | None = None,
-    parallel: Parallel = None,
-    compressed: dict[str, Any] | None = None,
-    topology: Topology | None = None,
+    model: nn.Module, name: str, lr: float | None, weight_decay: float, options: OptimizerOptions
 ) -> torch.optim.Optimizer:
-    """``--optimizer NAME`` over ``model``'s parameters; ``parallel``: the process group over
-    which LARS/LAMB compute their trust ratios by the parallel tensor operator (``--pto``).
-    ``compressed``: the options of onebit-adam, zeroone-adam and onebit-lamb
-    (:func:`compressed_options`), which synchronize over ``topology`` themselves."""
-    groups = layerwise_param_groups(model, weight_decay)
-    rate = lr if lr is not None else DEFAULT_LR[name]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=rate, momentum=momentum, nesterov=nesterov)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=rate)
-    if name in SELF_SYNCING_CLASSES:  # decoupled weight decay on the weights, as adamw
-        return SELF_SYNCING_CLASSES[name](groups, lr=rate, topology=topology, **(compressed or {}))
-    trust = trust_coefficient if trust_coefficient is not None else DEFAULT_TRUST[name]
-    if name == "lars":
-        return LARS(groups, lr=rate, momentum=momentum, nesterov=nesterov, trust_coefficient=trust,
-                    parallel=parallel)  # fmt: skip
-    if name == "lamb":
-        return LAMB(groups, lr=rate, trust_coefficient=trust, parallel=parallel)
-    raise ValueError(f"--optimizer must be one of {', '.join(DEFAULT_LR)}, got {name!r}")
+    """``--optimizer NAME`` over ``model``'s parameters, with weight decay on the weights only
+    (:func:`gradsync.optim.layerwise_param_groups`) and the kind's default rate when ``lr`` is
+    None. ``options.parallel``: the process group over which LARS/LAMB compute their trust ratios
+    by the parallel tensor operator (``--pto``); ``options.compressed``: the options of an
+    optimizer that synchronizes itself over ``options.topology`` (:func:`compressed_options`)."""
+    kind = optimizer_kind(name)
+    return kind.build(layerwise_param_groups(model, weight_decay), lr if lr is not None else kind.lr, options)
 
 
+def _trust(kind: str, o: OptimizerOptions) -> float:
+    return o.trust_coefficient if o.trust_coefficient is not None else DEFAULT_TRUST[kind]
+
+
+def _self_syncing(
+    cls: Any,
+) -> Callable[[list[dict[str, Any]], float, OptimizerOptions], torch.optim.Optimizer]:
+    """Decoupled weight decay on the weights, as adamw; the exchange over ``options.topology``."""
+
+    def build(groups: list[dict[str, Any]], lr: float, o: OptimizerOptions) -> torch.optim.Optimizer:
+        return cls(groups, lr=lr, topology=o.topology, **(o.compressed or {}))
+
+    return build
+
+
+DEFAULT_TRUST = {"lars": 0.001, "lamb": 1.0}  # LARS paper's eta; LAMB paper's ratio as it is
 ZEROONE_DEFAULTS = {"freeze_step": 0.02, "var_freeze_step": 0.60, "sync_growth": 0.065}
+"""zeroone-adam's defaults, as shares of the run's steps."""
 ONEBIT_DEFAULTS = {"freeze_step": 0.03}
 LAMB_DEFAULTS = {"freeze_step": 0.10}
-"""zeroone-adam's defaults, as shares of the run's steps."""
 
-SELF_SYNCING_CLASSES: dict[str, Any] = {
-    "onebit-adam": OneBitAdam,
-    "zeroone-adam": ZeroOneAdam,
-    "onebit-lamb": OneBitLamb,
-}
+# fmt: off
+register_optimizer(OptimizerKind(
+    "sgd", 0.1, lambda g, lr, o: torch.optim.SGD(g, lr=lr, momentum=o.momentum, nesterov=o.nesterov),
+    momentum=True,
+))
+register_optimizer(OptimizerKind("adamw", 0.002, lambda g, lr, o: torch.optim.AdamW(g, lr=lr)))
+register_optimizer(OptimizerKind(
+    "lars", 2.0,
+    lambda g, lr, o: LARS(g, lr=lr, momentum=o.momentum, nesterov=o.nesterov,
+                          trust_coefficient=_trust("lars", o), parallel=o.parallel),
+    momentum=True, trust=DEFAULT_TRUST["lars"],
+))
+register_optimizer(OptimizerKind(
+    "lamb", 0.005, lambda g, lr, o: LAMB(g, lr=lr, trust_coefficient=_trust("lamb", o), parallel=o.parallel),
+    trust=DEFAULT_TRUST["lamb"],
+))
+register_optimizer(OptimizerKind("onebit-adam", 0.002, _self_syncing(OneBitAdam), warmup=ONEBIT_DEFAULTS))
+register_optimizer(OptimizerKind("zeroone-adam", 0.002, _self_syncing(ZeroOneAdam), warmup=ZEROONE_DEFAULTS))
+register_optimizer(OptimizerKind("onebit-lamb", 0.005, _self_syncing(OneBitLamb), warmup=LAMB_DEFAULTS))
+# fmt: on
 
 
 def compressed_options(args: argparse.Namespace, total_steps: int) -> dict[str, Any]:
@@ -81,9 +147,7 @@ def compressed_options(args: argparse.Namespace, total_steps: int) -> dict[str, 
     started training (docs/optimizers.md: +117 % perplexity after a 3 % warm-up, 6.4 % below
     AdamW after a 10 % one, at 7.9x); for zeroone-adam ZEROONE_DEFAULTS (docs/benchmarks.md,
     the Transformer LM with the Adam family)."""
-    share = {"zeroone-adam": ZEROONE_DEFAULTS, "onebit-lamb": LAMB_DEFAULTS}.get(
-        args.optimizer, ONEBIT_DEFAULTS
-    )
+    share = optimizer_kind(args.optimizer).warmup or ONEBIT_DEFAULTS
 
     def given(value: int | None, name: str, least: int = 1) -> int:
         return value if value is not None else max(least, round(share[name] * total_steps))

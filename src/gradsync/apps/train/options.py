@@ -18,18 +18,15 @@ import torch
 from gradsync.apps.data.cache.config import CacheConfig
 from gradsync.apps.train.arguments import (
     CACHE_SHUFFLE,
-    CLIP_WHERE,
     DEFAULT_MAX_SYNC_INTERVAL,
     DEFAULT_SCHEME,
     LR_SCALING,
-    OPTIMIZERS,
     PLANS,
     PTO,
     RESIZE_BATCH,
     SCHEDULES,
-    SELF_SYNCING,
-    add_arguments,
 )
+from gradsync.apps.train.optim import optimizer_kind, optimizer_names
 from gradsync.apps.train.resize import parse_resize_schedule
 from gradsync.codecs import Compressor, ErrorFeedback
 from gradsync.integrate.wrap import check_trace_path
@@ -40,15 +37,6 @@ from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.units import parse_size
 
 __all__ = [
-    "CACHE_SHUFFLE",
-    "CLIP_WHERE",
-    "LR_SCALING",
-    "OPTIMIZERS",
-    "PLANS",
-    "PTO",
-    "RESIZE_BATCH",
-    "SCHEDULES",
-    "add_arguments",
     "batch_plan",
     "cache_config",
     "clip_where",
@@ -125,7 +113,7 @@ def validate(args: argparse.Namespace) -> None:
     cache_config(args, 0)
     for name in ("epochs", "batch_size", "seq_len", "threads"):
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
-    _choice("--optimizer", args.optimizer, OPTIMIZERS)
+    optimizer_kind(args.optimizer)  # ValueError naming every choice
     _check_self_syncing(args)
     _choice("--schedule", args.schedule, SCHEDULES)
     _choice("--lr-scaling", args.lr_scaling, LR_SCALING)
@@ -145,17 +133,19 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr must be a positive number, got {args.lr!r}")
     if not (0.0 <= args.momentum < 1.0):
         raise ValueError(f"--momentum must be in [0, 1), got {args.momentum!r}")
-    if args.nesterov and (args.optimizer not in ("sgd", "lars") or args.momentum == 0):
-        raise ValueError("--nesterov needs --optimizer sgd or lars and a --momentum above 0")
-    layerwise = args.optimizer in ("lars", "lamb")
+    kind = optimizer_kind(args.optimizer)
+    with_momentum = " or ".join(n for n in optimizer_names() if optimizer_kind(n).momentum)
+    layerwise = " or ".join(n for n in optimizer_names() if optimizer_kind(n).layerwise)
+    if args.nesterov and (not kind.momentum or args.momentum == 0):
+        raise ValueError(f"--nesterov needs --optimizer {with_momentum} and a --momentum above 0")
     if args.trust_coefficient is not None:
-        if not layerwise:
-            raise ValueError("--trust-coefficient needs --optimizer lars or lamb")
+        if not kind.layerwise:
+            raise ValueError(f"--trust-coefficient needs --optimizer {layerwise}")
         if not (math.isfinite(args.trust_coefficient) and args.trust_coefficient > 0):
             raise ValueError(f"--trust-coefficient must be a positive number, got {args.trust_coefficient!r}")
     _choice("--pto", args.pto, PTO)
-    if args.pto != "off" and not layerwise:
-        raise ValueError("--pto needs --optimizer lars or lamb (the trust ratios are what it shares out)")
+    if args.pto != "off" and not kind.layerwise:
+        raise ValueError(f"--pto needs --optimizer {layerwise} (the trust ratios are what it shares out)")
     _at_least("--weight-decay", args.weight_decay, 0.0)
     _at_least("--warmup-epochs", args.warmup_epochs, 0.0)
     _at_least("--dense-warmup", args.dense_warmup, 0.0)
@@ -228,7 +218,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def _check_self_syncing(args: argparse.Namespace) -> None:
-    """The options of the optimizers that synchronize the model themselves (``SELF_SYNCING``)."""
+    """The options of the optimizers that synchronize the model themselves (compressed momentum)."""
     zeroone = {"--var-freeze-step": args.var_freeze_step, "--sync-growth": args.sync_growth}
     if args.max_sync_interval != DEFAULT_MAX_SYNC_INTERVAL:
         zeroone["--max-sync-interval"] = args.max_sync_interval
@@ -236,9 +226,10 @@ def _check_self_syncing(args: argparse.Namespace) -> None:
     if args.momentum_codec != "onebit":
         given["--momentum-codec"] = args.momentum_codec
     given = {k: v for k, v in given.items() if v is not None}
-    if args.optimizer not in SELF_SYNCING:
+    if not optimizer_kind(args.optimizer).self_syncing:
         if given:
-            raise ValueError(f"{next(iter(given))} needs --optimizer {', '.join(SELF_SYNCING)}")
+            syncing = ", ".join(n for n in optimizer_names() if optimizer_kind(n).self_syncing)
+            raise ValueError(f"{next(iter(given))} needs --optimizer {syncing}")
         return
     if args.scheme not in (DEFAULT_SCHEME, "none"):
         raise ValueError(
@@ -317,7 +308,7 @@ def sync_config(args: argparse.Namespace, to_steps: Callable[[float], int]) -> S
     (:func:`per_epoch`, or :meth:`~gradsync.apps.train.epoch_plan.EpochPlan.to_steps` where epochs
     differ in length)."""
     options: dict[str, Any] = {
-        "scheme": "none" if args.optimizer in SELF_SYNCING else args.scheme,
+        "scheme": "none" if optimizer_kind(args.optimizer).self_syncing else args.scheme,
         "plan": args.plan,
         "dense_warmup_steps": max(1, to_steps(args.dense_warmup)),
     }

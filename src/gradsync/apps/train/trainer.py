@@ -39,10 +39,15 @@ from gradsync.apps.data.cache.partition import PartitionSampler
 from gradsync.apps.data.loader import load_batch
 from gradsync.apps.models import build_model_for, parameter_count
 from gradsync.apps.train import checkpoint
-from gradsync.apps.train.arguments import SELF_SYNCING
 from gradsync.apps.train.epoch_plan import epoch_plan
 from gradsync.apps.train.metrics import EpochMeter, cache_figures, epoch_record
-from gradsync.apps.train.optim import DEFAULT_LR, build_optimizer, build_scheduler, compressed_options
+from gradsync.apps.train.optim import (
+    OptimizerOptions,
+    build_optimizer,
+    build_scheduler,
+    compressed_options,
+    optimizer_kind,
+)
 from gradsync.apps.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
 from gradsync.apps.train.pto_choice import PtoChoice, choose_pto
 from gradsync.apps.train.resize import resize
@@ -175,7 +180,7 @@ class Trainer:
             trace_steps=trace_steps(args.trace_steps) if args.trace else None,
         )
         self.net = net
-        self.self_syncing = args.optimizer in SELF_SYNCING
+        self.self_syncing = optimizer_kind(args.optimizer).self_syncing
         """The optimizer synchronizes the model (compressed momentum): the engine must not."""
         self._local_gradients = contextlib.ExitStack()
         if self.self_syncing:
@@ -184,19 +189,21 @@ class Trainer:
                     f"--optimizer {args.optimizer} does not support a GradScaler (--amp on a GPU)"
                 )
             self._local_gradients.enter_context(self.model.no_sync())  # for the whole run
-        lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+        lr = args.lr if args.lr is not None else optimizer_kind(args.optimizer).lr
         base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
         self.optimizer = build_optimizer(
             net,
             args.optimizer,
             base_lr,
-            args.momentum,
-            args.nesterov,
             args.weight_decay,
-            trust_coefficient=args.trust_coefficient,
-            parallel=self._pto_group() if args.pto == "on" else None,
-            compressed=compressed_options(args, self.plan.total_steps) if self.self_syncing else None,
-            topology=self.topo,
+            OptimizerOptions(
+                momentum=args.momentum,
+                nesterov=args.nesterov,
+                trust_coefficient=args.trust_coefficient,
+                parallel=self._pto_group() if args.pto == "on" else None,
+                compressed=compressed_options(args, self.plan.total_steps) if self.self_syncing else None,
+                topology=self.topo,
+            ),
         )
         self.pto_choice: PtoChoice | None = None
         if args.pto == "auto" and self.world > 1 and isinstance(self.optimizer, LayerwiseOptimizer):
