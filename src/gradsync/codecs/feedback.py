@@ -1,4 +1,5 @@
-"""Error feedback (residual accumulation) around any lossy codec, with paper 04's Algorithm 4.
+"""Error feedback (residual accumulation) around any lossy codec, with the RedSync paper's
+Algorithm 4.
 
 Per tensor stream the wrapper keeps a residual ``r`` of everything not yet transmitted::
 
@@ -31,8 +32,13 @@ no half-precision gradient) the codec receives ``r`` and ``g`` apart and adds th
 so ``v`` is written once and not read back. Payload and residual are the same bits either way.
 
 Local clipping (``clip``): before accumulation the gradient is scaled so that its L2 norm
-(unscaled) is at most ``clip``. Paper 04 clips with the global threshold divided by sqrt(world
-size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound.
+(unscaled) is at most ``clip``. The RedSync paper clips with the global threshold divided by
+sqrt(world size); this wrapper sees one tensor at a time, so ``clip`` is a per-tensor bound.
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations

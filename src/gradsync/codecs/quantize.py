@@ -8,8 +8,13 @@
   ``+-threshold``, the rest as 0; 2-bit codes. Meant to run under error feedback.
 - ``terngrad``: stochastic ternary (``bits=2``) or ``2^(bits-1)-1``-level quantization scaled by the
   maximum magnitude (optionally clipped at ``clip * rms``); unbiased up to that clipping.
-- ``qrgc``: paper 04's quantized residual compression: alternate between the ``k`` largest positive
-  and the ``k`` most negative elements, send their indices and a single mean value.
+- ``qrgc``: the RedSync paper's quantized residual compression: alternate between the ``k`` largest
+  positive and the ``k`` most negative elements, send their indices and a single mean value.
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations
@@ -209,7 +214,8 @@ class QrgcConfig(SparsityConfig):
 
 @register
 class QRGC(Codec[Stream]):
-    """Paper 04's quantized RGC: k same-signed indices and their mean (header ``s0``: mean, ``aux``: sign)."""
+    """The RedSync paper's quantized RGC: k same-signed indices and their mean (header ``s0``: mean,
+    ``aux``: sign)."""
 
     name = "qrgc"
     Config = QrgcConfig

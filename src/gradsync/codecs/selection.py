@@ -5,13 +5,13 @@ tensor, their values, and the tensor's statistics (for the non-finite check). Th
 from the generator or reuse state passed in, and none of them communicates.
 
 - :func:`exact_topk`: the k largest magnitudes (the reference).
-- :func:`mstopk`: paper 01, Algorithm 1 (MSTopK): N bisection steps between mean(|x|) and
+- :func:`mstopk`: MSTopK, the MSTopK paper's Algorithm 1: N bisection steps between mean(|x|) and
   max(|x|) give two thresholds around the k-th magnitude; everything above the upper one is kept
   and the rest is filled with a random contiguous run of the elements between the two.
-- :func:`trimmed_topk`: paper 04, Algorithm 2: lower a mean/max threshold in steps until at least
-  k elements survive it, then take the exact top-k of the survivors.
-- :func:`bsearch`: paper 04, Algorithm 3: bisect a threshold until between k and 2k elements
-  exceed it, and reuse it for the following calls.
+- :func:`trimmed_topk`: the RedSync paper's Algorithm 2: lower a mean/max threshold in steps until
+  at least k elements survive it, then take the exact top-k of the survivors.
+- :func:`bsearch`: the RedSync paper's Algorithm 3: bisect a threshold until between k and 2k
+  elements exceed it, and reuse it for the following calls.
 - :func:`dgc`: Deep Gradient Compression's sampled threshold, refined to exactly k.
 - :func:`graddrop`: keep what exceeds a threshold (given, or sampled for a target density).
 - :func:`randomk`: k uniformly random elements.
@@ -21,6 +21,13 @@ pass over the tensor, so the number of search iterations hardly costs anything; 
 (a threshold below the candidates' floor falls back to a full pass). Under error feedback that
 pass also adds the residual to the gradient (``addends``): the sum is written once and never
 read back for the selection.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ def mstopk(
     ws: Workspace | None = None,
     addends: Addends = None,
 ) -> Selected:
-    """Paper 01, Algorithm 1, returning exactly ``min(k, numel)`` elements.
+    """The MSTopK paper's Algorithm 1, returning exactly ``min(k, numel)`` elements.
 
     Two departures from the printed pseudo-code, both for inputs it does not cover: if no step
     ever finds a threshold with at most ``k`` elements above it, the upper threshold is +inf
@@ -175,7 +182,7 @@ def _top_of_finite(cand: CandidateSet, k: int) -> Selected:
 def trimmed_topk(
     x: torch.Tensor, k: int, step: float, ws: Workspace | None = None, addends: Addends = None
 ) -> Selected:
-    """Paper 04, Algorithm 2: exact top-``k`` computed on the survivors of a trimmed threshold.
+    """The RedSync paper's Algorithm 2: exact top-``k`` computed on the survivors of a trimmed threshold.
 
     The threshold starts at ``mean + (1 - step) * (max - mean)`` of ``|x|`` and drops by
     ``step * (max - mean)`` until at least ``k`` elements exceed it (the printed loop condition
@@ -216,7 +223,7 @@ class BsearchResult:
 def bsearch(
     x: torch.Tensor, k: int, eps: float, reuse: float | None, ws: Workspace | None = None
 ) -> BsearchResult:
-    """Paper 04, Algorithm 3: a threshold with between ``k`` and ``2k`` elements above it.
+    """The RedSync paper's Algorithm 3: a threshold with between ``k`` and ``2k`` elements above it.
 
     ``reuse`` is a threshold from an earlier call: if it still yields a count in ``[k, 2k]`` it is
     used as is (one pass, no search). The search bisects ``ratio`` in ``[0, 1]`` for the

@@ -3,6 +3,13 @@
 Payload: header (count = number of elements sent) + int32 indices (int64 for tensors of 2^31
 elements or more) + values in the input dtype. ``qrgc`` in :mod:`gradsync.codecs.quantize`
 sends indices with one shared value instead.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations
@@ -156,7 +163,7 @@ class MstopkConfig(SparsityConfig):
 
 @register
 class MSTopK(SparseCodec[Stream]):
-    """Paper 01's approximate top-k: exactly k elements, at most a few from a narrow band."""
+    """The MSTopK paper's approximate top-k: exactly k elements, at most a few from a narrow band."""
 
     name = "mstopk"
     Config = MstopkConfig
@@ -184,7 +191,7 @@ class TrimmedTopkConfig(SparsityConfig):
 
 @register
 class TrimmedTopK(SparseCodec[Stream]):
-    """Paper 04's trimmed top-k: an exact top-k restricted to a trimmed candidate set."""
+    """The RedSync paper's trimmed top-k: an exact top-k restricted to a trimmed candidate set."""
 
     name = "trimmed_topk"
     Config = TrimmedTopkConfig
@@ -218,7 +225,8 @@ class BsearchStream(Stream):
 
 @register
 class Bsearch(SparseCodec[BsearchStream]):
-    """Paper 04's threshold binary search: between k and 2k elements, threshold reused ``reuse`` calls."""
+    """The RedSync paper's threshold binary search: between k and 2k elements, threshold reused
+    ``reuse`` calls."""
 
     name = "bsearch"
     Config = BsearchConfig

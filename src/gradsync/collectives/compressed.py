@@ -1,16 +1,17 @@
-"""Compressed all-reduce (papers 01, 04, 05): a strategy over a group, built from codec calls.
+"""Compressed all-reduce (the MSTopK, RedSync and HiPress papers): a strategy over a group, built
+from codec calls.
 
 :func:`compressed_allreduce` (and :func:`compressed_program`, the same as a step program for the
 sync engine) reduces a tensor through a :class:`~gradsync.codecs.Compressor` with one of the
 strategies of :mod:`gradsync.collectives.strategies` (``allgather``, CaSync's ``ring`` and
-``ps``), over the whole world or, with ``local_aggregation`` (paper 05), across nodes only: the
+``ps``), over the whole world or, with ``local_aggregation`` (HiPress paper), across nodes only: the
 node sums densely first (a reduce-scatter over the fast links), the strategy runs across nodes
 on each local rank's shard (the per-node inter groups in parallel), and what crossed the nodes
-is all-gathered inside the node as compressed pieces (paper 01's sparse intra-node all-gather)
-for every rank to decode. ``hitopk`` (paper 01, Algorithm 2) is ``allgather`` with local
-aggregation and a sparsifying codec, pipelined in chunks (:mod:`gradsync.collectives.hitopk_pipeline`).
-Low-rank codecs (PowerSGD) run their two factor rounds instead
-(:mod:`gradsync.collectives.lowrank_rounds`).
+is all-gathered inside the node as compressed pieces (the MSTopK paper's sparse intra-node
+all-gather) for every rank to decode. ``hitopk`` (the MSTopK paper's Algorithm 2) is ``allgather``
+with local aggregation and a sparsifying codec, pipelined in chunks
+(:mod:`gradsync.collectives.hitopk_pipeline`). Low-rank codecs (PowerSGD) run their two factor
+rounds instead (:mod:`gradsync.collectives.lowrank_rounds`).
 
 Error feedback: pass a compressor with error feedback and every lossy encode a rank performs
 keeps its own residual (keyed by the call's ``key`` plus the role of that encode), so nothing a
@@ -19,6 +20,15 @@ same payloads in the same order, owners included. Groups of one rank compress no
 
 :func:`encode_numels` and :func:`codec_refusal` tell, before anything runs, which sizes the
 codec's encode calls will see and whether it can take them.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations
@@ -80,8 +90,8 @@ def compressed_allreduce(
 
     With local aggregation the ``allgather`` strategy (hitopk) cuts the tensor into ``pipeline``
     chunks (of at least 4 MiB) whose inter-node transfers overlap the next chunk's reduce-scatter
-    and compression; the codec then selects within each chunk (paper 05's partitioning).
-    ``pipeline=1`` is paper 01's algorithm as printed. On the emulated 2 x 2 cluster at
+    and compression; the codec then selects within each chunk (the HiPress paper's partitioning).
+    ``pipeline=1`` is the MSTopK paper's algorithm as printed. On the emulated 2 x 2 cluster at
     100 Mbit/s, 64 MiB took about 240 ms in 1 chunk, 173 ms in 2 and 160 ms in 4; 16 MiB 67 ms in
     1 and 61 ms in 4; but 4 MiB took 21 ms in 1 chunk and 33 ms in 4 chunks of 1 MiB (each
     chunk's fixed costs, three collectives, outweigh the overlap), hence the 4 MiB minimum.
@@ -144,8 +154,8 @@ def compressed_program(
 
 
 def hitopk(tensor: torch.Tensor, topology: Topology, codec: Compressor, **kwargs: Any) -> torch.Tensor:
-    """Paper 01's hierarchical top-k aggregation (HiTopKComm) with any sparsifying codec; ``kwargs``
-    go to :func:`compressed_allreduce` (``key``, ``loss_scale``, ...)."""
+    """The MSTopK paper's hierarchical top-k aggregation (HiTopKComm) with any sparsifying codec;
+    ``kwargs`` go to :func:`compressed_allreduce` (``key``, ``loss_scale``, ...)."""
     if not codec.sparse:
         raise ValueError(f"hitopk needs a sparsifying codec (topk, mstopk, dgc, ...), got {codec.name!r}")
     return compressed_allreduce(tensor, topology, codec, "allgather", True, **kwargs)
@@ -181,8 +191,8 @@ def _locally_aggregated(
         )
         pieces = [Piece(base + q.offset, q.payload) for q in inner]
     # forward what crossed the nodes to the other ranks of the node (not the dense shard:
-    # paper 01's sparse intra-node all-gather), then everybody decodes all of it. The ranks of
-    # a node hold pieces of the same sizes, so a bounded codec's pack fits a fixed slot: one
+    # the MSTopK paper's sparse intra-node all-gather), then everybody decodes all of it. The ranks
+    # of a node hold pieces of the same sizes, so a bounded codec's pack fits a fixed slot: one
     # all-gather, no size exchange
     packed = pack_pieces(pieces)
     capacity = packed_capacity([q.payload.numel for q in pieces], coder.codec, flat.dtype)

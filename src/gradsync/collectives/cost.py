@@ -8,24 +8,39 @@ Formulas (p ranks, m nodes of n ranks), one method of :class:`CostModel` each:
 
 - ``flat``, ``hierarchical``, ``torus2d``: ring all-reduce
   ``2(p-1) alpha + 2(p-1)/p S beta + (p-1)/p S gamma`` over the world, or composed per level;
-- ``paper02_ring``: paper 02's simulator, the flat ring without alpha (optionally with a free
-  compression ratio dividing the transfer);
-- ``allgather``: paper 01 Eq. 3, all-gather of B-byte payloads ``alpha log2 p + (p-1) B beta``;
-  ``naive`` adds one encode and p decodes (paper 04's packed sparse all-gather, its T_sparse
-  with the selection time measured as the codec's encode);
-- ``hitopk``: paper 01 Eq. 7-10, HiTopKComm: intra reduce-scatter ``(n-1) alpha_i + (n-1)/n S
-  beta_i``, top-k of S/n, inter all-gather ``alpha_o log2 m + (m-1) B beta_o`` for each of the n
-  local indices (their n streams share the node cable), intra all-gather of the payloads;
-- ``casync``: paper 05 Eq. 2 with Table 3, ``T_cpr = a T_send(r m/K) + b T_enc(m/K) + c
-  T_dec(r m/K)`` with (a, b, c) = (2(N-1), N, N) for CaSync-Ring on sparsifiers and quantizers,
-  (2(N-1), 1, 1) for low rank, and (2(N-1), K, N) for CaSync-PS with co-located aggregators;
-- ``lowrank``: PowerSGD's two factor all-reduces; ``locally_aggregated``: paper 05's local
-  aggregation around any of them;
-- ``parallel_tensor_op``: paper 01 Eq. 13-14, a per-layer computation split over the ranks
-  (the largest share's work) plus the all-gather of its results.
+- ``paper02_ring``: the network-bottleneck paper's simulator, the flat ring without alpha
+  (optionally with a free compression ratio dividing the transfer);
+- ``allgather``: the MSTopK paper's Eq. 3, all-gather of B-byte payloads
+  ``alpha log2 p + (p-1) B beta``; ``naive`` adds one encode and p decodes (the RedSync paper's
+  packed sparse all-gather, its T_sparse with the selection time measured as the codec's encode);
+- ``hitopk``: the MSTopK paper's Eq. 7-10, HiTopKComm: intra reduce-scatter
+  ``(n-1) alpha_i + (n-1)/n S beta_i``, top-k of S/n, inter all-gather
+  ``alpha_o log2 m + (m-1) B beta_o`` for each of the n local indices (their n streams share the
+  node cable), intra all-gather of the payloads;
+- ``casync``: the HiPress paper's Eq. 2 with Table 3,
+  ``T_cpr = a T_send(r m/K) + b T_enc(m/K) + c T_dec(r m/K)`` with (a, b, c) = (2(N-1), N, N) for
+  CaSync-Ring on sparsifiers and quantizers, (2(N-1), 1, 1) for low rank, and (2(N-1), K, N) for
+  CaSync-PS with co-located aggregators;
+- ``lowrank``: PowerSGD's two factor all-reduces; ``locally_aggregated``: the HiPress paper's
+  local aggregation around any of them;
+- ``parallel_tensor_op``: the MSTopK paper's Eq. 13-14, a per-layer computation split over the
+  ranks (the largest share's work) plus the all-gather of its results.
 
 :func:`calibrate` measures alpha and beta of each level on the running cluster with all-reduce
 sweeps and least squares; :func:`measure_codec` times a codec's encode and decode.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations
@@ -173,14 +188,16 @@ class CostModel:
         return self.ring_allreduce(nbytes, self.p, self.world_link)
 
     def paper02_ring(self, nbytes: float, ratio: float = 1.0) -> float:
-        """Paper 02's what-if ring: ``2S(N-1)/N / bw + (N-1) AddEst(S/N)`` with AddEst(x) = gamma x,
-        no start-up term, and the transfer divided by a compression ``ratio`` that costs nothing
-        (the paper's Figure 8). It is :meth:`ring_allreduce` with alpha = 0 and beta / ratio."""
+        """The network-bottleneck paper's what-if ring: ``2S(N-1)/N / bw + (N-1) AddEst(S/N)`` with
+        AddEst(x) = gamma x, no start-up term, and the transfer divided by a compression ``ratio``
+        that costs nothing (the paper's Figure 8). It is :meth:`ring_allreduce` with alpha = 0 and
+        beta / ratio."""
         link = Link(0.0, self.world_link.beta / ratio)
         return self.ring_allreduce(nbytes, self.p, link)
 
     def hierarchical(self, nbytes: float) -> float:
-        """Paper 03: intra reduce and broadcast (binomial trees), ring all-reduce among leaders."""
+        """The ImageNet-in-four-minutes paper's algorithm: intra reduce and broadcast (binomial
+        trees), ring all-reduce among leaders."""
         return 2 * self._tree(nbytes) + self.ring_allreduce(nbytes, self.m, self.params.inter)
 
     def _tree(self, nbytes: float) -> float:
@@ -191,7 +208,8 @@ class CostModel:
         return math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta) + self.calls(1)
 
     def torus2d(self, nbytes: float) -> float:
-        """Paper 01's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the cable, intra AG."""
+        """The MSTopK paper's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the
+        cable, intra AG."""
         o = self.params.inter
         rs = self.intra_shard_step(nbytes)
         inter = 0.0
@@ -206,12 +224,12 @@ class CostModel:
             return 0.0
         return (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta + self.calls(1)
 
-    # ------------------------------------------------------------------ sparse (papers 01, 04)
+    # ------------------------------------------------------------------ sparse (MSTopK, RedSync papers)
     def allgather(
         self, payload_bytes: float, p: int, link: Link, streams: int = 1, messages: int = 1
     ) -> float:
-        """Paper 01 Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share the link.
-        ``messages``: collectives per step, each with its start-up and call (a codec whose
+        """The MSTopK paper's Eq. 3 for B-byte payloads; ``streams`` concurrent all-gathers share
+        the link. ``messages``: collectives per step, each with its start-up and call (a codec whose
         payloads are not bounded in advance sends their sizes first: 2)."""
         if p <= 1:
             return 0.0
@@ -229,9 +247,9 @@ class CostModel:
         return c.encode(nbytes) + gather + ranks * c.decode(nbytes)
 
     def hitopk(self, nbytes: float, c: CodecCost, chunks: int = 1) -> float:
-        """Paper 01 Eq. 7-10: intra reduce-scatter, top-k of the shard, inter all-gather of the
-        shard payloads (n streams share the cable), intra all-gather of the m payloads each rank
-        holds (Eq. 10's sparse all-gather), decode of everything.
+        """The MSTopK paper's Eq. 7-10: intra reduce-scatter, top-k of the shard, inter all-gather
+        of the shard payloads (n streams share the cable), intra all-gather of the m payloads each
+        rank holds (Eq. 10's sparse all-gather), decode of everything.
 
         With ``chunks`` > 1 the first two steps of one chunk overlap the third of the previous
         one: ``c + (K - 1) max(c, x) + x`` for per-chunk compute c and transfer x."""
@@ -244,7 +262,7 @@ class CostModel:
         t4 = self.allgather(self.m * chunks * c.payload(shard), self.n, i, messages=c.messages)
         return pipeline + t4 + self.m * self.n * chunks * c.decode(shard)
 
-    # ------------------------------------------------------------------ CaSync (paper 05)
+    # ------------------------------------------------------------------ CaSync (HiPress paper)
     def casync_steps(self, strategy: str, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
         """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path."""
         if c.lowrank or c.summable:
@@ -272,12 +290,12 @@ class CostModel:
         link = link or self.world_link
         return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
 
-    # ------------------------------------------------------------------ PTO (paper 01)
+    # ------------------------------------------------------------------ PTO (MSTopK paper)
     def parallel_tensor_op(self, local_s: float, share: float, values: int, value_bytes: int = 4) -> float:
-        """Paper 01 Eq. 13-14: each rank does the largest share's fraction ``share`` of work that
-        takes ``local_s`` on one rank, then one all-gather of ``values`` results per rank (padded
-        to the largest share) over the world: the measured start-up of a small world all-gather
-        where :func:`calibrate` took it, plus the bytes."""
+        """The MSTopK paper's Eq. 13-14: each rank does the largest share's fraction ``share`` of
+        work that takes ``local_s`` on one rank, then one all-gather of ``values`` results per rank
+        (padded to the largest share) over the world: the measured start-up of a small world
+        all-gather where :func:`calibrate` took it, plus the bytes."""
         nbytes = values * value_bytes
         if self.params.gather_start is None:
             return local_s * share + self.allgather(nbytes, self.p, self.world_link)

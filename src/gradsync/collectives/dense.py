@@ -1,14 +1,16 @@
-"""Dense all-reduce algorithms that respect the node hierarchy (papers 01 and 03).
+"""Dense all-reduce algorithms that respect the node hierarchy (the MSTopK and
+ImageNet-in-four-minutes papers).
 
 - ``flat``: one all-reduce over the world (the reference). On m nodes its ring crosses each
   node cable with 2(p-1)/p of the data.
-- ``hierarchical`` (paper 03): reduce inside the node onto local rank 0, all-reduce among those
-  leaders across nodes, broadcast inside the node. Fewer steps on the slow level: 2(m-1) instead
-  of 2(p-1); good for small tensors.
-- ``torus2d`` (paper 01's 2D-torus all-reduce): reduce-scatter inside the node, all-reduce of
-  every shard across nodes (the per_node inter-node groups run in parallel on their own shard),
+- ``hierarchical`` (ImageNet-in-four-minutes paper): reduce inside the node onto local rank 0,
+  all-reduce among those leaders across nodes, broadcast inside the node. Fewer steps on the slow
+  level: 2(m-1) instead of 2(p-1); good for small tensors.
+- ``torus2d`` (the MSTopK paper's 2D-torus all-reduce): reduce-scatter inside the node, all-reduce
+  of every shard across nodes (the per_node inter-node groups run in parallel on their own shard),
   all-gather inside the node. Each node cable carries 2(m-1)/m of the data instead of 2(p-1)/p.
-- ``hybrid`` (paper 03): ``small`` below a size threshold (bytes), ``large`` above it.
+- ``hybrid`` (ImageNet-in-four-minutes paper): ``small`` below a size threshold (bytes), ``large``
+  above it.
 
 Each algorithm is a :class:`DenseAlgorithm` in one registry: its step program and its predicted
 seconds (a function of :class:`~gradsync.collectives.cost.CostModel`, whose α–β terms it combines).
@@ -19,6 +21,13 @@ and the what-if simulator all read the registry, so a new algorithm is one
 Any algorithm can communicate in fp16 or bf16 (``comm_dtype``): the tensor goes through the fp16 /
 bf16 codec with a scale agreed from the global max and the world size, so partial sums can never
 overflow; the value section is reduced and decoded back.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
 """
 
 from __future__ import annotations
@@ -45,11 +54,12 @@ COMM_DTYPES = (None, "fp16", "bf16")
 class HybridPolicy:
     """``hybrid``: use ``small`` below ``threshold`` bytes and ``large`` from there on.
 
-    Paper 03 switches between its hierarchical algorithm and the ring on tensor size. The defaults
-    here come from `gradsync bench collectives` on the emulated 2 x 2 cluster at 100 Mbit/s
-    (docs/benchmarks.md): at 64 KiB the single flat all-reduce was fastest (7.1 ms against 8.2 ms
-    hierarchical and 9.2 ms torus2d: latency-bound, fewest steps), from 256 KiB on torus2d and
-    hierarchical were 1.7x faster than flat (the cable carries S instead of 1.5 S).
+    The ImageNet-in-four-minutes paper switches between its hierarchical algorithm and the ring on
+    tensor size. The defaults here come from `gradsync bench collectives` on the emulated 2 x 2
+    cluster at 100 Mbit/s (docs/benchmarks.md): at 64 KiB the single flat all-reduce was fastest
+    (7.1 ms against 8.2 ms hierarchical and 9.2 ms torus2d: latency-bound, fewest steps), from
+    256 KiB on torus2d and hierarchical were 1.7x faster than flat (the cable carries S instead
+    of 1.5 S).
     """
 
     threshold: int = 128 * 1024
@@ -163,8 +173,9 @@ def across_nodes(buf: torch.Tensor, topo: Topology) -> Program:
 
 
 def hierarchical(buf: torch.Tensor, topo: Topology, ws: Workspace | None = None) -> Program:
-    """Paper 03's three phases on a flat buffer (sum). The inter-node phase is left out on a single
-    node (every step is a hand-over between the engine's threads); the last step is marked last."""
+    """The ImageNet-in-four-minutes paper's three phases on a flat buffer (sum). The inter-node
+    phase is left out on a single node (every step is a hand-over between the engine's threads);
+    the last step is marked last."""
     if topo.per_node == 1:
         return (yield from across_nodes(buf, topo))
     yield partial(P.reduce, buf, topo.leader, topo.intra_group, "intra")
@@ -175,8 +186,8 @@ def hierarchical(buf: torch.Tensor, topo: Topology, ws: Workspace | None = None)
 
 
 def torus2d(buf: torch.Tensor, topo: Topology, ws: Workspace) -> Program:
-    """Paper 01's 2D-torus all-reduce on a flat buffer (sum); a single node skips the inter-node
-    phase."""
+    """The MSTopK paper's 2D-torus all-reduce on a flat buffer (sum); a single node skips the
+    inter-node phase."""
     if topo.per_node == 1:
         return (yield from across_nodes(buf, topo))
     padded, shard = shard_buffers(buf, topo, ws)

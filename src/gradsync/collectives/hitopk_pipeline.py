@@ -1,10 +1,17 @@
-"""hitopk's pipeline (paper 01, Algorithm 2, with paper 05's partitioning).
+"""hitopk's pipeline (the MSTopK paper's Algorithm 2, with the HiPress paper's partitioning).
 
 Inside hitopk, each node first reduce-scatters the tensor over its fast links, every rank
 compresses its shard, and the shards cross the nodes in a packed all-gather. Cut into chunks,
 the inter-node all-gather of one chunk (the slow network) overlaps the reduce-scatter and the
 compression of the next (the node's own links and the CPU). Each chunk holds at least 4 MiB:
 below that a chunk's fixed costs (three collectives) outweigh what the overlap saves.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations

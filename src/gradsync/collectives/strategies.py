@@ -3,17 +3,18 @@
 Each runs on the flat tensor of one rank over a group of p ranks and returns the result as
 :class:`~gradsync.collectives.pieces.Piece` objects, which every rank decodes in the same order:
 
-- ``allgather`` (paper 04's packed sparse all-gather when the codec sparsifies): every rank
+- ``allgather`` (the RedSync paper's packed sparse all-gather when the codec sparsifies): every rank
   encodes once; the payloads (header, indices and values in one buffer; sizes may differ) are
   all-gathered, and every rank decodes all p of them.
-- ``ring`` (paper 05's CaSync-Ring): the tensor is cut into p chunks. Reduce-scatter phase: p-1
-  steps, each sending one encoded chunk to the right neighbour and merging the one received from
+- ``ring`` (the HiPress paper's CaSync-Ring): the tensor is cut into p chunks. Reduce-scatter phase:
+  p-1 steps, each sending one encoded chunk to the right neighbour and merging the one received from
   the left (decode, add, encode again; ``summable`` codecs add the payloads' values directly). The
   owner of each fully reduced chunk then encodes it once and the all-gather phase passes these
   payloads around the ring.
-- ``ps`` (paper 05's CaSync-PS, aggregators co-located on the workers): the tensor is cut into p
-  partitions, partition j owned by group rank j. Every partition is encoded and sent to its owner
-  (all-to-all); owners decode and sum (or add values), encode the aggregate, and all-gather it.
+- ``ps`` (the HiPress paper's CaSync-PS, aggregators co-located on the workers): the tensor is cut
+  into p partitions, partition j owned by group rank j. Every partition is encoded and sent to its
+  owner (all-to-all); owners decode and sum (or add values), encode the aggregate, and all-gather
+  it.
 
 Each is a :class:`CompressedStrategy` in one registry, with its program and its predicted
 seconds; scheme strings (``STRATEGY[+local]/CODEC``), the planner and the what-if simulator read
@@ -21,6 +22,13 @@ the registry, so a new strategy is one :func:`register_compressed_strategy` call
 
 :func:`reduce_scatter_pieces` is ``ps``'s first phase alone, a compressed reduce-scatter (what
 FSDP needs: :mod:`gradsync.integrate.fsdp`).
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations
@@ -270,7 +278,7 @@ def compressed_strategy_names() -> tuple[str, ...]:
 
 
 def _casync_cost(name: str) -> StrategyCost:
-    """Paper 05's Eq. 2 for its ring or PS; every send is a size, then the payload."""
+    """The HiPress paper's Eq. 2 for its ring or PS; every send is a size, then the payload."""
 
     def cost(model: CostModel, nbytes: float, c: CodecCost, ranks: int, link: Link) -> float:
         return model.casync(name, nbytes, c, n=ranks, link=link, messages=2)

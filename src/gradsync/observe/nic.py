@@ -1,9 +1,9 @@
 """How busy a node's network link is: NIC byte counters sampled every few milliseconds.
 
-Paper 02 (§2.4, figure 4) asks whether training really uses the network it is waiting for, and
-answers with the NIC's throughput over time against the link rate. This module does the same on
-Linux: :class:`NicSampler` reads ``/sys/class/net/<if>/statistics/{tx,rx}_bytes`` from a daemon
-thread every ``interval_s`` (10 ms by default) and keeps ``(time.perf_counter(), tx, rx)``
+The network-bottleneck paper (§2.4, figure 4) asks whether training really uses the network it is
+waiting for, and answers with the NIC's throughput over time against the link rate. This module does
+the same on Linux: :class:`NicSampler` reads ``/sys/class/net/<if>/statistics/{tx,rx}_bytes`` from a
+daemon thread every ``interval_s`` (10 ms by default) and keeps ``(time.perf_counter(), tx, rx)``
 samples in a bounded buffer. The pure functions below turn the samples into throughput:
 
 - :func:`throughput_series`: bytes/s in each sampling interval;
@@ -23,6 +23,11 @@ runs on any sample list, and the sampler's sysfs root can be any directory laid 
 ``/sys/class/net`` (tests use a temporary one).
 
 This module only measures; it never imports from the apps and never talks to other ranks.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations

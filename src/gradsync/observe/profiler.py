@@ -1,8 +1,8 @@
 """Per-parameter gradient-ready times of one training step, measured in a single pass.
 
-Paper 02 (§3.1) finds *when* each layer's gradient is computed by re-running the backward pass
-once per layer. Here one ordinary training step gives all of it: every parameter gets a
-``register_post_accumulate_grad_hook`` that stamps the moment its gradient has been accumulated
+The network-bottleneck paper (§3.1) finds *when* each layer's gradient is computed by re-running the
+backward pass once per layer. Here one ordinary training step gives all of it: every parameter gets
+a ``register_post_accumulate_grad_hook`` that stamps the moment its gradient has been accumulated
 into ``.grad``, the moment a synchronization engine could start sending it. On the CPU the stamp
 is ``time.perf_counter()``; on CUDA the hook records a ``torch.cuda.Event`` on the current stream
 and nothing waits for it until the step has ended, so the hooks never stall the device.
@@ -17,6 +17,11 @@ their times: what the measuring itself cost.
 
 The profile itself (the :class:`Profile` document, its JSON format and its checks) lives in
 :mod:`gradsync.observe.profile_format`; its names are importable from here as well.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LAMB: Adam's direction with a trust ratio per layer (You et al. 2020, "Large batch optimization
-for deep learning: training BERT in 76 minutes"; paper 01 applies PTO to it as to LARS).
+for deep learning: training BERT in 76 minutes"; the MSTopK paper applies PTO to it as to LARS).
 
 Per layer ``w`` with gradient ``g`` at step ``t``::
 
@@ -14,6 +14,11 @@ fallback 1 of a zero norm is not capped.
 Moments, norms and ratios are float32 for bf16 and fp16 parameters. Besides the two moments, the
 optimizer keeps two work buffers per parameter (the denominator and ``u``) from step to step, so
 that a step allocates nothing.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

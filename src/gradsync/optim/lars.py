@@ -1,4 +1,5 @@
-"""LARS: layer-wise adaptive rate scaling (You et al. 2017; paper 01 Eq. 11; paper 03 Eq. 1).
+"""LARS: layer-wise adaptive rate scaling (You et al. 2017; Eq. 11 of the MSTopK paper, Eq. 1 of
+the ImageNet-in-four-minutes paper).
 
 Per layer (one parameter tensor) ``w`` with gradient ``g``, weight decay ``wd``, coefficient ``c``::
 
@@ -14,7 +15,15 @@ as NVIDIA apex's ``LARC(clip=True)`` does it) the trust ratio is itself a learni
 at the global one: a layer's rate is ``min(ratio, lr)`` instead of ``lr * ratio``.
 
 Norms and ratios are float32 (float64 for float64 parameters) whatever the parameter dtype, and a
-16-bit parameter's momentum is a float32 buffer (paper 03: LARS in FP32 under mixed precision).
+16-bit parameter's momentum is a float32 buffer (ImageNet-in-four-minutes paper: LARS in FP32 under
+mixed precision).
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What LARS and LAMB share: layers batched by dtype, trust ratios in float32, the PTO option.
 
-A *layer* is one parameter tensor (paper 01 counts ResNet-50's 161 tensors as its 161 layers).
-Each step:
+A *layer* is one parameter tensor (the MSTopK paper counts ResNet-50's 161 tensors as its 161
+layers). Each step:
 
 1. the parameters with a gradient are batched per param group, device and dtype (a handful of
    batches, not one per parameter);
@@ -18,6 +18,11 @@ Each step:
 A param group with ``adapt=False`` (biases and normalization parameters, from
 :func:`gradsync.optim.groups.layerwise_param_groups`) gets trust ratio 1: plain momentum SGD
 (LARS) or AdamW (LAMB) with its own weight decay.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

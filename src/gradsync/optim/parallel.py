@@ -1,4 +1,4 @@
-"""Paper 01's parallel tensor operator (PTO, section 4.2, Eq. 12-14).
+"""The MSTopK paper's parallel tensor operator (PTO, section 4.2, Eq. 12-14).
 
 After the gradients are synchronized every rank holds the same weights and gradients, so every
 rank computing the same per-layer quantity (a LARS or LAMB trust ratio needs two norms per layer)
@@ -12,6 +12,11 @@ It pays when the norm work saved, ``(1 - 1/p)`` of it, exceeds the all-gather's 
 :meth:`gradsync.collectives.cost.CostModel.parallel_tensor_op` predicts both, the all-gather
 from its start-up as :func:`gradsync.collectives.cost.calibrate` measures it; ``gradsync train
 --pto auto`` decides with it.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner: per bucket, compress or not and in how many parts (paper 05's selective
+"""The planner: per bucket, compress or not and in how many parts (the HiPress paper's selective
 compression and partitioning), from the alpha-beta cost model of :mod:`gradsync.collectives.cost`.
 
 Inputs are measured on the running job: alpha and beta of each link level (calibrated after the
@@ -14,6 +14,11 @@ and picks the cheapest (``plan="auto"``), or forces compression (``compress``) o
 (``dense``). :func:`plan_after_first_step` is the whole procedure the sync engine runs after its
 first step: calibrate the links, time the codecs, decide on rank 0, broadcast the plan (an int64
 tensor, :mod:`gradsync.planner.plan`) so every rank runs the same one.
+
+References:
+
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Tensor fusion: which gradients travel together (paper 03's fusion threshold, paper 05's batch
-compression), and the flat buffers they are packed into.
+"""Tensor fusion: which gradients travel together (the ImageNet-in-four-minutes paper's fusion
+threshold, the HiPress paper's batch compression), and the flat buffers they are packed into.
 
 Buckets are fixed for a run (all ranks must agree on them, and they key the codecs' per-tensor
 state). They are built from the order and the times at which gradients became ready in a measured
@@ -9,6 +9,13 @@ after the bucket's first one (Horovod's cycle time: a bucket should not wait lon
 member while the network idles). Gradients only share a bucket with gradients of the same
 dtype, device and codec class (never-compressed small tensors, the main codec, the codec for
 large tensors). Buckets are launched in the order in which they become complete.
+
+References:
+
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations

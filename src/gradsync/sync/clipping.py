@@ -1,4 +1,4 @@
-"""Local gradient clipping (paper 04, appendix B; DGC): clip each rank's own gradient *before*
+"""Local gradient clipping (RedSync paper, appendix B; DGC): clip each rank's own gradient *before*
 it meets the error-feedback residual, not the synchronized gradient after communication.
 
 Clipping the synchronized gradient rescales everything in it, including the residual updates
@@ -21,6 +21,11 @@ Two modes, :data:`CLIP_MODES`:
 
 Norms are taken in float32 (float64 for float64 gradients) whatever the gradient dtype, and
 stay on the device: no host synchronization.
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""The sync engine's configuration: a typed dataclass that rejects unknown keys and bad values."""
+"""The sync engine's configuration: a typed dataclass that rejects unknown keys and bad values.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
+"""
 
 from __future__ import annotations
 
@@ -40,8 +50,9 @@ class SyncConfig(OptionsConfig):
     """The aggregation (see :mod:`gradsync.sync.scheme`): ``none``, ``torus2d``,
     ``hitopk:density=0.01``, ``ps+local/onebit``, ``powersgd:rank=4``, ``auto``..."""
     plan: str = "auto"
-    """``auto``: compress a bucket only where the cost model says it pays (paper 05's selective
-    compression); ``compress``: every bucket that may be compressed is; ``dense``: none is."""
+    """``auto``: compress a bucket only where the cost model says it pays (the HiPress paper's
+    selective compression); ``compress``: every bucket that may be compressed is; ``dense``:
+    none is."""
     partitions: int = 0
     """Split a compressed bucket into this many parts that pipeline (0: the planner picks 1, 2 or 4)."""
     replan: int = 2
@@ -58,7 +69,7 @@ class SyncConfig(OptionsConfig):
     steps (the first plan cuts them from the first step, a single cold measurement); False keeps
     the first step's cuts."""
     clip_local: float | None = None
-    """Local gradient clipping (:mod:`gradsync.sync.clipping`, paper 04): clip each rank's own
+    """Local gradient clipping (:mod:`gradsync.sync.clipping`, RedSync paper): clip each rank's own
     gradient to ``clip_local / sqrt(world)`` before it is added to the error-feedback residual
     and synchronized. Use it instead of clipping the synchronized gradient, which rescales the
     residual updates error feedback releases."""
@@ -77,20 +88,21 @@ class SyncConfig(OptionsConfig):
     long after its first one (Horovod's 5 ms cycle, applied to the ready times measured in the
     first step). Buckets the plan leaves dense are fused again by size alone, as DDP does."""
     min_compress_bytes: int = 64 << 10
-    """Tensors smaller than this are never compressed (biases, norms: paper 04)."""
+    """Tensors smaller than this are never compressed (biases, norms: RedSync paper)."""
     large_codec: str | None = None
-    """Optional codec for tensors of at least ``large_bytes`` (paper 04 picks its selection method
-    by layer size, e.g. ``bsearch:density=0.01`` for the large ones)."""
+    """Optional codec for tensors of at least ``large_bytes`` (the RedSync paper picks its selection
+    method by layer size, e.g. ``bsearch:density=0.01`` for the large ones)."""
     large_bytes: int = 4 << 20
     dense_warmup_steps: int = 1
     """Steps synchronized densely before compression starts (at least 1: the first step measures
     the gradient-ready order and times the plan is made from)."""
     density_schedule: str | None = None
-    """Sparsity warm-up (:mod:`gradsync.sync.density_schedule`, paper 04): ``exp@STEPS`` sends
+    """Sparsity warm-up (:mod:`gradsync.sync.density_schedule`, RedSync paper): ``exp@STEPS`` sends
     25 %, 6.25 %, 1.5625 %, ... of each tensor, one stage per STEPS synchronized steps, down to
     each sparsifier's own density; ``D1,D2,...@STEPS`` gives the stages."""
     dense_from_step: int | None = None
-    """Switch to dense synchronization from this step on (paper 01's sparse-then-dense recipe)."""
+    """Switch to dense synchronization from this step on (the MSTopK paper's sparse-then-dense
+    recipe)."""
     overlap: bool = True
     """Start a bucket's synchronization during the backward pass as soon as it is ready."""
     finish_in_backward: bool = True

@@ -1,11 +1,11 @@
-"""Sparsity warm-up (paper 04, appendix C; DGC): a sparsifier's density starts high and falls.
+"""Sparsity warm-up (RedSync paper, appendix C; DGC): a sparsifier's density starts high and falls.
 
 Early in training the gradients change fast and error feedback's residuals go stale quickly, so
 sending 1 % or 0.1 % of them from the first step costs accuracy. A density schedule sends more
 at first and lowers the density in stages, each ``STEPS`` synchronized steps long, down to the
 codec's own density::
 
-    exp@STEPS                 paper 04's stages: 25 %, then a quarter of the previous one
+    exp@STEPS                 the RedSync paper's stages: 25 %, then a quarter of the previous one
                               (6.25 %, 1.5625 %, 0.390625 %, ...) while above the codec's density
     D1,D2,...@STEPS           the given densities (numbers in (0, 1] or percentages: 25%,6.25%)
 
@@ -16,6 +16,11 @@ warm-up steps, which send everything, count too). The stage follows from the ste
 which every rank agrees on and checkpoints hold, so every rank uses the same density and a
 resumed run goes on in the stage it stopped in. Only sparsifiers configured by a density follow
 a schedule (``k=`` or a threshold fixes the count); other codecs (PowerSGD, onebit) ignore it.
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations

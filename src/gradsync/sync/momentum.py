@@ -1,4 +1,5 @@
-"""The optimizer's momentum for what a momentum-correcting scheme sends densely (paper 04, Algorithm 4).
+"""The optimizer's momentum for what a momentum-correcting scheme sends densely (the RedSync
+paper's Algorithm 4).
 
 With ``ef:momentum=M`` (DGC's momentum correction) the optimizer runs without momentum: the
 error feedback of each compressed bucket keeps it, per rank, before compression. Everything the
@@ -25,6 +26,11 @@ momentum is the velocity momentum SGD would have. Once ``M ** steps`` falls belo
 
 ``u`` is kept unscaled (a GradScaler's scale divided out), in float32 for 16-bit gradients. A
 step that every rank skips for an overflow leaves ``u`` as it was (:meth:`rollback_round`).
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations

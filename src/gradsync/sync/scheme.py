@@ -5,7 +5,7 @@ Grammar (every part is case-sensitive and whitespace around it is ignored)::
     DENSE[/fp16|/bf16]          flat | hierarchical | torus2d | hybrid, optionally 16-bit on the wire
     none                        the same as flat: plain dense all-reduce, DDP's behaviour
     STRATEGY[+local]/CODEC      allgather | ring | ps, with or without local aggregation; any codec
-    hitopk/CODEC                allgather+local with a sparsifying codec (paper 01's HiTopKComm)
+    hitopk/CODEC                allgather+local with a sparsifying codec (the MSTopK paper's HiTopKComm)
     hitopk[:OPTIONS]            hitopk/mstopk[:OPTIONS], e.g. hitopk:density=0.01
     CODEC                       a codec alone; the strategy follows from the codec and topology
     auto                        hitopk/mstopk:density=0.01 on several nodes of several ranks,
@@ -21,6 +21,11 @@ For a codec alone (``topk:density=0.01``, ``powersgd:rank=4``, ``onebit``): spar
 quantizers use ``ps`` (CaSync-PS, ``+local`` likewise); PowerSGD runs its two factor rounds (with
 local aggregation likewise); plain ``fp16`` / ``bf16`` become ``hybrid/fp16`` / ``hybrid/bf16``.
 :meth:`Scheme.resolve` fills these in for a topology.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

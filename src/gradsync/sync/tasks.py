@@ -1,7 +1,7 @@
 """The task manager: step programs run on a compute thread and a communication thread.
 
-Paper 05 (CaSync) found that compressing inside a framework's gradient hook serializes compute,
-compression and communication. Here every bucket's synchronization is a step program
+The HiPress paper (CaSync) found that compressing inside a framework's gradient hook serializes
+compute, compression and communication. Here every bucket's synchronization is a step program
 (:mod:`gradsync.collectives.program`) and runs as a *task* split over two threads:
 
 - the **compute thread** runs the tasks' local work (packing gradients, encoding, merging,
@@ -25,6 +25,11 @@ A failure in any task poisons the manager: the order of collectives can no longe
 so every later call raises the first error. A wait that times out is such a failure too (a
 collective still in flight can never be taken back), and once the manager has failed no
 finisher runs any more: nothing a failed step half-computed reaches the gradients.
+
+References:
+
+- HiPress paper: Wu et al., "A Generic, High-Performance, Compression-Aware Framework for Data
+  Parallel DNN Training", IEEE TPDS (HiPress, CaSync, CompLL).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contender
   all-reduced by one flat ring, in order) and its own communication hooks. The hooks compress on
   the training thread (the autograd engine calls them), their callbacks decode after the
   collective;
-- ``horovod``: paper 02's setting, Horovod's tensor fusion (a fused buffer closes at 64 MB or 5 ms
-  after its first gradient, whichever is first; then one flat ring all-reduce, alpha included);
-- ``paper02[:ratio=R]``: paper 02's own simulator: Horovod's fusion and its latency-free ring
-  formula, the transfer divided by a compression ratio R that costs nothing (its Figure 8);
+- ``horovod``: the network-bottleneck paper's setting, Horovod's tensor fusion (a fused buffer
+  closes at 64 MB or 5 ms after its first gradient, whichever is first; then one flat ring
+  all-reduce, alpha included);
+- ``paper02[:ratio=R]``: the network-bottleneck paper's own simulator: Horovod's fusion and its
+  latency-free ring formula, the transfer divided by a compression ratio R that costs nothing (its
+  Figure 8);
 - any gradsync scheme (``hierarchical``, ``hitopk:density=0.01``, ``powersgd:rank=4``, ``auto``,
   with ``--sync-option`` settings): gradsync's engine, with its own bucketing
   (:func:`gradsync.planner.decide.first_step_groups`) and its planner's decisions
@@ -23,6 +25,11 @@ Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contender
 
 Every collective's time is a :class:`gradsync.collectives.cost.CostModel` formula: the planner,
 ``bench collectives`` and this simulator share them.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations

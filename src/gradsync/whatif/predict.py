@@ -7,7 +7,7 @@ For each contender :func:`predict_point` builds the simulated step
 - ``step_ms``: one step of every worker;
 - ``exposed_ms``: the step minus the ``local`` step (the same compute under the same contention,
   nothing synchronized): the synchronization the backward pass did not hide;
-- ``scaling_factor``: paper 02's T_n / (n T_1) with T_1 one worker's step alone;
+- ``scaling_factor``: the network-bottleneck paper's T_n / (n T_1) with T_1 one worker's step alone;
 - ``cable_mb``: MB per step over each node's cable (one direction), ``utilization``: that over
   what the cable could carry in the step.
 
@@ -15,6 +15,11 @@ A sweep varies ``inter`` (the node cable's rate), ``inter_latency``, ``nodes``, 
 ``ratio``: a compression ratio R that sets ``{density}`` = 1 / R and ``{ratio}`` = R in the
 contenders' names (``hitopk:density={density}``, ``paper02:ratio={ratio}``); several sweeps are
 crossed.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
-"""The simulator's outputs: a table, markdown, PNG plots (paper 02's figures 3/6, 7 and 8) and a
-Chrome trace of simulated steps in the timeline format of :mod:`gradsync.observe.trace`."""
+"""The simulator's outputs: a table, markdown, PNG plots (the network-bottleneck paper's figures
+3/6, 7 and 8) and a Chrome trace of simulated steps in the timeline format of
+:mod:`gradsync.observe.trace`.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,11 @@ contender for a profiled model on any cluster and network (docs/whatif.md).
         --sweep inter=1,10,25,100gbit --png scaling.png --json scaling.json
 
 ``gradsync calibrate`` (:mod:`gradsync.apps.commands.calibrate`) writes the ``--links`` file.
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--add-rate",
         default="400GB/s",
-        help="element-wise add (and copy) throughput, paper 02's AddEst (default 400GB/s)",
+        help="element-wise add (and copy) throughput, the network-bottleneck paper's AddEst "
+        "(default 400GB/s)",
     )
     p.add_argument(
         "--links", metavar="PATH.json", help="calibrated links (gradsync calibrate) instead of the rates"

@@ -1,6 +1,14 @@
 """``gradsync train``'s options as argparse defines them: groups, defaults and help, and the values
 each option allows. :mod:`gradsync.apps.train.options` checks them (before any process starts) and turns
-them into the run's configurations."""
+them into the run's configurations.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+"""
 
 from __future__ import annotations
 
@@ -92,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="off",
         metavar="on|off|auto",
         help="lars and lamb: each rank computes the trust ratios of its share of the layers, "
-        "then one all-gather (paper 01's parallel tensor operator); the result is the same. "
+        "then one all-gather (the MSTopK paper's parallel tensor operator); the result is the same. "
         "auto: measure both before training and let the cost model choose (--pto alone: on)",
     )
     g.add_argument(
@@ -181,9 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=CLIP_WHERE,
         help="where --clip-grad clips: sync (the synchronized gradient), local (each rank's own "
-        "gradient to CLIP/sqrt(N) once the backward pass ended, before error feedback: paper 04), "
-        "bucket (local, bucket by bucket, keeping the overlap); auto: local when the scheme uses "
-        "error feedback, else sync",
+        "gradient to CLIP/sqrt(N) once the backward pass ended, before error feedback, as in the "
+        "RedSync paper), bucket (local, bucket by bucket, keeping the overlap); auto: local when "
+        "the scheme uses error feedback, else sync",
     )
     g.add_argument(
         "--amp",
@@ -215,8 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--density-schedule",
         default=None,
         metavar="STAGES@EPOCHS",
-        help="sparsity warm-up (paper 04): exp@EPOCHS sends 25%%, 6.25%%, 1.5625%%, ... of each tensor, "
-        "EPOCHS epochs per stage, down to the sparsifier's own density; or D1,D2,...@EPOCHS "
+        help="sparsity warm-up (RedSync paper): exp@EPOCHS sends 25%%, 6.25%%, 1.5625%%, ... of each "
+        "tensor, EPOCHS epochs per stage, down to the sparsifier's own density; or D1,D2,...@EPOCHS "
         "(e.g. 25%%,6.25%%@0.5)",
     )
     g.add_argument(
@@ -224,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="EPOCH",
-        help="switch from compressed to dense synchronization at this epoch (paper 01)",
+        help="switch from compressed to dense synchronization at this epoch (MSTopK paper)",
     )
     g.add_argument(
         "--sync-option",

@@ -3,9 +3,9 @@ takes per optimizer step, and so the number of steps.
 
 Without ``--resize-schedule`` every epoch is alike. With it, ``--resize-batch memory`` keeps the
 activation memory of a micro-batch about constant across the schedule, as the DAWNBench recipes
-of paper 01 do: ``--batch-size`` is the micro-batch at the schedule's largest size, and an epoch
-at size ``s`` takes ``floor(batch_size * (largest / s) ** 2)`` samples per micro-batch (never more
-than a worker's share of the data), with the same number of micro-batches per step. The global
+of the MSTopK paper do: ``--batch-size`` is the micro-batch at the schedule's largest size, and an
+epoch at size ``s`` takes ``floor(batch_size * (largest / s) ** 2)`` samples per micro-batch (never
+more than a worker's share of the data), with the same number of micro-batches per step. The global
 batch, and so the steps per epoch, then change from stage to stage, and with ``--lr-scaling`` the
 learning rate follows each stage's global batch.
 
@@ -14,6 +14,11 @@ Every option given in epochs (the warm-up, ``--dense-warmup``, ``--switch-to-den
 which counts each epoch's own steps, so a fraction of an epoch means the same share of that
 epoch's steps whatever its batch. The plan is a function of the options alone, so a resumed run
 rebuilds the very same one.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """Optimizer and learning-rate schedule for ``gradsync train``.
 
 Weight decay applies to weight matrices, embeddings and convolution kernels only: biases and
-normalization parameters are left undecayed, as paper 03 does, and out of LARS's and LAMB's
-trust ratios (:func:`gradsync.optim.layerwise_param_groups`).
+normalization parameters are left undecayed, as the ImageNet-in-four-minutes paper does, and out of
+LARS's and LAMB's trust ratios (:func:`gradsync.optim.layerwise_param_groups`).
 The schedule is per optimizer step: a linear warm-up from lr/10, then cosine to zero, a step
 decay (x0.1 at 50 % and 75 % of the run) or a constant rate.
+
+References:
+
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
 """
 
 from __future__ import annotations

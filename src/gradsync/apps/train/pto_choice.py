@@ -1,11 +1,16 @@
-"""``gradsync train --pto auto``: paper 01's parallel tensor operator pays only where the norm
-work it shares out outweighs one all-gather's start-up, which on a slow network can take
+"""``gradsync train --pto auto``: the MSTopK paper's parallel tensor operator pays only where the
+norm work it shares out outweighs one all-gather's start-up, which on a slow network can take
 milliseconds. Before the first step every rank times the trust ratios of the model's own layers
 computed alone, and a small all-gather on the operator's group; the cost model
 (:meth:`~gradsync.collectives.cost.CostModel.parallel_tensor_op`) predicts the operator's time
 from both, and the optimizer uses it where the prediction is below the local time.
 
 Every timing is the slowest rank's, so every rank reaches the same decision.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

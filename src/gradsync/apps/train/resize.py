@@ -1,5 +1,5 @@
-"""Progressive resizing (paper 01's DAWNbench recipe: low resolution in the first epochs, full
-resolution at the end): ``--resize-schedule EPOCH:SIZE,...`` gives the input resolution from
+"""Progressive resizing (the MSTopK paper's DAWNbench recipe: low resolution in the first epochs,
+full resolution at the end): ``--resize-schedule EPOCH:SIZE,...`` gives the input resolution from
 each epoch on.
 
 Images are produced at the dataset's own size and resized per batch on the device (bilinear,
@@ -8,6 +8,11 @@ resolution is a function of the epoch alone, so a resumed run trains each epoch 
 uninterrupted run did. Validation uses the epoch's training size. The model must accept every
 size in the schedule (a convolutional network with global pooling, e.g. ``resnet``); one that
 does not is refused before any process starts.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

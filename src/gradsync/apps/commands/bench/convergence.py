@@ -8,9 +8,14 @@ percent of perplexity. Schemes with a recipe of their own get it: DGC carries th
 its error feedback (momentum correction), so the optimizer's momentum is turned off for it.
 
 A dataset may have a recipe for compressed training (:data:`WARMUP`: the sparsity warm-up for
-every sparsifier; the text runs clip locally, paper 04, as ``--clip-grad`` does for every
-error-feedback scheme). ``--ablation SCHEMES`` also runs those schemes without each ingredient
-(:data:`VARIANTS`), so that what each one is worth can be read off one table.
+every sparsifier; the text runs clip locally, following the RedSync paper, as ``--clip-grad`` does
+for every error-feedback scheme). ``--ablation SCHEMES`` also runs those schemes without each
+ingredient (:data:`VARIANTS`), so that what each one is worth can be read off one table.
+
+References:
+
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
 """
 
 from __future__ import annotations

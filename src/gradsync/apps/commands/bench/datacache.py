@@ -1,5 +1,5 @@
 """``gradsync bench datacache``: training on an image folder that sits on central storage behind
-a slow link, with and without the data cache (paper 01, §4.1).
+a slow link, with and without the data cache (MSTopK paper, §4.1).
 
 The benchmark writes an image folder of JPEG files (the synthetic class patterns, upscaled, as a
 camera's photos are larger than the network's input), brings up the emulated cluster with one
@@ -18,6 +18,11 @@ wait per step and its share of the step, decode time per step, files and bytes f
 central storage (counted by the trainers and, separately, by the server), the share of samples
 each tier served, samples/s and validation accuracy. Contenders run one after the other, in a
 different order each round.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``gradsync bench large-batch``: does a large global batch with LARS keep the small batch's
-accuracy at the same number of epochs, where plain SGD at that batch falls behind (papers 01
-and 03)? And does it still with a sparsifying scheme underneath?
+accuracy at the same number of epochs, where plain SGD at that batch falls behind (the MSTopK and
+ImageNet-in-four-minutes papers)? And does it still with a sparsifying scheme underneath?
 
 Per dataset, four ``gradsync train`` runs, one after the other, every one for the same epochs:
 
@@ -13,6 +13,13 @@ Per dataset, four ``gradsync train`` runs, one after the other, every one for th
 - ``lars large + hitopk``: the same over ``hitopk:density=0.01`` instead of dense all-reduce.
 
 The table gives each run's validation accuracy and its gap to ``sgd small`` in points.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- ImageNet-in-four-minutes paper: Jia et al., "Highly Scalable Deep Learning Training System with
+  Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
 """
 
 from __future__ import annotations

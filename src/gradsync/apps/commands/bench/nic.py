@@ -29,6 +29,11 @@ their mean over the nodes; the JSON details keep each node's.
 
 Link rate: ``--nic-rate``, else the emulated cluster's ``TB_RATE``, else the rate the driver
 reports for the interface (``/sys/class/net/<if>/speed``), else unknown (shares left out).
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ _PAD_S = 0.05  # plotted before the first and after the last plotted step
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("network utilization (paper 02, §2.4)")
+    g = p.add_argument_group("network utilization (network-bottleneck paper, §2.4)")
     g.add_argument("--nic", action="store_true",
                    help="sample each node's NIC during the measured steps (local rank 0) and report the "
                         "communication phase's throughput against the link rate")  # fmt: skip

@@ -1,5 +1,5 @@
-"""``gradsync bench pto``: paper 01's parallel tensor operator against every rank computing the
-LARS trust ratios alone, on the world it is launched in (torchrun, or the emulated cluster with
+"""``gradsync bench pto``: the MSTopK paper's parallel tensor operator against every rank computing
+the LARS trust ratios alone, on the world it is launched in (torchrun, or the emulated cluster with
 ``--emulate 2x2 --link 100mbit``, set up and taken down by the command).
 
 The layers are a model's weights, the tensors that have a trust ratio (54 of ResNet-50's 161
@@ -12,6 +12,11 @@ one all-gather of the ratios). A timing is the slowest rank's. Next to the measu
 the cost model's prediction (:meth:`~gradsync.collectives.cost.CostModel.parallel_tensor_op`,
 with the links and the start-up of a small world all-gather calibrated in the same run) and
 whether it predicts a gain: the decision ``gradsync train --pto auto`` makes.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations

@@ -5,13 +5,18 @@ cluster with ``--emulate 2x2 --link 100mbit``, which this command sets up, uses 
 every contender trains the same model on the same data for a few unmeasured and measured steps
 (the measuring is :mod:`gradsync.apps.commands.bench.step`'s). Per contender: samples/s over the
 world, the step split into compute and exposed synchronization, bytes per worker per step that
-crossed nodes, speed-up over DDP, and paper 02's scaling factor T_n / (n T_1), where T_1 is the
-samples/s of one
-worker training alone on this machine, measured in the same run (the other ranks wait). Because
-the emulated nodes share this machine's cores, the factor against ``local`` (every worker
-computing at once, no synchronization: the best the n workers can do here) is reported too.
+crossed nodes, speed-up over DDP, and the network-bottleneck paper's scaling factor T_n / (n T_1),
+where T_1 is the samples/s of one worker training alone on this machine, measured in the same run
+(the other ranks wait). Because the emulated nodes share this machine's cores, the factor against
+``local`` (every worker computing at once, no synchronization: the best the n workers can do here)
+is reported too.
 
 Writes a table, ``--json`` and a PNG bar chart (``--png``, matplotlib).
+
+References:
+
+- network-bottleneck paper: Zhang et al., "Is Network the Bottleneck of Distributed Training?",
+  NetAI 2020, arXiv:2006.10103.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The data cache (paper 01, §4.1): central storage, a node-local disk tier and a node-shared
+"""The data cache (MSTopK paper, §4.1): central storage, a node-local disk tier and a node-shared
 memory store of decoded samples, with the dataset partitioned over the nodes.
 
 From any training loop::
@@ -19,6 +19,11 @@ listing and fetching), :mod:`.disk` (verified, atomic, size-limited file tier), 
 (the shared-memory store) and :mod:`.memory_files` (its files' home, users and crash clean-up),
 :mod:`.tiers` (how the three combine), :mod:`.images` and :mod:`.tokens` (the cached datasets),
 :mod:`.partition` (the sampler).
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from gradsync.apps.data.cache.config import CacheConfig, node_index

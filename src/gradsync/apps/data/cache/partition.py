@@ -1,4 +1,5 @@
-"""The partitioned order that lets each node cache only its part of the dataset (paper 01, §4.1).
+"""The partitioned order that lets each node cache only its part of the dataset (MSTopK paper,
+§4.1).
 
 :class:`PartitionSampler` splits the dataset once, by a seeded permutation, into one fixed part
 per rank; each epoch a rank goes through its own part in a fresh order. So a node (its ranks'
@@ -15,6 +16,11 @@ gradient and its variance is no larger than that of the global shuffle's draw; w
 only the variety of which samples meet on the same *rank*, which matters for per-rank statistics
 (batch normalization) and nothing else. Since the parts are a random permutation, no rank's part
 is biased towards any class. ``gradsync bench datacache`` measures the accuracy of both orders.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
 """
 
 from __future__ import annotations
