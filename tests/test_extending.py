@@ -249,7 +249,8 @@ def test_a_new_codec_collective_and_front_work_through_the_public_api():
 
 
 # -------------------------------------------------------------------------------- an optimizer
-def test_a_registered_optimizer_is_a_train_choice():
+def test_a_registered_optimizer_is_a_train_choice(monkeypatch):
+    from gradsync.apps.train import optim as train_optim
     from gradsync.apps.train.arguments import add_arguments
     from gradsync.apps.train.optim import (
         OptimizerKind,
@@ -260,8 +261,11 @@ def test_a_registered_optimizer_is_a_train_choice():
     )
     from gradsync.apps.train.options import validate
 
-    if "plain-sgd" not in optimizer_names():
-        register_optimizer(OptimizerKind("plain-sgd", 0.05, lambda g, lr, o: torch.optim.SGD(g, lr=lr)))
+    monkeypatch.setattr(
+        train_optim, "_KINDS", dict(train_optim._KINDS)
+    )  # the registration ends with the test
+    assert "plain-sgd" not in optimizer_names()
+    register_optimizer(OptimizerKind("plain-sgd", 0.05, lambda g, lr, o: torch.optim.SGD(g, lr=lr)))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert "plain-sgd" in parser.format_help()

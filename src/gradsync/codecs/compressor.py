@@ -23,6 +23,12 @@ Traits (plain attributes, the same on a codec and on error feedback around it):
 ``lowrank``
     the codec compresses by factors whose sums are computed in two all-reduce rounds (PowerSGD),
     so collectives run :mod:`gradsync.collectives.lowrank_rounds` instead of a payload strategy.
+``per_tensor``
+    the codec needs each tensor whole, with its shape (PowerSGD factors each matrix): a caller
+    hands it every tensor of a bucket as a view of its own with its own stream, never a part of a
+    bucket or an FSDP shard of several parameters, and it is not element-wise (a momentum
+    exchange cannot use it). :meth:`Compressor.compresses` says which shapes it compresses; the
+    others travel as they are (:meth:`Compressor.why_dense` says why).
 ``biased``
     the compression error is systematic, so training needs error feedback to converge like dense
     training (top-k, onebit, PowerSGD). False for lossless codecs, unbiased stochastic ones
@@ -68,6 +74,7 @@ class Compressor(abc.ABC):
     summable: bool = False
     agreed_scale: bool = False
     lowrank: bool = False
+    per_tensor: bool = False
     biased: bool = True
     error_feedback: bool = False
 
@@ -106,6 +113,17 @@ class Compressor(abc.ABC):
         scale: float = 1.0,
     ) -> torch.Tensor:
         """Decompress into a new tensor, or into (``accumulate``: add to) ``out``, times ``scale``."""
+
+    def compresses(self, shape: torch.Size) -> bool:
+        """Whether a tensor of this shape is compressed (a ``per_tensor`` codec may send some
+        shapes as they are); True for every other codec."""
+        plain = self.plain
+        return True if plain is self else plain.compresses(shape)
+
+    def why_dense(self, shape: torch.Size) -> str:
+        """Why a tensor of this shape is not compressed (where :meth:`compresses` is False)."""
+        plain = self.plain
+        return "" if plain is self else plain.why_dense(shape)
 
     @abc.abstractmethod
     def check_numel(self, numel: int) -> None:

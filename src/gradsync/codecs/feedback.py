@@ -142,7 +142,16 @@ class ErrorFeedback(Compressor):
         self.codec = codec
         self.config = config
         self.name = codec.name
-        for trait in ("sparse", "lossless", "randomized", "summable", "agreed_scale", "lowrank", "biased"):
+        for trait in (
+            "sparse",
+            "lossless",
+            "randomized",
+            "summable",
+            "agreed_scale",
+            "lowrank",
+            "per_tensor",
+            "biased",
+        ):
             setattr(self, trait, getattr(codec, trait))
         self._streams: dict[str, FeedbackStream] = {}
 

@@ -64,6 +64,7 @@ class PowerSGD(Codec[PowersgdStream]):
     Config = PowersgdConfig
     StreamType = PowersgdStream
     lowrank = True
+    per_tensor = True
     randomized = True
     config: PowersgdConfig
 
@@ -72,6 +73,14 @@ class PowerSGD(Codec[PowersgdStream]):
         rows, cols = matrix_shape(shape)
         r = self.config.rank
         return len(shape) >= 2 and r * (rows + cols) < rows * cols
+
+    def why_dense(self, shape: torch.Size) -> str:
+        if len(shape) < 2:
+            return "PowerSGD sends 1-D tensors dense"
+        return (
+            f"PowerSGD rank {self.config.rank} gains nothing on a {tuple(shape)} matrix "
+            "(rank x (rows + cols) >= its size)"
+        )
 
     def _layout(self, shape: torch.Size) -> Layout:
         rows, cols = matrix_shape(shape)

@@ -60,7 +60,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.codecs.ops import Workspace
 from gradsync.collectives.compressed import codec_refusal
 from gradsync.collectives.program import Program
@@ -263,9 +262,8 @@ class HookState:
         if self.codec is None or self._reported or self.dense_step():
             return
         factored_dense = 0  # tensors of a compressed bucket that PowerSGD sends dense
-        if why is None and self.codec.lowrank:
-            lowrank = lowrank_codec(self.codec)
-            factored_dense = sum(not lowrank.compresses(p.shape) for p in bucket.parameters())
+        if why is None and self.codec.per_tensor:
+            factored_dense = sum(not self.codec.compresses(p.shape) for p in bucket.parameters())
         buf = bucket.buffer()
         self._seen[key] = (buf.numel() * buf.element_size(), why, factored_dense)
 
@@ -369,7 +367,7 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     assert codec is not None
     apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
     parts = None
-    if codec.lowrank:
+    if codec.per_tensor:
         parts = [
             (g.view(p.shape), n)
             for g, p, n in zip(bucket.gradients(), bucket.parameters(), state.names(bucket), strict=True)
@@ -397,7 +395,7 @@ def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     why = state.why_dense(buf, key)
     if why is None:
         it.compressed.add(key)
-        if state.codec is not None and state.codec.lowrank:  # PowerSGD's streams are per tensor
+        if state.codec is not None and state.codec.per_tensor:  # its streams are per tensor
             it.compressed.update(n for n, _ in it.members[key])
     state.note(key, bucket, why)
     if last:

@@ -449,7 +449,7 @@ class SyncEngine:
                                   self.cur.loss_scale, ws, bucket.dense_algorithm)  # fmt: skip
         codec, scheme = self.codecs[bucket.codec_id], self.schemes[bucket.codec_id]
         lowrank_parts = None
-        if codec.lowrank:
+        if codec.per_tensor:
             lowrank_parts = [(bucket.view(j), s.name) for j, s in enumerate(bucket.slots)]
         key = bucket.key if parts == 1 else f"{bucket.key}#{part}"
         return bucket_program(
@@ -526,7 +526,7 @@ class SyncEngine:
         names = [s.name for s in self.slots]
         keep, ended = kept_streams(
             old_plan, [b.key for b in old], plan, [b.key for b in self._buckets], names,
-            self.codec_set.lowrank,
+            self.codec_set.per_tensor,
         )  # fmt: skip
         taken = self._end_streams(keep, ended, old)
         self.loop.restart()

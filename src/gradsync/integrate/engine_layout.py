@@ -43,8 +43,10 @@ class BucketLayout:
         covered = sorted(i for b in plan.buckets for i in b.slots)
         if covered != list(range(len(self.slots))) or any(b.codec_id >= len(codecs) for b in plan.buckets):
             raise ValueError("gradsync: the plan does not match this model's parameters or codecs")
-        if any(b.compress and b.partitions > 1 and codecs[b.codec_id].lowrank for b in plan.buckets):
-            raise ValueError("gradsync: a low-rank codec factors whole tensors; its buckets take one part")
+        if any(b.compress and b.partitions > 1 and codecs[b.codec_id].per_tensor for b in plan.buckets):
+            raise ValueError(
+                "gradsync: a per-tensor codec (PowerSGD) needs whole tensors; its buckets take one part"
+            )
         self.plan = plan
         self._set([b.slots for b in plan.buckets])
         for bucket, bp in zip(self.buckets, plan.buckets, strict=True):

@@ -647,7 +647,7 @@ def parse_fsdp_scheme(scheme: str) -> Scheme:
         )
     codec = parsed.build()
     assert codec is not None
-    if codec.lowrank:
+    if codec.per_tensor:
         raise ValueError(
             f"compress_fsdp: scheme {scheme!r}: low-rank codecs (powersgd) need whole matrices; FSDP "
             "reduces flat shards of several parameters. Use a sparsifying or quantizing codec"

@@ -118,7 +118,7 @@ def build_exchange_codec(spec: object) -> Compressor:
         codec = build_codec(spec)
     except ValueError as e:
         raise ValueError(f"codec: {e} (allowed: {', '.join(codec_names())}, optionally +ef)") from None
-    if codec.lowrank:
+    if codec.per_tensor:
         raise ValueError(
             f"codec {spec!r} is low-rank; the momentum exchange takes element-wise codecs "
             f"(e.g. onebit, terngrad, topk:density=0.01, none)"

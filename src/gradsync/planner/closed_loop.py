@@ -314,14 +314,14 @@ def kept_streams(
     new: Plan,
     new_keys: Sequence[str],
     names: Sequence[str],
-    lowrank: set[int],
+    per_tensor_codecs: set[int],
 ) -> tuple[dict[int, Callable[[str], bool]], list[int]]:
     """Which compression streams a switch from ``old`` to ``new`` keeps (a filter of stream
     keys per codec id), and the slots whose streams it ends (sorted; the same on every rank).
 
     A bucket's streams (``key/role``, ``key#part/role``) stay when the new plan compresses a
     bucket of the same key, slots, codec and number of parts; anything else gives its elements
-    other offsets or another codec. A low-rank codec keys its streams by parameter name
+    other offsets or another codec. A ``per_tensor`` codec keys its streams by parameter name
     (``names``: the slots' names), so they stay while the parameter stays under that codec."""
 
     def compressed(plan: Plan, keys: Sequence[str]) -> dict[str, tuple[tuple[int, ...], int, int]]:
@@ -336,7 +336,7 @@ def kept_streams(
     per_tensor: dict[int, set[str]] = {}
     ended: set[int] = set()
     for key, (slots, cid, parts) in before.items():
-        if cid in lowrank:
+        if cid in per_tensor_codecs:
             now = {i for k, (s, c, _) in after.items() if c == cid for i in s}
             per_tensor.setdefault(cid, set()).update(names[i] for i in slots if i in now)
             ended.update(i for i in slots if i not in now)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from gradsync.codecs import Compressor
-from gradsync.codecs.lowrank import lowrank_codec
 from gradsync.collectives.topology import Topology
 from gradsync.planner.decide import scheme_for
 from gradsync.planner.plan import Plan
@@ -104,7 +103,7 @@ def explain_plan(
                 else:
                     dense(s, "cost", "the cost model predicts dense synchronization faster")
             elif _factored_dense(codecs[b.codec_id], s.param.shape):
-                dense(s, "lowrank", _lowrank_reason(codecs[b.codec_id], s.param.shape))
+                dense(s, "lowrank", codecs[b.codec_id].why_dense(s.param.shape))
             else:
                 report.compressed.append(s.name)
                 report.compressed_bytes += s.nbytes
@@ -172,14 +171,7 @@ def report_plan(
 
 
 def _factored_dense(codec: Compressor, shape: torch.Size) -> bool:
-    return codec.lowrank and not lowrank_codec(codec).compresses(shape)
-
-
-def _lowrank_reason(codec: Compressor, shape: torch.Size) -> str:
-    rank = lowrank_codec(codec).config.rank
-    if len(shape) < 2:
-        return "PowerSGD sends 1-D tensors dense"
-    return f"PowerSGD rank {rank} gains nothing on a {tuple(shape)} matrix (rank x (rows + cols) >= its size)"
+    return codec.per_tensor and not codec.compresses(shape)
 
 
 def _first(items: list[tuple[str, int]]) -> str:

@@ -98,9 +98,9 @@ class CodecSet:
         return len(self.codecs)
 
     @property
-    def lowrank(self) -> set[int]:
-        """The ids of the codecs that factor whole tensors (their streams are per tensor)."""
-        return {cid for cid, c in enumerate(self.codecs) if c.lowrank}
+    def per_tensor(self) -> set[int]:
+        """The ids of the codecs that need whole tensors (their streams are per tensor)."""
+        return {cid for cid, c in enumerate(self.codecs) if c.per_tensor}
 
     def codec_class(self, slot: Slot) -> int:
         """-1: never compressed; 0: the scheme's codec; 1: the codec for large tensors."""

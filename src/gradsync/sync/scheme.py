@@ -143,7 +143,7 @@ class Scheme:
             return self
         hierarchy = nodes > 1 and per_node > 1
         codec = build_codec(self.codec or DEFAULT_CODEC)
-        strategy = "allgather" if codec.sparse or codec.lowrank else "ps"
+        strategy = "allgather" if codec.sparse or codec.per_tensor else "ps"
         return replace(
             self, strategy=self.strategy or strategy, local=hierarchy if self.local is None else self.local
         )
