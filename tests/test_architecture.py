@@ -2,7 +2,9 @@
 
 - each library package imports only the packages below it, and none imports ``gradsync.apps``;
 - no module uses another module's private name (``from m import _x`` or ``m._x``);
-- no ``__init__`` re-exports names that a split moved to another package.
+- no module re-exports what a split moved to another module: a module's ``__all__`` lists what
+  it defines (a package's ``__init__`` and the public facades ``gradsync.fsdp``,
+  ``gradsync.lightning`` and the deprecated ``gradsync.cli`` excepted).
 """
 
 from __future__ import annotations
@@ -109,3 +111,25 @@ def test_the_library_never_imports_the_apps():
             if module.startswith("gradsync.apps") or (module == "gradsync" and "apps" in names):
                 bad.append(f"{name}:{line} imports {module}")
     assert not bad, "the library imports the apps:\n" + "\n".join(bad)
+
+
+FACADES = {"gradsync.fsdp", "gradsync.lightning", "gradsync.cli"}
+
+
+def test_no_module_re_exports_what_another_module_defines():
+    bad = []
+    for name, path in _modules().items():
+        if path.name == "__init__.py" or name in FACADES:
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {
+            a.asname or a.name
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradsync")
+            for a in node.names
+        }
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                listed = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+                bad += [f"{name}.__all__ lists {n}, defined elsewhere" for n in listed if n in imported]
+    assert not bad, "re-exports:\n" + "\n".join(bad)

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from gradsync.apps.data.cache import memory
-from gradsync.apps.data.cache.memory import MemoryStats, SharedSampleStore, default_root, reclaim_stale
+from gradsync.apps.data.cache.memory import MemoryStats, SharedSampleStore
+from gradsync.apps.data.cache.memory_files import default_root, reclaim_stale
 
 SHAPE = (3, 32, 32)
 

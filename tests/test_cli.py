@@ -17,7 +17,7 @@ from gradsync.apps.commands.bench.timing import paired
 from gradsync.apps.train.checkpoint import CheckpointError
 from gradsync.apps.train.trainer import TrainingDiverged
 from gradsync.collectives import MismatchError, TopologyError
-from gradsync.integrate.engine import SyncError
+from gradsync.integrate.engine_failure import SyncError
 from gradsync.sync import TaskError
 from gradsync.sync.sequence import OutOfStepError
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import gradsync
 from gradsync.collectives.primitives import Traffic
-from gradsync.integrate.engine import SyncError
+from gradsync.integrate.engine_failure import SyncError
 from gradsync.sync.tasks import TaskError, TaskManager
 from worlds import run_checks, run_world
 

@@ -148,7 +148,7 @@ def test_registry():
 
 def test_profile_command_line(tmp_path, capsys):
     from gradsync.apps.commands import main
-    from gradsync.observe.profiler import Profile
+    from gradsync.observe.profile_format import Profile
 
     out = tmp_path / "p.json"
     argv = ["profile", "--model", "resnet50", "--batch-size", "2", "--image-size", "32"]

@@ -19,7 +19,8 @@ from torch import nn
 
 from gradsync.apps.commands import main
 from gradsync.apps.models import build_model
-from gradsync.observe.profiler import PROFILE_FORMAT, Profile, profile_step
+from gradsync.observe.profile_format import PROFILE_FORMAT, Profile
+from gradsync.observe.profiler import profile_step
 
 ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}
 

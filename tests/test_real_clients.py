@@ -28,7 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gradsync
 from gradsync.collectives import MismatchError, Topology, allreduce, compressed_allreduce
-from gradsync.integrate.engine import SyncError
+from gradsync.integrate.engine_failure import SyncError
 from gradsync.sync.sequence import OutOfStepError
 from worlds import expect_all, init_world, named_check, run_checks, run_world, same_on_every_rank
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from gradsync.apps.commands import main
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.observe.profiler import Profile, profile_step
+from gradsync.observe.profile_format import Profile
+from gradsync.observe.profiler import profile_step
 from gradsync.observe.trace_read import check_trace
 from gradsync.planner.decide import predict
 from gradsync.sync.scheme import Scheme

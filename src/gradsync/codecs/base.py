@@ -34,7 +34,7 @@ from gradsync.codecs.config import CodecConfig, SparsityConfig
 from gradsync.codecs.ops.backend import backend
 from gradsync.codecs.ops.random import make_generator
 from gradsync.codecs.ops.workspace import Workspace
-from gradsync.codecs.payload import HEADER_BYTES, Flag, Header, Layout, Payload, allocate, write_header
+from gradsync.codecs.payload import Flag, Header, Layout, Payload, allocate, write_header
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -368,4 +368,4 @@ def nonfinite_flag(nonfinite: int | bool) -> Flag:
     return Flag.NONFINITE if nonfinite else Flag.NONE
 
 
-__all__ = ["HEADER_BYTES", "Codec", "EncodeContext", "Stream", "StreamT", "nonfinite_flag"]
+__all__ = ["Codec", "EncodeContext", "Stream", "StreamT", "nonfinite_flag"]

@@ -86,7 +86,7 @@ from gradsync.sync.sequence import EngineWords, LagClock, sequence_program, warn
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
 from gradsync.sync.tasks import Task, TaskManager
 
-__all__ = ["SyncEngine", "SyncError"]
+__all__ = ["SyncEngine"]
 
 log = logging.getLogger("gradsync")
 

@@ -38,9 +38,7 @@ from torch import nn
 
 from gradsync.observe.profile_fields import dtype_name
 from gradsync.observe.profile_format import (
-    DATA_SOURCES,
     PHASES,
-    PROFILE_FORMAT,
     DeviceInfo,
     Overhead,
     ParamProfile,
@@ -408,17 +406,8 @@ def profile_step(
 
 
 __all__ = [
-    "DATA_SOURCES",
-    "PHASES",
-    "PROFILE_FORMAT",
-    "DeviceInfo",
-    "Overhead",
-    "ParamProfile",
-    "Profile",
     "ProfileError",
-    "Spread",
     "default_loss",
     "device_info",
-    "dtype_name",
     "profile_step",
 ]

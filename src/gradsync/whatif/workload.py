@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from gradsync.observe.profiler import Profile
+from gradsync.observe.profile_format import Profile
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from gradsync.apps.models import build_model, model_names, models_for
-from gradsync.observe.profiler import BatchOrLossFn, Profile, profile_step
+from gradsync.observe.profile_format import Profile
+from gradsync.observe.profiler import BatchOrLossFn, profile_step
 
 DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -14,11 +14,16 @@ import os
 import sys
 from dataclasses import replace
 
-from gradsync.apps.train.arguments import add_arguments
+from gradsync.apps.train import arguments
 from gradsync.apps.train.options import batch_plan, cache_config, validate
 from gradsync.apps.train.resize import check_model_takes, parse_resize_schedule
 
 __all__ = ["add_arguments", "check", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of ``gradsync train`` (:mod:`gradsync.apps.train.arguments`)."""
+    arguments.add_arguments(p)
 
 
 def _workers(args: argparse.Namespace) -> int:

@@ -159,7 +159,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from gradsync.observe.profiler import Profile
+    from gradsync.observe.profile_format import Profile
     from gradsync.planner.engine_costs import EngineCosts
     from gradsync.sync.config import parse_options
     from gradsync.units import rate_text

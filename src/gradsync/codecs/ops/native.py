@@ -13,10 +13,9 @@ from typing import Protocol
 
 import torch
 
-from gradsync.codecs.ops.backend import backend
 from gradsync.codecs.ops.backend import mode as backend_mode
 
-__all__ = ["AVAILABLE", "MAX_NUMEL", "Kernels", "backend", "enabled", "ext", "ptr", "usable"]
+__all__ = ["AVAILABLE", "MAX_NUMEL", "Kernels", "enabled", "ext", "ptr", "usable"]
 
 
 class Kernels(Protocol):

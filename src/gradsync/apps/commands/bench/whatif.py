@@ -212,7 +212,7 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     """Simulate every measured contender from the result's stored measurements and put the
     predictions next to the measured steps (``rows``, ``summary``, ``predicted``)."""
     from gradsync.collectives.cost import CostParams, Link
-    from gradsync.observe.profiler import Profile
+    from gradsync.observe.profile_format import Profile
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.network import Network
     from gradsync.whatif.predict import Point, predict_point

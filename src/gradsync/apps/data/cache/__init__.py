@@ -28,7 +28,8 @@ References:
 
 from gradsync.apps.data.cache.config import CacheConfig, node_index
 from gradsync.apps.data.cache.disk import DiskCache, entry_key
-from gradsync.apps.data.cache.memory import SharedSampleStore, reclaim_stale
+from gradsync.apps.data.cache.memory import SharedSampleStore
+from gradsync.apps.data.cache.memory_files import reclaim_stale
 from gradsync.apps.data.cache.partition import PartitionSampler
 from gradsync.apps.data.cache.source import RemoteFile, Storage, StorageError
 from gradsync.apps.data.cache.tiers import SampleTiers

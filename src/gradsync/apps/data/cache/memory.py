@@ -48,11 +48,9 @@ from gradsync.apps.data.cache.memory_files import (
     HEADER,
     MAGIC,
     MAX_DIMS,
-    default_root,
     open_store,
     private_root,
     pwrite_all,
-    reclaim_stale,
     release,
     shared_memory,
 )
@@ -60,10 +58,6 @@ from gradsync.apps.data.cache.memory_files import (
 __all__ = [
     "MemoryStats",
     "SharedSampleStore",
-    "default_root",
-    "private_root",
-    "reclaim_stale",
-    "shared_memory",
 ]
 
 _COUNT_AT = 128  # the reserved area; its first 8 bytes count the slots claimed for writing
