@@ -133,3 +133,25 @@ def test_no_module_re_exports_what_another_module_defines():
                 listed = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
                 bad += [f"{name}.__all__ lists {n}, defined elsewhere" for n in listed if n in imported]
     assert not bad, "re-exports:\n" + "\n".join(bad)
+
+
+def test_a_moved_module_still_imports_by_its_old_name_with_a_warning():
+    import importlib
+    import warnings
+
+    import pytest
+
+    import gradsync
+    from gradsync.moved import MOVED, new_name
+
+    assert gradsync  # importing gradsync installs the finder
+    for old in ("gradsync.sync.engine", "gradsync.data.cache", "gradsync.bench.world"):
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: it moved to {new_name(old)}"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new_name(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for new in set(MOVED.values()):
+            importlib.import_module(new)  # every new name exists
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("gradsync.no_such_module")
