@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import backend as operator_backend
 
 BACKENDS = ["torch", "native"] if native.AVAILABLE else ["torch"]
 
@@ -9,7 +10,7 @@ BACKENDS = ["torch", "native"] if native.AVAILABLE else ["torch"]
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run a test once per operator backend (torch always, native where built)."""
-    with native.backend(request.param):
+    with operator_backend(request.param):
         yield request.param
 
 
