@@ -13,6 +13,7 @@ SPECS = {
     "fp16": "fp16",
     "bf16": "bf16",
     "topk": "topk:density=0.05",
+    "chunktopk": "chunktopk:density=0.05,chunk=64",
     "mstopk": "mstopk:density=0.05",
     "trimmed_topk": "trimmed_topk:density=0.05",
     "bsearch": "bsearch:density=0.05",
@@ -27,6 +28,7 @@ SPECS = {
 }
 FIXED_SIZE = {
     "none",
+    "chunktopk",
     "fp16",
     "bf16",
     "topk",

@@ -231,3 +231,29 @@ def test_mostly_zero_tensors_are_fast_and_exact(backend, spec):
         selected(gradsync.build_codec("topk:k=50"), gradsync.build_codec("topk:k=50").encode(y))[0].tolist()
     )
     assert set(nz[:10].tolist()) <= got and len(got) == 50
+
+
+@pytest.mark.parametrize(
+    "numel, chunk, density", [(10_000, 256, 0.01), (4096, 4096, 0.05), (1000, 64, 0.3), (5, 64, 0.5)]
+)
+def test_chunked_topk_keeps_each_chunks_largest(numel, chunk, density):
+    """Against a loop over the chunks with torch.topk on each (the last one may be shorter): the
+    same elements, and a count that follows from the size alone."""
+    x = torch.randn(numel)
+    codec = gradsync.build_codec(f"chunktopk:density={density},chunk={chunk}")
+    payload = codec.encode(x, EncodeContext(key="w"))
+    want = torch.zeros_like(x)
+    for start in range(0, numel, chunk):
+        part = x[start : start + chunk]
+        keep = min(part.numel(), max(1, math.ceil(density * part.numel())))
+        top = part.abs().topk(keep).indices + start
+        want[top] = x[top]
+    assert torch.equal(codec.decode(payload), want)
+    assert payload.count == codec.target_count(numel) == int((want != 0).sum())
+    assert payload.nbytes == codec.estimate_nbytes(numel)
+    idx, _ = selected(codec, payload)
+    assert torch.equal(idx, idx.sort().values)  # ascending, as every selection returns them
+    with pytest.raises(ValueError, match="chunktopk: give density"):
+        gradsync.build_codec("chunktopk:k=10")
+    with pytest.raises(ValueError, match="chunk"):
+        gradsync.build_codec("chunktopk:chunk=0")

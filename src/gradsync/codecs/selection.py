@@ -15,6 +15,9 @@ from the generator or reuse state passed in, and none of them communicates.
 - :func:`dgc`: Deep Gradient Compression's sampled threshold, refined to exactly k.
 - :func:`graddrop`: keep what exceeds a threshold (given, or sampled for a target density).
 - :func:`randomk`: k uniformly random elements.
+- :func:`chunked_topk`: the largest magnitudes of each fixed-size chunk, as DeMo and SparseLoCo
+  select: the count follows from the size alone, and one batched ``torch.topk`` finds them all
+  with no data-dependent size (on a GPU, no wait for the host).
 
 All threshold tests run on the :class:`~gradsync.codecs.ops.CandidateSet` produced by one fused
 pass over the tensor, so the number of search iterations hardly costs anything; answers are exact
@@ -24,6 +27,9 @@ read back for the selection.
 
 References:
 
+- DeMo: Peng et al., "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870.
+- SparseLoCo: "Communication-Efficient Language Model Training Scales Reliably and Robustly",
+  arXiv:2508.15706.
 - MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
   Clusters", MLSys 2021, arXiv:2010.10458.
 - RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
@@ -346,3 +352,23 @@ def randomk(x: torch.Tensor, k: int, gen: torch.Generator) -> Selected:
     if idx.dtype == torch.int64 and x.numel() <= 2**31 - 1:
         idx = idx.to(torch.int32)
     return Selected(idx, gather(x, idx), stats)
+
+
+def chunked_topk(x: torch.Tensor, chunk: int, per_chunk: int, of_tail: int) -> Selected:
+    """The ``per_chunk`` largest magnitudes of every full ``chunk`` of ``x`` and the ``of_tail``
+    largest of the shorter last one; indices ascending. The count is known before looking at the
+    data, so nothing about the selection has to come back to the host."""
+    n = x.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        rows = x[: full * chunk].view(full, chunk)
+        top = rows.abs().topk(per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
+        base = torch.arange(0, full * chunk, chunk, device=x.device, dtype=top.dtype).unsqueeze(1)
+        parts.append((top + base).view(-1))
+    if of_tail:
+        tail = x[full * chunk :]
+        parts.append(tail.abs().topk(of_tail, sorted=False).indices.sort().values + full * chunk)
+    idx = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else x.new_zeros(0, dtype=torch.int64)
+    idx = idx.to(torch.int32) if n <= 2**31 - 1 else idx
+    return Selected(idx, x[idx], tensor_stats(x))

@@ -151,6 +151,49 @@ class TopK(SparseCodec[Stream]):
 
 
 @dataclass(frozen=True)
+class ChunktopkConfig(SparsityConfig):
+    codec: ClassVar[str] = "chunktopk"
+    chunk: int = 4096
+    """Elements per chunk: each chunk keeps its own ``ceil(density * chunk)`` largest."""
+
+    def validate(self) -> None:
+        if self.k is not None:
+            raise ValueError(
+                f"{self.codec}: give density (the share each chunk keeps), not k (got k={self.k})"
+            )
+        super().validate()
+        check_range(self.codec, "chunk", self.chunk, 1)
+
+
+@register
+class ChunkTopK(SparseCodec[Stream]):
+    """Top-k within each fixed-size chunk: the payload's size follows from the tensor's alone."""
+
+    name = "chunktopk"
+    Config = ChunktopkConfig
+    config: ChunktopkConfig
+
+    def _counts(self, numel: int) -> tuple[int, int, int]:
+        """(full chunks, elements kept per full chunk, elements kept of the last, shorter one)."""
+        chunk = self.config.chunk
+        density = self.scheduled_density if self.scheduled_density is not None else self.config.density
+        assert density is not None
+        full, tail = divmod(numel, chunk)
+        per_chunk = min(chunk, max(1, math.ceil(density * chunk)))
+        of_tail = min(tail, max(1, math.ceil(density * tail))) if tail else 0
+        return full, per_chunk, of_tail
+
+    def target_count(self, numel: int) -> int:
+        full, per_chunk, of_tail = self._counts(numel)
+        return full * per_chunk + of_tail
+
+    def select(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection.Selected:
+        return selection.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:])
+
+
+@dataclass(frozen=True)
 class MstopkConfig(SparsityConfig):
     codec: ClassVar[str] = "mstopk"
     iters: int = 20
