@@ -28,8 +28,7 @@ read back for the selection.
 References:
 
 - DeMo: Peng et al., "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870.
-- SparseLoCo: "Communication-Efficient Language Model Training Scales Reliably and Robustly",
-  arXiv:2508.15706.
+- SparseLoCo: Templar's sparse outer-gradient DiLoCo variant, arXiv:2508.15706.
 - MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
   Clusters", MLSys 2021, arXiv:2010.10458.
 - RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
