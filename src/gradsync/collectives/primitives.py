@@ -385,6 +385,38 @@ def all_to_all_bytes(
     return list(torch.split(_staged(out, home), outs))
 
 
+def all_to_all_fixed(
+    chunks: list[torch.Tensor], capacities: list[int], group: dist.ProcessGroup | None, level: str
+) -> list[torch.Tensor]:
+    """Send ``chunks[j]`` (at most ``capacities[j]`` bytes, zero-padded) to group rank ``j`` and
+    return what every rank sent to this one, each in a buffer of ``capacities[me]`` bytes (the
+    payload is a prefix of it). Every rank passes the same capacities, so no sizes travel first:
+    one collective, nothing read back on the host."""
+    p = size(group)
+    if len(chunks) != p or len(capacities) != p:
+        raise ValueError(f"all_to_all needs one chunk and one capacity per rank ({p}), got {len(chunks)}")
+    for c, cap in zip(chunks, capacities, strict=True):
+        if c.numel() > cap:
+            raise ValueError(f"{c.numel()} bytes do not fit the agreed capacity of {cap}")
+    me = group_rank(group)
+    if p == 1:
+        buf = chunks[0].new_zeros(capacities[0])
+        buf[: chunks[0].numel()] = chunks[0]
+        return [buf]
+    home, device = chunks[0].device, comm_device(group)
+    inp = torch.zeros(sum(capacities), dtype=torch.uint8, device=device)
+    at = 0
+    for c, cap in zip(chunks, capacities, strict=True):
+        inp[at : at + c.numel()] = c
+        at += cap
+    out = torch.empty(p * capacities[me], dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        out, inp, output_split_sizes=[capacities[me]] * p, input_split_sizes=capacities, group=group
+    )
+    _account(level, sum(cap for j, cap in enumerate(capacities) if j != me), "all_to_all")
+    return list(torch.split(_staged(out, home), capacities[me]))
+
+
 def send_recv(
     send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup | None, level: str
 ) -> None:
@@ -412,7 +444,13 @@ def send_recv_bytes(
     level: str,
     recv_size: int | None = None,
 ) -> torch.Tensor:
-    """Exchange uint8 buffers of unknown size with two neighbours (the size travels first)."""
+    """Exchange uint8 buffers with two neighbours: of unknown size (the size travels first), or of
+    at most ``recv_size`` bytes (then ``send`` is zero-padded to it, the caller reads the payload
+    from the prefix, and nothing is read back on the host)."""
+    if recv_size is not None and send.numel() < recv_size:
+        padded = send.new_zeros(recv_size)
+        padded[: send.numel()] = send
+        send = padded
     if recv_size is None:
         dev = comm_device(group)
         mine = torch.tensor([send.numel()], dtype=torch.int64, device=dev)

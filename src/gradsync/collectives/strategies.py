@@ -142,14 +142,20 @@ def _ring(
         offsets.append(offsets[-1] + c.numel())
     owned = (g + 1) % p  # the chunk this rank holds fully reduced after the first phase
     codec = coder.plain
-    exchange = partial(P.send_recv_bytes, dst=right, src=left, group=group, level=level)
+    capacities = [cap for chunk in chunks if (cap := fixed_capacity(codec, chunk.numel(), chunk.dtype))]
+    width = max(capacities) if len(capacities) == p else None  # fixed slots: no sizes travel first
+    exchange = partial(P.send_recv_bytes, dst=right, src=left, group=group, level=level, recv_size=width)
+
+    def received(data: torch.Tensor, like: torch.Tensor) -> Payload:
+        return coder.received(data, like) if width is None else trimmed(codec, data, like.numel(), like.dtype)
+
     if codec.summable:  # add the payloads' values, no decoding
         ctx = yield from _agreed(x, group, level, coder, rank)
         payloads = [coder.encode(c, f"ring{i}", ctx, offsets[i]) for i, c in enumerate(chunks)]
         send = payloads[g]
         for s in range(p - 1):
             idx = (g - s - 1) % p
-            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
+            incoming = received((yield partial(exchange, send.data)), chunks[idx])
             _values(codec, payloads[idx]).add_(_values(codec, incoming))
             send = payloads[idx]
         reduced = payloads[owned]
@@ -157,7 +163,7 @@ def _ring(
         send = coder.encode(chunks[g], f"ring{g}", at=offsets[g])
         for s in range(p - 1):
             idx = (g - s - 1) % p
-            incoming = coder.received((yield partial(exchange, send.data)), chunks[idx])
+            incoming = received((yield partial(exchange, send.data)), chunks[idx])
             work = chunks[idx].clone()
             codec.decode(incoming, out=work, accumulate=True)
             send = coder.encode(
@@ -170,7 +176,7 @@ def _ring(
     for s in range(p - 1):
         data = yield last(partial(exchange, current.data), final and s == p - 2)
         idx = (idx - 1) % p
-        current = coder.received(data, chunks[idx])
+        current = received(data, chunks[idx])
         pieces.append(Piece(offsets[idx], current))
     return pieces
 
@@ -191,6 +197,10 @@ def _to_owners(
     for part in parts[:-1]:
         starts.append(starts[-1] + part.numel())
     payloads = [coder.encode(part, f"ps{j}", ctx, starts[j]) for j, part in enumerate(parts)]
+    capacities = [c for part in parts if (c := fixed_capacity(coder.plain, part.numel(), part.dtype))]
+    if len(capacities) == p:  # fixed slots: no sizes travel first
+        bufs = yield partial(P.all_to_all_fixed, [q.data for q in payloads], capacities, group, level)
+        return parts, starts, [trimmed(coder.plain, b, parts[g].numel(), x.dtype) for b in bufs]
     datas = yield partial(P.all_to_all_bytes, [q.data for q in payloads], group, level)
     return parts, starts, [coder.received(d, parts[g]) for d in datas]
 
@@ -225,7 +235,15 @@ def _ps(
         for q in received:
             codec.decode(q, out=work, accumulate=True)
         agg = coder.encode(work, "ps-aggregate", at=starts[g])
+    capacities = [c for part in parts if (c := fixed_capacity(codec, part.numel(), part.dtype))]
     pieces, offset = [], 0
+    if len(capacities) == len(parts):  # fixed slots, of the largest partition's bound
+        width = max(capacities)
+        bufs = yield last(partial(P.all_gather_fixed, agg.data, width, group, level), final)
+        for j, buf in enumerate(bufs):
+            pieces.append(Piece(offset, trimmed(codec, buf, parts[j].numel(), x.dtype)))
+            offset += parts[j].numel()
+        return pieces
     for j, data in enumerate((yield last(partial(P.all_gather_bytes, agg.data, group, level), final))):
         pieces.append(Piece(offset, coder.received(data, parts[j])))
         offset += parts[j].numel()
@@ -278,10 +296,11 @@ def compressed_strategy_names() -> tuple[str, ...]:
 
 
 def _casync_cost(name: str) -> StrategyCost:
-    """The HiPress paper's Eq. 2 for its ring or PS; every send is a size, then the payload."""
+    """The HiPress paper's Eq. 2 for its ring or PS; a send is one message when the codec's
+    payloads fit fixed slots, else a size, then the payload."""
 
     def cost(model: CostModel, nbytes: float, c: CodecCost, ranks: int, link: Link) -> float:
-        return model.casync(name, nbytes, c, n=ranks, link=link, messages=2)
+        return model.casync(name, nbytes, c, n=ranks, link=link, messages=c.messages)
 
     return cost
 
