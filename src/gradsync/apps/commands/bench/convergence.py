@@ -36,6 +36,8 @@ from gradsync.sync.density_schedule import DensitySchedule
 RECIPES: dict[str, tuple[str, list[str]]] = {
     "none": ("none", []),
     "topk": ("allgather/topk:density=0.01", []),
+    # top-k within chunks of 4096 (DeMo, SparseLoCo): the same density, a fixed-size payload
+    "chunktopk": ("allgather/chunktopk:density=0.01", []),
     "mstopk": ("allgather/mstopk:density=0.01", []),
     "hitopk": ("hitopk:density=0.01", []),
     "dgc": ("dgc:density=0.01+ef:momentum=0.9", ["--momentum", "0"]),
