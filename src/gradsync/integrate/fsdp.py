@@ -513,6 +513,7 @@ class FsdpCompression:
         r = group.size()
         if r == 1:
             return
+        keep_alive_on_this_stream(shard)
         self._enter(key)
         if self._overflowed(shard):
             shard.fill_(float("nan"))
@@ -660,6 +661,19 @@ def parse_fsdp_scheme(scheme: str) -> Scheme:
             "topk:density=0.01+ef) and the optimizer's momentum, or gradsync.wrap"
         )
     return parsed.resolve(1, 1)
+
+
+def keep_alive_on_this_stream(buffer: torch.Tensor) -> None:
+    """Tell the caching allocator that ``buffer`` is used on the current stream (CUDA only).
+
+    FSDP calls the all-reduce hook on its all-reduce stream with the reduce-scatter's output,
+    which it allocated on the reduce-scatter stream. Native HSDP keeps that buffer alive across
+    layers; through the hook nothing does, so where the reduce dtype differs from the
+    parameters' the buffer is freed once FSDP has cast it, and the next layer's reduce-scatter
+    could reuse its memory while this stream's kernels (the hook's, and the cast) still read it.
+    Recording the stream makes the allocator wait for them first."""
+    if buffer.is_cuda:
+        buffer.record_stream(torch.cuda.current_stream(buffer.device))
 
 
 def _check_int(name: str, value: object) -> int:
