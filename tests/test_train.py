@@ -401,7 +401,7 @@ def test_language_model_with_bf16_autocast_and_powersgd(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "lm.json"
-    argv = ["train", "--nproc", "2", "--data", "synthetic-text:n=40000,vocab=64", "--model", "transformer",
+    argv = ["train", "--nproc", "2", "--data", "synthetic-text:n=20000,vocab=64", "--model", "transformer",
             "--seq-len", "32", "--batch-size", "32", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.003",
             "--amp", "--scheme", "powersgd:rank=2", "--quiet", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
