@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -243,8 +244,10 @@ def test_a_device_the_threads_cannot_take_fails_the_tasks():
         def program():
             yield lambda: None
 
+        started = time.monotonic()
         with pytest.raises(TaskError, match="no such device cuda:7"):
             manager.wait([manager.submit(program(), "p")], timeout=10)
+        assert time.monotonic() - started < 5  # failed at once, not when the wait timed out
         manager.close()
     finally:
         torch.cuda.set_device = real

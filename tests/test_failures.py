@@ -149,7 +149,7 @@ def _stalled_peer():
 
     step()  # a normal first step: the plan is made (a collective) on every rank
     if rank == 1:
-        model[1].seconds = 4.0
+        model[1].seconds = 2.5
         step()  # slow, but its collectives pair with rank 0's, still in flight
         return
 
@@ -177,7 +177,8 @@ def _stalled_peer():
             assert e.value.__cause__ is not None
 
     def the_late_result_is_not_written():
-        time.sleep(4.5)  # rank 1 has sent by now, so the timed-out collective completed
+        time.sleep(3.0)  # rank 1 has sent by now (2.5 s after the step began, 1.0 s before this
+        # check's sleep began), so the timed-out collective completed
         assert torch.equal(model[0].weight.grad, before[0]), "a finisher ran after the failure"
 
     # no collectives (nor barriers) here: rank 1 is not in step with rank 0 any more

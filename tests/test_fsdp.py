@@ -215,8 +215,9 @@ def check_compressed_all_reduce_matches_reference() -> None:
 def check_compressed_trains() -> None:
     mesh = meshes()
     group = mesh["replicate"].get_group()
+    steps = 25  # (the margins below are those of 40 steps: last 5 at 0.17 of the first 5)
     dense = shard(make(width=64), mesh)
-    dense_losses = train(dense, 40)
+    dense_losses = train(dense, steps)
     runs = {
         "hsdp replicate topk": (mesh["shard"], {"replicate_group": group}, "topk:density=0.05"),
         "hsdp both onebit": (mesh["shard"], {"replicate_group": group, "where": "both"}, "onebit"),
@@ -226,7 +227,7 @@ def check_compressed_trains() -> None:
         for label, (sub, kw, scheme) in runs.items():
             m = shard(make(width=64), sub)
             comp = compress_fsdp(m, scheme, min_compress_bytes=0, **kw)  # type: ignore[arg-type]
-            losses = train(m, 40)
+            losses = train(m, steps)
             with expect(f"{label}: trains like dense"):
                 assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
                 assert sum(losses[-5:]) / 5 < 1.5 * sum(dense_losses[-5:]) / 5 + 0.02, (losses, dense_losses)
@@ -234,7 +235,7 @@ def check_compressed_trains() -> None:
             same_on_every_rank([full(m)], f"{label}: every rank holds the same parameters")
         rep = make(width=64)
         comp = replicate(rep, "topk:density=0.05", blocks=blocks(rep), min_compress_bytes=0)
-        losses = train(rep, 40)
+        losses = train(rep, steps)
         with expect("replicate topk trains like dense"):
             assert sum(losses[-5:]) / 5 < 1.5 * sum(dense_losses[-5:]) / 5 + 0.02, (losses, dense_losses)
         same_on_every_rank([full(rep)], "replicate: every rank holds the same parameters")
@@ -263,7 +264,7 @@ def check_bf16_and_fp16() -> None:
     with expect_all() as expect:
         m = shard(make(width=64), mesh["shard"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         compress_fsdp(m, "topk:density=0.05", replicate_group=group, min_compress_bytes=0)
-        losses = train(m, 30)
+        losses = train(m, 20)  # last 5 at 0.27 of the first 5 (0.17 after 30 steps)
         with expect("bf16 compute and reduction: compressed trains"):
             assert sum(losses[-5:]) < 0.6 * sum(losses[:5]), losses
         same_on_every_rank([full(m)], "bf16: every rank holds the same parameters")

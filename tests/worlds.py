@@ -1,5 +1,12 @@
-"""Run a function in a spawned world of processes on loopback (FileStore rendezvous): gloo by
-default, NCCL with ``backend="nccl"`` (rank r on GPU r).
+"""Run a function in a world of processes on loopback (FileStore rendezvous): gloo by default,
+NCCL with ``backend="nccl"`` (rank r on GPU r).
+
+Each rank is a process of its own. Gloo ranks on a machine without CUDA are forked from a server
+process that has imported torch and gradsync and nothing else (multiprocessing's forkserver,
+:data:`PRELOAD`): a world starts in a tenth of a second instead of seconds of imports per rank.
+Every rank still starts from that clean state, with the parent's environment, working directory
+and ``sys.path``, as a spawned one would. ``GRADSYNC_TEST_SPAWN=1`` spawns every rank instead (a
+fresh interpreter each); NCCL worlds, and any world where CUDA is available, always spawn.
 
 The process group timeout is short, so a collective that hangs fails the test instead of
 stalling CI. Exceptions raised in any rank propagate to the test with their traceback: the
@@ -9,7 +16,8 @@ often its consequences: a closed connection, a timeout).
 Starting a world is the slow part, so a world runs many checks: :func:`run_checks` runs each one,
 keeps going after a failure and fails the world with every failed check of every rank. Inside a
 check, :func:`expect_all` keeps going after a failed assertion too, so that every rank still runs
-the check's collectives in the same order.
+the check's collectives in the same order. ``GRADSYNC_TEST_TIMES=1`` prints how long each check
+took on rank 0 (to stderr; ``pytest -s`` shows it).
 """
 
 from __future__ import annotations
@@ -56,7 +64,10 @@ def _entry(
     env: dict[str, str],
     init: bool,
     backend: str,
+    parent_env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the parent's environment now, as a spawned rank has it (a forked one
+    os.environ.update(parent_env)  # would have the forkserver's, from when it started)
     torch.set_num_threads(1)
     for k, v in env.items():
         os.environ[k] = v.format(rank=rank)
@@ -99,15 +110,34 @@ def run_world(
         try:
             mp.start_processes(
                 _entry,
-                args=(world, os.path.join(d, "store"), fn, args, env or {}, init, backend),
+                args=(world, os.path.join(d, "store"), fn, args, env or {}, init, backend, dict(os.environ)),
                 nprocs=world,
-                start_method="spawn",
+                start_method=_start_method(backend),
             )
         except (mp.ProcessRaisedException, mp.ProcessExitedException):
             message = _world_error(d)
             if message is None:
                 raise
             raise WorldFailed(message) from None
+
+
+# What (nearly) every rank imports, imported once in the forkserver: nothing else runs there (no
+# tensors, threads of gradsync or process groups), so each forked rank starts clean.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "pytest", "gradsync"]
+PRELOAD += ["worlds"]
+_preloaded = False
+
+
+def _start_method(backend: str) -> str:
+    """``forkserver`` for gloo worlds without CUDA (see the module's docstring), else ``spawn``
+    (CUDA does not survive a fork of a process that touched it; spawning is the safe default)."""
+    global _preloaded
+    if backend == "nccl" or os.environ.get("GRADSYNC_TEST_SPAWN") or torch.cuda.is_available():
+        return "spawn"
+    if not _preloaded:
+        mp.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: the first world
+        _preloaded = True
+    return "forkserver"
 
 
 class WorldFailed(AssertionError):
@@ -196,10 +226,14 @@ def run_checks(*checks: Callable[[], Any], together: bool = True) -> None:
     _runs += 1
     out_of_step = None
     for i, check in enumerate(checks):
+        started = time.perf_counter()
         try:
             check()
         except _FAILURES:
             failed.append((check.__name__, traceback.format_exc()))
+        if os.environ.get("GRADSYNC_TEST_TIMES") and rank == 0:
+            took = time.perf_counter() - started
+            print(f"[check {took:6.2f}s] {check.__name__}", file=sys.stderr, flush=True)
         try:
             dist.barrier()  # the next check starts together on every rank
         except _FAILURES:

@@ -186,6 +186,9 @@ class TaskManager:
             heapq.heappush(self._compute, (task.seq, task))
             self._comm.append(task)
             self._cv.notify_all()
+            failed = self._error  # a thread that could not start failed the queue before this task
+        if failed is not None:
+            self._fail(task, failed)
         return task
 
     def wait(self, tasks: list[Task], timeout: float | None = None) -> None:

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,11 +24,9 @@ def load_digits_bundle(seed: int) -> DataBundle:
     Pixels (0..16) are divided by 16, then shifted and scaled by one mean and one std taken over
     every pixel of the training images. The split is stratified by class and seeded (about 80/20).
     """
-    from sklearn.datasets import load_digits
-
-    raw = load_digits()
-    images = np.asarray(raw.images, dtype=np.float32) / 16.0  # (1797, 8, 8)
-    labels = torch.as_tensor(np.asarray(raw.target), dtype=torch.int64)
+    raw_images, raw_target = _digits_arrays()
+    images = np.asarray(raw_images, dtype=np.float32) / 16.0  # (1797, 8, 8)
+    labels = torch.as_tensor(np.asarray(raw_target), dtype=torch.int64)
     train_idx, val_idx = stratified_split(labels, DIGITS_VAL_FRACTION, seed)
     pixels = torch.from_numpy(images).unsqueeze(1)  # (N, 1, 8, 8)
     mean = pixels[train_idx].mean()
@@ -39,12 +39,28 @@ def load_digits_bundle(seed: int) -> DataBundle:
         val=TensorPairs(pixels[val_idx], labels[val_idx]),
         input_shape=(1, 8, 8),
         num_classes=10,
-        fingerprint=fingerprint("digits", images, np.asarray(raw.target), "split", DIGITS_VAL_FRACTION, seed),
+        fingerprint=fingerprint("digits", images, np.asarray(raw_target), "split", DIGITS_VAL_FRACTION, seed),
         source=(
             "scikit-learn load_digits (UCI Optical Recognition of Handwritten Digits, 1797 8x8 images); "
             "BSD-3-Clause as shipped by scikit-learn"
         ),
     )
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits, ``(images (N, 8, 8), target (N,))``, as ``load_digits``
+    gives them: read straight from its CSV file (importing ``sklearn`` takes seconds, in every
+    worker), else through ``load_digits``."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            data = np.loadtxt(path, delimiter=",")  # what load_digits reads
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    return raw.images, raw.target
 
 
 def pydoc_text() -> str:
