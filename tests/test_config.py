@@ -51,7 +51,7 @@ def test_spec_parsing_and_round_trip():
         ("graddrop:threshold=0.1,density=0.1", "give threshold or density/k, not both"),
         ("topk:compile=maybe", "topk: compile must be true or false, got 'maybe'"),
         ("topk:desnity=0.1", "topk: unknown option 'desnity'; allowed options: compile, density, k"),
-        ("quantum", "unknown codec 'quantum'; available codecs: bf16, bsearch, dgc"),
+        ("quantum", "unknown codec 'quantum'; available codecs: bf16, bsearch, chunktopk, dgc"),
         ("topk:density", "bad option 'density' in spec 'topk:density': write key=value"),
         ("topk:k=1,k=2", "option 'k' given twice"),
         ("", "a codec spec must be a non-empty string"),

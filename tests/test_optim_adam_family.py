@@ -372,14 +372,10 @@ def _check_bytes_counted() -> None:
     flags = 2 * (p - 1) / p * 4 * tensors
     before_exchange = 2 * (p - 1) / p * 8 * 2 * tensors
     agreement = (p - 1) * 8 * AGREEMENT_WORDS
-    # all-to-all: sizes, then the partitions for the others; all-gather: sizes, then the owners'
-    # aggregates padded to the largest
-    compressed = (
-        (p - 1) * 8
-        + sum(b for j, b in enumerate(payload) if j != rank)
-        + (p - 1) * 8
-        + (p - 1) * max(payload)
-    )
+    # onebit's payloads have a size known in advance, so they travel in fixed slots with no size
+    # exchange first: the all-to-all sends the partitions for the others, the all-gather the
+    # owners' aggregates padded to the largest
+    compressed = sum(b for j, b in enumerate(payload) if j != rank) + (p - 1) * max(payload)
     for cls in (OneBitAdam, OneBitLamb, ZeroOneAdam):
         params = _params()
         extra = {"var_freeze_step": 3, "sync_growth": 1, "max_sync_interval": 2} if cls is ZeroOneAdam else {}
