@@ -4,7 +4,6 @@ the one-warning shutdown when the directory cannot take data (simulated, and a r
 
 import errno
 import hashlib
-import multiprocessing as mp
 import os
 import random
 import resource
@@ -21,6 +20,7 @@ import pytest
 
 from gradsync.apps.data.cache import disk
 from gradsync.apps.data.cache.disk import DiskCache, DiskStats, entry_key
+from worlds import process_context
 
 HEADER = 48
 
@@ -463,7 +463,7 @@ def _with_file_size_limit(directory):
 
 
 def test_real_file_size_limit_efbig(tmp_path):
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=process_context()) as pool:
         out = pool.submit(_with_file_size_limit, str(tmp_path)).result(timeout=120)
     assert out["results"] == [True] + [False] * 11
     assert out["gets"] == [None, None, None] and out["enabled"] is False
@@ -508,7 +508,7 @@ def _hammer(directory, seed, rounds, max_bytes):
 
 def test_concurrent_processes_never_see_partial_entries(tmp_path):
     max_bytes = sum(HEADER + len(_expected(i)) for i in range(N_KEYS)) // 2  # forces evictions
-    with ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(4, mp_context=process_context()) as pool:  # processes of their own
         futures = [pool.submit(_hammer, str(tmp_path), seed, 300, max_bytes) for seed in range(4)]
         outs = [f.result(timeout=120) for f in futures]
     assert sum(o["wrong"] for o in outs) == 0

@@ -140,6 +140,13 @@ def _start_method(backend: str) -> str:
     return "forkserver"
 
 
+def process_context() -> Any:
+    """A multiprocessing context for a test's own worker processes (a process pool, say): the
+    worlds' preloaded forkserver where run_world uses it, else spawn. Its processes get the
+    forkserver's environment (run_world passes the parent's own)."""
+    return mp.get_context(_start_method("gloo"))
+
+
 class WorldFailed(AssertionError):
     """Ranks of a world failed; the message has each one's traceback."""
 
