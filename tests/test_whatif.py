@@ -327,6 +327,8 @@ def test_the_published_profile_replays(files):
         (["calibrate", "--out", "links.json", "--nodes", "2"], "--nodes and --per-node"),
         (["calibrate", "--out", "links.json", "--emulate", "2by2"], "--emulate"),
         (["calibrate", "--out", "links.json", "--emulate", "2x2", "--link", "fast"], "--link"),
+        (["calibrate", "--out", "links.json", "--timeout", "0"], "--timeout must be a positive number"),
+        (["calibrate", "--out", "links.json", "--nodes", "0", "--per-node", "2"], "--nodes must be at least"),
     ],
 )
 def test_validation_and_calibration_commands_name_the_option(argv, message, monkeypatch, capsys):

@@ -5,10 +5,8 @@ cluster's links (latency and rate within and across nodes, the local add rate) a
 from __future__ import annotations
 
 import argparse
-import os
 
-from gradsync.apps.commands.bench.world import add_world_arguments, emulated_shape, run_emulated
-from gradsync.units import parse_rate
+from gradsync.apps.commands.bench.world import add_world_arguments, check_world_options, run_emulated
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,11 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
-    if (args.nodes is None) != (args.per_node is None):
-        raise ValueError("--nodes and --per-node go together")
-    if args.emulate and "RANK" not in os.environ:
-        emulated_shape(args.emulate)
-        parse_rate(args.link, "--link", tc_units=True)
+    check_world_options(args)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from torch import nn
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.world import emulated_shape, run_emulated
+from gradsync.apps.commands.bench.world import check_world_options, run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.collectives import Topology
 
@@ -391,23 +390,6 @@ def check(args: argparse.Namespace) -> None:
     check_world_options(args)
     bench_step.SyncConfig.from_options(bench_step.parse_sync_options(args.sync_option))
     bench_nic.check(args)
-
-
-def check_world_options(args: argparse.Namespace) -> None:
-    """The options of a benchmark that runs on a launched or emulated world: ``--timeout``,
-    ``--nodes``/``--per-node``, ``--emulate``/``--link`` (ValueError naming the option)."""
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
-    if (args.nodes is None) != (args.per_node is None):
-        raise ValueError("--nodes and --per-node go together")
-    for name in ("nodes", "per_node"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.emulate and "RANK" not in os.environ:
-        emulated_shape(args.emulate)
-        from gradsync.units import parse_rate
-
-        parse_rate(args.link, "--link", tc_units=True)
 
 
 def main(args: argparse.Namespace) -> int:

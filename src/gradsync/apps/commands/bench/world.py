@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import Topology
+from gradsync.units import parse_rate
 
 
 def join_world(timeout_s: float, nodes: int | None, per_node: int | None) -> Topology:
@@ -128,3 +130,18 @@ def run_emulated(args: argparse.Namespace, command: str) -> int | None:
     except ClusterError as e:
         print(f"gradsync {command}: cannot emulate a cluster here: {e}", file=sys.stderr)
         return 1
+
+
+def check_world_options(args: argparse.Namespace) -> None:
+    """The options of a benchmark that runs on a launched or emulated world: ``--timeout``,
+    ``--nodes``/``--per-node``, ``--emulate``/``--link`` (ValueError naming the option)."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
+    if (args.nodes is None) != (args.per_node is None):
+        raise ValueError("--nodes and --per-node go together")
+    for name in ("nodes", "per_node"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.emulate and "RANK" not in os.environ:
+        emulated_shape(args.emulate)
+        parse_rate(args.link, "--link", tc_units=True)
