@@ -158,12 +158,13 @@ def check_fp16_hook_matches_pytorch_fp16_hook():
 
 
 def check_compressed_hooks_in_every_setup():
-    """No crash, no hang, the same model on every rank, and it learned something."""
+    """No crash, no hang, the same model on every rank, finite, at least 3 steps (2 epochs: 6
+    steps, 3 with no_sync accumulation)."""
     with expect_all() as expect:
         for spec in ("topk:density=0.05+ef", "powersgd:rank=2", "onebit", "hitopk:density=0.1"):
             for name, (ddp_kw, script_kw) in SCRIPT_SETUPS.items():
                 opts = {"min_compress_bytes": 0, "topology": Topology(nodes=2, per_node=1)}
-                model = ddp_script(hooked(spec, opts, **ddp_kw), epochs=3, **script_kw)
+                model = ddp_script(hooked(spec, opts, **ddp_kw), **script_kw)
                 model._gradsync_state.close()
                 with expect(f"{spec} / {name}"):
                     same_on_every_rank(params_of(model), "parameters")
