@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.sync import Scheme
 from gradsync.planner.decide import make_plan
+from gradsync.sync import Scheme
 
 
 def main() -> None:
