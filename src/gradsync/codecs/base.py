@@ -49,8 +49,9 @@ class EncodeContext:
     """This worker's rank; decorrelates stochastic rounding noise across workers."""
     summands: int = 1
     """How many payloads will be summed before decoding; summable formats leave that headroom."""
-    amax: float | None = None
-    """An agreed ``max |x|`` over all summands, so that summable formats pick the same scale."""
+    amax: float | torch.Tensor | None = None
+    """An agreed ``max |x|`` over all summands, so that summable formats pick the same scale (a
+    float, or a 1-element tensor on the device that a resident codec reads there)."""
     offset: int = 0
     """Where the encoded tensor's first element sits in what the stream's key names (a bucket the
     caller reduces in pieces; 0 for a stream of one whole tensor). Codecs ignore it; error
@@ -100,6 +101,23 @@ class Codec(Compressor, Generic[StreamT]):
         self.scheduled_density: float | None = None
         """A density that replaces the configured one for now (the sync engine's density
         schedule, a sparsity warm-up); only for :attr:`schedulable` codecs."""
+        self._resident = False
+
+    @property
+    def resident(self) -> bool:
+        return self._resident
+
+    @property
+    def host_free(self) -> bool:
+        return False
+
+    def set_resident(self, on: bool) -> None:
+        self._resident = bool(on)
+
+    @property
+    def _on_device(self) -> bool:
+        """Resident and able to stay on the device: the host-free versions run."""
+        return self._resident and self.host_free
 
     @property
     def schedulable(self) -> bool:
@@ -122,7 +140,9 @@ class Codec(Compressor, Generic[StreamT]):
         return self.config.spec()
 
     def fresh(self) -> Codec:
-        return type(self)(self.config)
+        codec = type(self)(self.config)
+        codec.set_resident(self._resident)
+        return codec
 
     def encode(
         self,
@@ -189,6 +209,11 @@ class Codec(Compressor, Generic[StreamT]):
                 f"{'' if out.is_contiguous() else ' (non-contiguous)'}"
             )
         flat = out.view(-1)
+        if self._on_device:  # the flags stay on the device: decode, then NaN where flagged
+            with self._ops_backend():
+                self._decode(payload, flat, accumulate, scale)
+            flat.masked_fill_(payload.flag_word(), math.nan)
+            return out
         if payload.nonfinite:
             flat.fill_(math.nan)
             return out

@@ -114,6 +114,26 @@ class Compressor(abc.ABC):
     ) -> torch.Tensor:
         """Decompress into a new tensor, or into (``accumulate``: add to) ``out``, times ``scale``."""
 
+    # ------------------------------------------------------------------ host-free (resident) mode
+    @property
+    def resident(self) -> bool:
+        """Whether this compressor runs in resident mode (see :meth:`set_resident`)."""
+        return self.plain.resident
+
+    @property
+    def host_free(self) -> bool:
+        """Whether, in resident mode, encoding and decoding never read a device value on the host
+        (the codec has an on-device version with a fixed-capacity payload). Codecs without one
+        keep working in resident mode, with their host reads."""
+        return self.plain.host_free
+
+    def set_resident(self, on: bool) -> None:
+        """Resident mode: payloads of a size fixed in advance, statistics and flags left on the
+        device, headers written there and never read by the host. What a GPU needs to overlap
+        communication with computation; on the CPU it serves tests and audits. Every rank must
+        choose the same (the payload sizes depend on it)."""
+        self.plain.set_resident(on)
+
     def compresses(self, shape: torch.Size) -> bool:
         """Whether a tensor of this shape is compressed (a ``per_tensor`` codec may send some
         shapes as they are); True for every other codec."""
@@ -222,6 +242,11 @@ class Compressor(abc.ABC):
 
     def discard(self, key: str = "") -> None:  # noqa: B027 - nothing to keep without error feedback
         """Drop the step :meth:`accumulate` began (its gradient was not finite)."""
+
+    def keep_if(self, flag: torch.Tensor, key: str = "") -> None:  # noqa: B027 - nothing to keep without error feedback
+        """After :meth:`commit`: where the 0-dim device bool ``flag`` is set (the gradient was
+        not finite), restore the state the commit replaced; read on the device only (resident
+        mode's :meth:`discard`)."""
 
     def begin_round(self) -> None:  # noqa: B027 - nothing to keep without error feedback
         """A synchronization round (a training step) starts: :meth:`rollback_round` undoes it."""

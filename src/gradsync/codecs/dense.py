@@ -12,6 +12,10 @@ sum payloads from several workers, give every worker the same ``EncodeContext.am
 maximum), so that they pick the same exponent. Without it the exponent follows the local maximum:
 reused from the previous call while it still fits, so steady state costs one pass.
 ``scaling=none`` casts as is and flags a payload whose finite values overflowed the format.
+
+In resident mode (:meth:`~gradsync.codecs.Compressor.set_resident`) the exponent is computed on
+the device from this call's maximum (or the agreed one, a device tensor) and written into the
+header there; the decoder reads it there too.
 """
 
 from __future__ import annotations
@@ -24,8 +28,17 @@ import torch
 
 from gradsync.codecs.base import Codec, EncodeContext, Stream
 from gradsync.codecs.config import CodecConfig, check_choice
-from gradsync.codecs.ops import FORMAT_MAX, abs_max, cast_checked, native, uncast
-from gradsync.codecs.payload import Flag, Header, Layout, Payload
+from gradsync.codecs.ops import (
+    FORMAT_MAX,
+    abs_max,
+    abs_max_on_device,
+    cast_checked,
+    cast_on_device,
+    device_stats,
+    native,
+    uncast,
+)
+from gradsync.codecs.payload import Flag, Header, Layout, Payload, device_flags, write_device_header
 from gradsync.codecs.registry import register
 
 
@@ -62,6 +75,11 @@ class NoCompression(Codec[Stream]):
         lay = self._layout(x.numel(), x.dtype)
         data, payload = self._new_payload(lay, x, shape, out)
         vals = lay.view(data, "val")
+        if self._on_device:
+            vals.copy_(x)
+            bad = device_stats(x).nonfinite if x.is_floating_point() else 0
+            write_device_header(data, x.numel(), device_flags(torch.as_tensor(bad, device=x.device)))
+            return payload
         flags = Flag.NONE
         if native.usable(x) and x.numel():
             bad = native.ext().copy_check(native.ptr(x), x.numel(), native.ptr(vals), vals.nbytes)
@@ -71,6 +89,10 @@ class NoCompression(Codec[Stream]):
         if bad:
             flags = Flag.NONFINITE
         return self._finish(data, payload, Header(count=x.numel(), flags=flags))
+
+    @property
+    def host_free(self) -> bool:
+        return True
 
     def values(self, payload: Payload) -> torch.Tensor:
         """The summable value section."""
@@ -147,16 +169,19 @@ class _HalfCodec(Codec[CastStream]):
         lay = self._layout(x.numel())
         data, payload = self._new_payload(lay, x, shape, out)
         vals = lay.view(data, "val")
+        if self._on_device:
+            return self._encode_on_device(x, ctx, data, payload, vals)
+        agreed = float(ctx.amax) if isinstance(ctx.amax, torch.Tensor) else ctx.amax
         if self.config.scaling == "none":
             e = 0
-        elif ctx.amax is not None:
-            e = self.exponent_for(ctx.amax, ctx.summands)
+        elif agreed is not None:
+            e = self.exponent_for(agreed, ctx.summands)
         else:
             e = stream.exponent if stream.exponent is not None else 0
         st = cast_checked(x, self.fmt, 2.0**e, vals)
         if (
             self.config.scaling == "auto"
-            and ctx.amax is None
+            and agreed is None
             and not st.nonfinite
             and not self._fits(e, st.max_abs, ctx.summands)
         ):
@@ -170,11 +195,44 @@ class _HalfCodec(Codec[CastStream]):
             flags |= Flag.OVERFLOW
         return self._finish(data, payload, Header(count=x.numel(), flags=flags, aux=e))
 
+    @property
+    def host_free(self) -> bool:
+        return True
+
+    def _exponent_on_device(self, amax: torch.Tensor, summands: int) -> torch.Tensor:
+        """:meth:`exponent_for` as a 0-dim int32 device tensor."""
+        amax = amax.float().reshape(())
+        usable = amax.isfinite() & (amax > 0)
+        room = FORMAT_MAX[self.fmt] / 2 / max(summands, 1)
+        e = torch.floor(torch.log2(room / torch.where(usable, amax, 1.0)))
+        if self.fmt == torch.bfloat16:
+            e = e.clamp(max=0)
+        return torch.where(usable, e.clamp(-100, 100), 0.0).to(torch.int32)
+
+    def _encode_on_device(
+        self, x: torch.Tensor, ctx: EncodeContext, data: torch.Tensor, payload: Payload, vals: torch.Tensor
+    ) -> Payload:
+        if self.config.scaling == "none":
+            e = torch.zeros((), dtype=torch.int32, device=x.device)
+        else:
+            amax = ctx.amax if ctx.amax is not None else abs_max_on_device(x)
+            if not isinstance(amax, torch.Tensor):
+                amax = torch.full((), amax, dtype=torch.float32, device=x.device)
+            e = self._exponent_on_device(amax, ctx.summands)
+        st = cast_on_device(x, self.fmt, torch.exp2(e.float()), vals)
+        nonfinite = st[1] > 0
+        write_device_header(data, x.numel(), device_flags(nonfinite, (st[2] > 0) & ~nonfinite), e)
+        return payload
+
     def values(self, payload: Payload) -> torch.Tensor:
         """The summable value section (in the 16-bit format)."""
         return self._layout(payload.numel).view(payload.data, "val")
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
+        if self._on_device:
+            factor = torch.exp2(-payload.field("aux").float()) * scale
+            uncast(self.values(payload), self.fmt, factor, out, accumulate)
+            return
         uncast(self.values(payload), self.fmt, scale * 2.0 ** (-payload.header.aux), out, accumulate)
 
 

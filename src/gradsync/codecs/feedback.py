@@ -192,7 +192,8 @@ class ErrorFeedback(Compressor):
             v = self.accumulate(grad, ctx.key, loss_scale, ctx.offset)
             wire = v if v.dtype == grad.dtype else v.to(grad.dtype)  # see "Half-precision" above
             payload = self.codec.encode(wire.view(grad.shape), ctx, out=out)
-        if payload.nonfinite:
+        resident = self.codec.resident and self.codec.host_free
+        if not resident and payload.nonfinite:
             self.discard(ctx.key)  # a skipped step: residual and momentum stay as they were
             return payload
         sent = self.codec.transmitted(payload)
@@ -202,7 +203,18 @@ class ErrorFeedback(Compressor):
             self.commit(ctx.key, factors=factors)  # P Q^T in place: its float32 product is the decode
         else:
             self.commit(ctx.key, dense=self.codec.decode(payload).view(-1))
+        if resident:  # the flag stays on the device: where it is set, the old state comes back
+            self.keep_if(payload.flag_word(), ctx.key)
         return payload
+
+    def keep_if(self, flag: torch.Tensor, key: str = "") -> None:
+        """Undo the commit just made where the device flag ``flag`` is set (a non-finite input),
+        without reading it: the previous residual and momentum are still in the spare buffers."""
+        s = self._streams[key]
+        if s.residual is not None and s.spare is not None:
+            s.residual.copy_(torch.where(flag, s.spare, s.residual))
+        if s.momentum is not None and s.spare_u is not None:
+            s.momentum.copy_(torch.where(flag, s.spare_u, s.momentum))
 
     def owed(self) -> list[Owed]:
         """What every stream still owes, unscaled copies with each stream's offset."""
@@ -341,7 +353,7 @@ class ErrorFeedback(Compressor):
         v = s.pending
         if indices is not None:
             assert values is not None
-            sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0)
+            sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0, on_device=self.resident)
         elif dense is not None:
             v.sub_(dense.to(v.dtype))
         elif factors is not None:

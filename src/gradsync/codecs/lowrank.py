@@ -14,6 +14,10 @@ with the same summed values everywhere. :meth:`Codec.encode` runs the three step
 
 Matrices too small to gain (``rank * (rows + cols) >= rows * cols``) and 1-D tensors are sent
 dense: the payload is flagged ``DENSE`` and holds the values as float32.
+
+In resident mode the orthogonalization decides on the device (:func:`orthogonalize_on_device`),
+whether a payload is dense follows from its shape alone, and the non-finite flag stays on the
+device.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import torch
 from gradsync.codecs.base import Codec, EncodeContext, Stream, follow_device, nonfinite_flag
 from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig, check_range
-from gradsync.codecs.ops import orthogonalize_, tensor_stats
-from gradsync.codecs.payload import Flag, Header, Layout, Payload
+from gradsync.codecs.ops import device_stats, orthogonalize_, orthogonalize_on_device, tensor_stats
+from gradsync.codecs.ops.backend import expected_host_read
+from gradsync.codecs.payload import Flag, Header, Layout, Payload, device_flags, write_device_header
 from gradsync.codecs.registry import register
 
 
@@ -103,13 +108,22 @@ class PowerSGD(Codec[PowersgdStream]):
             q = torch.randn(
                 cols, r, generator=stream.generator, dtype=torch.float32, device=stream.generator.device
             )
-            stream.q = orthogonalize_(q).to(m.device)
+            with expected_host_read("a stream's CPU generator"):  # (a first call, or a new shape)
+                stream.q = orthogonalize_(q).to(m.device)
         # (Q^T M^T)^T: the same product, several times faster than M @ Q in CPU BLAS for thin Q
         return torch.mm(stream.q.T, m.T).T
 
+    @property
+    def host_free(self) -> bool:
+        return True
+
+    def orthogonalize(self, m: torch.Tensor) -> torch.Tensor:
+        """Orthonormalize the columns of ``m`` in place (on the device in resident mode)."""
+        return orthogonalize_on_device(m) if self._on_device else orthogonalize_(m)
+
     def reproject(self, m: torch.Tensor, p_sum: torch.Tensor, stream: PowersgdStream) -> torch.Tensor:
         """Orthonormalize the summed P (kept in the stream) and return ``Q = M^T P``."""
-        stream.p = orthogonalize_(p_sum.clone())
+        stream.p = self.orthogonalize(p_sum.clone())
         return torch.mm(stream.p.T, m).T  # (P^T M)^T = M^T P
 
     def reconstruct(
@@ -134,6 +148,8 @@ class PowerSGD(Codec[PowersgdStream]):
     ) -> Payload:
         lay = self._layout(shape)
         data, payload = self._new_payload(lay, x, shape, out)
+        if self._on_device:
+            return self._encode_on_device(x, shape, stream, data, payload, lay)
         st = tensor_stats(x)
         if not self.compresses(shape):
             lay.view(data, "dense").copy_(x)
@@ -150,7 +166,40 @@ class PowerSGD(Codec[PowersgdStream]):
         lay.view(data, "q").copy_(q.reshape(-1))
         return self._finish(data, payload, Header(count=self.config.rank, flags=nonfinite_flag(st.nonfinite)))
 
+    def _encode_on_device(
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        stream: PowersgdStream,
+        data: torch.Tensor,
+        payload: Payload,
+        lay: Layout,
+    ) -> Payload:
+        nonfinite = device_stats(x).nonfinite
+        if not self.compresses(shape):
+            lay.view(data, "dense").copy_(x)
+            write_device_header(data, x.numel(), device_flags(nonfinite) | int(Flag.DENSE))
+            return payload
+        m = x.view(matrix_shape(shape)).float()
+        m = torch.where(nonfinite, 0.0, m)  # keep the factors finite; the payload is flagged anyway
+        q = self.reproject(m, self.project(m, stream), stream)
+        assert stream.p is not None
+        stream.q = q.clone()
+        lay.view(data, "p").copy_(stream.p.reshape(-1))
+        lay.view(data, "q").copy_(q.reshape(-1))
+        write_device_header(data, self.config.rank, device_flags(nonfinite))
+        return payload
+
+    def _dense(self, payload: Payload) -> bool:
+        """Whether a payload holds the values instead of factors (in resident mode from its
+        shape, without reading the header)."""
+        if self._on_device:
+            return not self.compresses(payload.shape)
+        return bool(payload.header.flags & Flag.DENSE)
+
     def payload_nbytes(self, payload: Payload) -> int:
+        if self._on_device:
+            return super().payload_nbytes(payload)
         h = payload.header
         dense = bool(h.flags & Flag.DENSE)
         if dense == self.compresses(payload.shape) or (not dense and h.count != self.config.rank):
@@ -161,7 +210,7 @@ class PowerSGD(Codec[PowersgdStream]):
         return super().payload_nbytes(payload)
 
     def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if payload.header.flags & Flag.DENSE:
+        if self._dense(payload):
             return None
         lay = self._layout(payload.shape)
         rows, cols = matrix_shape(payload.shape)
@@ -170,7 +219,7 @@ class PowerSGD(Codec[PowersgdStream]):
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
         lay = self._layout(payload.shape)
-        if payload.header.flags & Flag.DENSE:
+        if self._dense(payload):
             v = lay.view(payload.data, "dense")
             if scale != 1.0:
                 v = v * scale

@@ -13,6 +13,11 @@ Layout of ``Payload.data``::
 The in-band header carries everything that can change from call to call, so a peer can decode a
 buffer it received knowing only the static facts (codec, shape, dtype) that every rank already
 agrees on. :class:`Payload` pairs the bytes with those static facts.
+
+A codec in *resident* mode (on a GPU: nothing waits for the host) writes the header from 0-dim
+device tensors (:func:`write_device_header`) and its receivers never read it on the host: the
+payload's size follows from the static facts alone, and the flags are used as a device tensor
+(:meth:`Payload.flag_word`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ import torch
 
 HEADER_BYTES = 24
 _HEADER = struct.Struct("<qiiff")
+_FIELDS = {
+    "count": (0, 8, torch.int64),
+    "flags": (8, 12, torch.int32),
+    "aux": (12, 16, torch.int32),
+    "s0": (16, 20, torch.float32),
+    "s1": (20, 24, torch.float32),
+}
 _ALIGN = 8
 
 
@@ -124,6 +136,18 @@ class Payload:
             self._header = Header.unpack(raw)
         return self._header
 
+    def field(self, name: str) -> torch.Tensor:
+        """One header field (``count``, ``flags``, ``aux``, ``s0``, ``s1``) as a 0-dim tensor on
+        the payload's device: what a resident decoder reads instead of :attr:`header`."""
+        lo, hi, dtype = _FIELDS[name]
+        return self.data[lo:hi].view(dtype)[0]
+
+    def flag_word(self) -> torch.Tensor:
+        """A 0-dim bool tensor on the payload's device: whether the encoded tensor held inf or
+        NaN (or overflowed the format). Read on the device, so it never waits for the host."""
+        word = self.field("flags")
+        return (word & int(Flag.NONFINITE | Flag.OVERFLOW)) != 0
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -156,6 +180,36 @@ def write_header(data: torch.Tensor, header: Header) -> None:
         ctypes.memmove(data.data_ptr(), raw, HEADER_BYTES)
     else:
         data[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def write_device_header(
+    data: torch.Tensor,
+    count: torch.Tensor | int,
+    flags: torch.Tensor | int = 0,
+    aux: torch.Tensor | int = 0,
+    s0: torch.Tensor | float = 0.0,
+    s1: torch.Tensor | float = 0.0,
+) -> None:
+    """Write a header whose fields may be 0-dim tensors on ``data``'s device, without reading any
+    of them on the host (a handful of tiny copies on the device's stream)."""
+
+    def put(lo: int, hi: int, dtype: torch.dtype, value: torch.Tensor | float | int) -> None:
+        view = data[lo:hi].view(dtype)
+        if isinstance(value, torch.Tensor):
+            view.copy_(value.reshape(1))
+        else:
+            view.fill_(value)
+
+    for name, value in (("count", count), ("flags", flags), ("aux", aux), ("s0", s0), ("s1", s1)):
+        put(*_FIELDS[name], value)
+
+
+def device_flags(nonfinite: torch.Tensor, overflow: torch.Tensor | None = None) -> torch.Tensor:
+    """The header's flags word as an int32 device tensor from boolean (or count) device tensors."""
+    word = (nonfinite != 0).to(torch.int32) * int(Flag.NONFINITE)
+    if overflow is not None:
+        word = word + (overflow != 0).to(torch.int32) * int(Flag.OVERFLOW)
+    return word
 
 
 def allocate(nbytes: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,18 +30,21 @@ from gradsync.codecs.config import CodecConfig, SparsityConfig, check_choice, ch
 from gradsync.codecs.ops import (
     Key,
     abs_max,
+    device_stats,
     draw_words,
     lut_decode,
     packed_nbytes,
     sign_pack,
+    sign_pack_on_device,
     sparse_add_,
     sparse_to_dense_,
     stochastic_pack,
     tensor_stats,
     threshold_pack,
+    threshold_pack_on_device,
     topk,
 )
-from gradsync.codecs.payload import Header, Layout, Payload
+from gradsync.codecs.payload import Header, Layout, Payload, device_flags, write_device_header
 from gradsync.codecs.registry import register
 from gradsync.codecs.sparse import index_dtype
 
@@ -79,6 +82,8 @@ class OneBit(Codec[Stream]):
         n = x.numel()
         lay = _codes_layout(n, 1)
         data, payload = self._new_payload(lay, x, shape, out)
+        if self._on_device:
+            return self._encode_on_device(x, data, payload, lay.view(data, "codes"))
         st = sign_pack(x, lay.view(data, "codes"))
         if self.config.scales == 2:
             hi = st.pos_sum / st.pos_count if st.pos_count else 0.0
@@ -88,9 +93,31 @@ class OneBit(Codec[Stream]):
             hi, lo = m, -m
         return self._finish(data, payload, Header(count=n, flags=nonfinite_flag(st.nonfinite), s0=hi, s1=lo))
 
+    @property
+    def host_free(self) -> bool:
+        return True
+
+    def _encode_on_device(
+        self, x: torch.Tensor, data: torch.Tensor, payload: Payload, codes: torch.Tensor
+    ) -> Payload:
+        pos_sum, pos_count, neg_sum, nonfinite = sign_pack_on_device(x, codes).unbind()
+        n = x.numel()
+        if self.config.scales == 2:
+            hi = torch.where(pos_count > 0, pos_sum / pos_count.clamp(min=1), 0.0)
+            lo = torch.where(pos_count < n, neg_sum / (n - pos_count).clamp(min=1), 0.0)
+        else:
+            hi = (pos_sum - neg_sum) / max(n, 1)
+            lo = -hi
+        write_device_header(data, n, device_flags(nonfinite), 0, hi.float(), lo.float())
+        return payload
+
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
-        h = payload.header
         codes = _codes_layout(payload.numel, 1).view(payload.data, "codes")
+        if self._on_device:
+            table = torch.stack([payload.field("s1"), payload.field("s0")]) * scale
+            lut_decode(codes, 1, table, out, accumulate)
+            return
+        h = payload.header
         lut_decode(codes, 1, [h.s1 * scale, h.s0 * scale], out, accumulate)
 
 
@@ -121,18 +148,27 @@ class TBQ(Codec[Stream]):
         lay = _codes_layout(x.numel(), 2)
         data, payload = self._new_payload(lay, x, shape, out)
         tau = self.config.threshold
+        if self._on_device:
+            nonzero_t, nonfinite_t = threshold_pack_on_device(x, tau, lay.view(data, "codes")).unbind()
+            write_device_header(data, nonzero_t, device_flags(nonfinite_t), 0, tau)
+            return payload
         nonzero, nonfinite = threshold_pack(x, tau, lay.view(data, "codes"))
         return self._finish(data, payload, Header(count=nonzero, flags=nonfinite_flag(nonfinite), s0=tau))
 
+    @property
+    def host_free(self) -> bool:
+        return True
+
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
+        codes = _codes_layout(payload.numel, 2).view(payload.data, "codes")
+        if self._on_device:
+            t = payload.field("s0") * scale
+            lut_decode(
+                codes, 2, torch.stack([torch.zeros_like(t), t, -t, torch.zeros_like(t)]), out, accumulate
+            )
+            return
         tau = payload.header.s0 * scale
-        lut_decode(
-            _codes_layout(payload.numel, 2).view(payload.data, "codes"),
-            2,
-            [0.0, tau, -tau, 0.0],
-            out,
-            accumulate,
-        )
+        lut_decode(codes, 2, [0.0, tau, -tau, 0.0], out, accumulate)
 
 
 @dataclass(frozen=True)
@@ -173,6 +209,8 @@ class TernGrad(Codec[Stream]):
         n, bits = x.numel(), self.config.bits
         lay = _codes_layout(n, bits)
         data, payload = self._new_payload(lay, x, shape, out)
+        if self._on_device:
+            return self._encode_on_device(x, ctx, stream.generator, data, payload, lay.view(data, "codes"))
         if self.config.clip is None:
             scale, nonfinite = abs_max(x)
         else:
@@ -189,6 +227,33 @@ class TernGrad(Codec[Stream]):
         )
         return self._finish(data, payload, header)
 
+    @property
+    def host_free(self) -> bool:
+        return True
+
+    def _encode_on_device(
+        self,
+        x: torch.Tensor,
+        ctx: EncodeContext,
+        gen: torch.Generator,
+        data: torch.Tensor,
+        payload: Payload,
+        codes: torch.Tensor,
+    ) -> Payload:
+        n, bits = x.numel(), self.config.bits
+        st = device_stats(x)
+        scale = st.max_abs.float()
+        if self.config.clip is not None and n:
+            scale = torch.minimum(scale, self.config.clip * (st.sum_sq / n).sqrt().float())
+        usable = (scale > 0) & scale.isfinite()
+        mult = torch.where(usable, self.levels / torch.where(usable, scale, 1.0), 0.0)
+        k1, k2 = draw_words(gen)
+        k2 = (k2 + 0x9E3779B9 * ctx.rank) & 0xFFFFFFFF
+        stochastic_pack(x, mult, self.levels, bits, (k1, k2), codes)
+        s0 = torch.where(scale.isfinite(), scale, 0.0)
+        write_device_header(data, n, device_flags(st.nonfinite), bits, s0)
+        return payload
+
     def lut(self, scale: float, bits: int) -> list[float]:
         levels = 2 ** (bits - 1) - 1
         step = scale / levels
@@ -196,8 +261,16 @@ class TernGrad(Codec[Stream]):
         return [(-1.0 if c & half else 1.0) * (c & (half - 1)) * step for c in range(1 << bits)]
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
-        h = payload.header
         bits = self.config.bits
+        if self._on_device:  # the table made on the device from the header's scale
+            code = torch.arange(1 << bits, device=out.device)
+            half = 1 << (bits - 1)
+            level = torch.where((code & half) != 0, -(code & (half - 1)), code & (half - 1))
+            step = payload.field("s0") * scale / self.levels
+            codes = _codes_layout(payload.numel, bits).view(payload.data, "codes")
+            lut_decode(codes, bits, level.float() * step, out, accumulate)
+            return
+        h = payload.header
         lut_decode(
             _codes_layout(payload.numel, bits).view(payload.data, "codes"),
             bits,

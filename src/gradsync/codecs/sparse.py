@@ -20,11 +20,11 @@ from typing import ClassVar
 
 import torch
 
-from gradsync.codecs import selection
+from gradsync.codecs import selection, selection_on_device
 from gradsync.codecs.base import Codec, EncodeContext, Stream, StreamT, nonfinite_flag
 from gradsync.codecs.config import SparsityConfig, check_range
 from gradsync.codecs.ops import sparse_add_, sparse_to_dense_
-from gradsync.codecs.payload import Header, Layout, Payload
+from gradsync.codecs.payload import Header, Layout, Payload, device_flags, write_device_header
 from gradsync.codecs.registry import register
 
 
@@ -70,6 +70,26 @@ class SparseCodec(Codec[StreamT]):
             flat, ctx, lambda stream: self._encode(flat, shape, ctx, stream, out, addends)
         )
 
+    def select_on_device(self, x: torch.Tensor, k: int, stream: StreamT) -> selection_on_device.Capped | None:
+        """The host-free selection (:mod:`gradsync.codecs.selection_on_device`) into
+        :meth:`device_capacity` slots; None where the codec has none."""
+        return None
+
+    def device_capacity(self, numel: int) -> int:
+        """The slots of a resident payload: the most elements the host-free selection sends."""
+        return self.target_count(numel)
+
+    @property
+    def host_free(self) -> bool:
+        return type(self).select_on_device is not SparseCodec.select_on_device
+
+    def _count(self, numel: int, payload: Payload | None = None) -> int:
+        """Elements in a payload: the fixed capacity in resident mode, else the header's count
+        (for a payload) or the expected count."""
+        if self._on_device:
+            return self.device_capacity(numel)
+        return payload.count if payload is not None else self.target_count(numel)
+
     def check_numel(self, numel: int) -> None:
         self.target_count(numel)
 
@@ -91,6 +111,8 @@ class SparseCodec(Codec[StreamT]):
         addends: selection.Addends = None,
     ) -> Payload:
         n = x.numel()
+        if self._on_device:
+            return self._encode_on_device(x, shape, stream, out, addends)
         if n == 0:
             sel = selection.Selected(x.new_zeros(0, dtype=torch.int32), x[:0], selection.tensor_stats(x))
         else:
@@ -101,9 +123,34 @@ class SparseCodec(Codec[StreamT]):
         lay.view(data, "val").copy_(sel.val)
         return self._finish(data, payload, Header(count=sel.count, flags=nonfinite_flag(sel.stats.nonfinite)))
 
+    def _encode_on_device(
+        self,
+        x: torch.Tensor,
+        shape: torch.Size,
+        stream: StreamT,
+        out: torch.Tensor | None,
+        addends: selection.Addends,
+    ) -> Payload:
+        """Resident mode: a fixed-capacity payload, its header written on the device."""
+        if addends is not None:
+            torch.add(*addends, out=x)
+        n, cap = x.numel(), self.device_capacity(x.numel())
+        lay = sparse_layout(n, cap, x.dtype)
+        data, payload = self._new_payload(lay, x, shape, out)
+        if n == 0:
+            write_device_header(data, 0)
+            return payload
+        sel = self.select_on_device(x, self.target_count(n), stream)
+        assert sel is not None and sel.idx.numel() == cap, (self.name, cap)
+        lay.view(data, "idx").copy_(sel.idx)
+        lay.view(data, "val").copy_(sel.val)
+        write_device_header(data, sel.count, device_flags(sel.stats.nonfinite))
+        return payload
+
     def sparse_view(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (indices, values) sections of a payload."""
-        lay = sparse_layout(payload.numel, payload.count, payload.dtype)
+        """The (indices, values) sections of a payload (in resident mode, every slot: padding
+        slots hold a selected index with the value 0)."""
+        lay = sparse_layout(payload.numel, self._count(payload.numel, payload), payload.dtype)
         return lay.view(payload.data, "idx"), lay.view(payload.data, "val")
 
     def _decode(self, payload: Payload, out: torch.Tensor, accumulate: bool, scale: float) -> None:
@@ -111,20 +158,23 @@ class SparseCodec(Codec[StreamT]):
         if scale != 1.0:
             val = val * scale  # k elements
         if accumulate:
-            sparse_add_(out, idx, val)
+            sparse_add_(out, idx, val, on_device=self._on_device)
         else:
-            sparse_to_dense_(out, idx, val)
+            sparse_to_dense_(out, idx, val, on_device=self._on_device)
 
     def transmitted(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sparse_view(payload)
 
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
-        return sparse_layout(numel, self.target_count(numel), dtype).nbytes
+        return sparse_layout(numel, self._count(numel), dtype).nbytes
 
     def _max_nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
-        return sparse_layout(numel, self.max_count(numel), dtype).nbytes
+        count = self.device_capacity(numel) if self._on_device else self.max_count(numel)
+        return sparse_layout(numel, count, dtype).nbytes
 
     def payload_nbytes(self, payload: Payload) -> int:
+        if self._on_device:  # fixed: the header is not read
+            return sparse_layout(payload.numel, self.device_capacity(payload.numel), payload.dtype).nbytes
         if not 0 <= payload.count <= max(payload.numel, 0):
             raise ValueError(f"{self.name}: header count {payload.count} is outside [0, {payload.numel}]")
         return sparse_layout(payload.numel, payload.count, payload.dtype).nbytes
@@ -148,6 +198,9 @@ class TopK(SparseCodec[Stream]):
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
         return selection.exact_topk(x, k, self.ws, addends)
+
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        return selection_on_device.exact_topk(x, k)
 
 
 @dataclass(frozen=True)
@@ -192,6 +245,9 @@ class ChunkTopK(SparseCodec[Stream]):
     ) -> selection.Selected:
         return selection.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:])
 
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        return selection_on_device.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:])
+
 
 @dataclass(frozen=True)
 class MstopkConfig(SparsityConfig):
@@ -221,6 +277,10 @@ class MSTopK(SparseCodec[Stream]):
         assert stream.generator is not None
         return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws, addends)
 
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        assert stream.generator is not None
+        return selection_on_device.mstopk(x, k, self.config.iters, stream.generator)
+
 
 @dataclass(frozen=True)
 class TrimmedTopkConfig(SparsityConfig):
@@ -247,6 +307,9 @@ class TrimmedTopK(SparseCodec[Stream]):
     ) -> selection.Selected:
         return selection.trimmed_topk(x, k, self.config.step, self.ws, addends)
 
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        return selection_on_device.trimmed_topk(x, k, self.config.step)
+
 
 @dataclass(frozen=True)
 class BsearchConfig(SparsityConfig):
@@ -262,7 +325,8 @@ class BsearchConfig(SparsityConfig):
 
 @dataclass
 class BsearchStream(Stream):
-    threshold: float | None = None
+    threshold: float | torch.Tensor | None = None
+    """The threshold to reuse: a float on the host path, a 0-dim tensor in resident mode."""
     age: int = 0
 
 
@@ -280,14 +344,28 @@ class Bsearch(SparseCodec[BsearchStream]):
         # the count is in [k, 2k] except on data where no threshold achieves it (heavy ties)
         return numel
 
+    def device_capacity(self, numel: int) -> int:
+        return min(numel, 2 * self.target_count(numel))
+
     def _nbytes(self, numel: int, shape: torch.Size, dtype: torch.dtype) -> int:
+        if self._on_device:
+            return super()._nbytes(numel, shape, dtype)
         k = self.config.k_for(numel, self.scheduled_density)
         return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
+
+    def select_on_device(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection_on_device.Capped:
+        t = stream.threshold
+        reuse = t if isinstance(t, torch.Tensor) and stream.age < self.config.reuse else None
+        sel, threshold = selection_on_device.bsearch(x, k, self.config.eps, reuse)
+        stream.threshold = threshold
+        stream.age = 1 if reuse is None else stream.age + 1
+        return sel
 
     def select(
         self, x: torch.Tensor, k: int, stream: BsearchStream, addends: selection.Addends = None
     ) -> selection.Selected:
-        reuse = stream.threshold if stream.threshold is not None and stream.age < self.config.reuse else None
+        t = stream.threshold  # (a tensor left by resident mode is not reused here)
+        reuse = t if isinstance(t, float) and stream.age < self.config.reuse else None
         res = selection.bsearch(x, k, self.config.eps, reuse, self.ws)
         if not res.selected.stats.nonfinite:  # a non-finite input leaves the state alone
             stream.threshold = res.threshold
@@ -322,6 +400,10 @@ class DGC(SparseCodec[Stream]):
     ) -> selection.Selected:
         assert stream.generator is not None
         return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
+
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        assert stream.generator is not None
+        return selection_on_device.dgc(x, k, self.config.sample, stream.generator)
 
 
 @dataclass(frozen=True)
@@ -361,6 +443,18 @@ class GradDrop(SparseCodec[Stream]):
             return self._max_nbytes(numel, shape, dtype)
         return super()._nbytes(numel, shape, dtype)
 
+    @property
+    def host_free(self) -> bool:
+        # a given threshold bounds nothing: its payload's size is the data's (read on the host)
+        return self.config.threshold is None
+
+    def device_capacity(self, numel: int) -> int:
+        return min(numel, 2 * self.target_count(numel))
+
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        assert stream.generator is not None
+        return selection_on_device.graddrop(x, k, self.config.sample, stream.generator)
+
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
@@ -395,6 +489,13 @@ class RandomK(SparseCodec[Stream]):
     ) -> selection.Selected:
         assert stream.generator is not None
         sel = selection.randomk(x, k, stream.generator)
+        if self.config.unbiased and k:
+            sel.val = sel.val * (x.numel() / k)
+        return sel
+
+    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
+        assert stream.generator is not None
+        sel = selection_on_device.randomk(x, k, stream.generator)
         if self.config.unbiased and k:
             sel.val = sel.val * (x.numel() / k)
         return sel

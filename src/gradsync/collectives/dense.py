@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.codecs import EncodeContext, build_codec
-from gradsync.codecs.ops import Workspace, abs_max
+from gradsync.codecs.ops import Workspace, abs_max, abs_max_on_device
 from gradsync.collectives import primitives as P
 from gradsync.collectives.cost import CostModel
 from gradsync.collectives.program import Program, chain, last, run
@@ -130,9 +130,11 @@ def allreduce_program(
     comm_dtype: str | None = None,
     hybrid: HybridPolicy | None = None,
     ws: Workspace | None = None,
+    resident: bool | None = None,
 ) -> Program:
     """:func:`allreduce` of the flat, contiguous ``buf`` as a step program (arguments checked
-    by the caller); ``ws`` holds the scratch space of this program."""
+    by the caller); ``ws`` holds the scratch space of this program. ``resident``: with a
+    ``comm_dtype``, the agreed scale never reaches the host (None: where ``buf`` is on a GPU)."""
     ws = ws if ws is not None else topo.workspace
     if topo.world == 1:
         return None
@@ -143,10 +145,15 @@ def allreduce_program(
         tail = yield from dense_steps(buf, topo, algorithm, ws)
         return chain(tail, (lambda: buf.div_(topo.world)) if op == "mean" else None)
     codec = build_codec(comm_dtype)
+    codec.set_resident(resident if resident is not None else buf.device.type != "cpu")
     # the scale must be the same everywhere: agree on the global max first
-    amax = torch.tensor([abs_max(buf)[0]], dtype=torch.float32, device=buf.device)
+    if codec.resident:  # the agreed max stays on the device
+        amax = abs_max_on_device(buf)
+    else:
+        amax = torch.tensor([abs_max(buf)[0]], dtype=torch.float32, device=buf.device)
     yield partial(P.all_reduce, amax, topo.world_group, "world", op=dist.ReduceOp.MAX)
-    payload = codec.encode(buf, EncodeContext(summands=topo.world, amax=float(amax)))
+    agreed = amax if codec.resident else float(amax)
+    payload = codec.encode(buf, EncodeContext(summands=topo.world, amax=agreed))
     values = codec.values(payload)
     assert values is not None  # fp16 / bf16 payloads have a value section
     tail = yield from dense_steps(values, topo, algorithm, ws)

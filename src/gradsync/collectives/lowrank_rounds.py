@@ -88,6 +88,9 @@ def lowrank_rounds(
         yield last(partial(P.all_reduce, second, group, level), final)
 
     def finish() -> None:
+        if codec.resident:
+            finish_on_device()
+            return
         # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)
         finite = bool(torch.isfinite(first).all()) and bool(torch.isfinite(second).all())
         pos = 0
@@ -112,5 +115,31 @@ def lowrank_rounds(
             result = codec.reconstruct(q_sum, stream, out=out)
             if out is None:
                 x.copy_(result.view(x.shape))
+
+    def finish_on_device() -> None:
+        # the same, with the finite test left on the device: every branch becomes a where
+        finite = torch.isfinite(first).all() & torch.isfinite(second).all()
+        pos = 0
+        for x in dense:
+            x.copy_(first[pos : pos + x.numel()].view(x.shape))
+            pos += x.numel()
+        qpos = 0
+        for (x, key, _, stream, _, old_p), q_local in zip(mats, q_locals, strict=True):
+            q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
+            qpos += q_local.numel()
+            assert stream.p is not None
+            old_q = stream.q
+            if feedback is not None:
+                feedback.commit(key, factors=(stream.p, q_local))
+                feedback.keep_if(~finite, key)
+            out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
+            result = codec.reconstruct(q_sum, stream, out=out)
+            if out is None:
+                x.copy_(result.view(x.shape))
+            x.masked_fill_(~finite, float("nan"))
+            if old_p is not None:  # a skipped step keeps the factors finite
+                stream.p = torch.where(finite, stream.p, old_p)
+            if old_q is not None and stream.q is not None:
+                stream.q = torch.where(finite, stream.q, old_q)
 
     return finish

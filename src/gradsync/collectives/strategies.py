@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.codecs import Codec, Compressor, EncodeContext, Payload
-from gradsync.codecs.ops import abs_max
+from gradsync.codecs.ops import abs_max, abs_max_on_device
 from gradsync.collectives import primitives as P
 from gradsync.collectives.cost import CodecCost, CostModel, Link
 from gradsync.collectives.pieces import Piece, fixed_capacity, trimmed
@@ -111,8 +111,12 @@ def _agreed(
 ) -> Generator[Step, Any, EncodeContext]:
     """The context for summable encodes: the group's max |x| (if the codec scales) and its size."""
     p = P.size(group)
-    amax = None
-    if coder.plain.agreed_scale:
+    amax: float | torch.Tensor | None = None
+    if coder.plain.agreed_scale and coder.plain.resident:  # the agreed max stays on the device
+        t = abs_max_on_device(x)
+        yield partial(P.all_reduce, t, group, level, op=dist.ReduceOp.MAX)
+        amax = t
+    elif coder.plain.agreed_scale:
         t = torch.tensor([abs_max(x)[0]], dtype=torch.float32, device=x.device)
         yield partial(P.all_reduce, t, group, level, op=dist.ReduceOp.MAX)
         amax = float(t)

@@ -68,9 +68,10 @@ from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
 from gradsync.integrate.hook_books import HookBooks, Iteration
 from gradsync.integrate.wrap import build_config
+from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import bucket_program
 from gradsync.sync.checkpoint import front_state, must_reset
-from gradsync.sync.codec_set import build_codecs, sync_momentum
+from gradsync.sync.codec_set import build_codecs, resident_on, sync_momentum
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
 from gradsync.sync.ledger import Ledger
@@ -162,6 +163,8 @@ class HookState:
     def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
+        if self.codec is not None:
+            self.codec.set_resident(resident_on(self.config.resident, topo.comm_device))
         self.manager.device = topo.device  # the threads start with the first bucket
         return topo
 
@@ -362,7 +365,12 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     if not compress:
         algorithm = state.config.dense_algorithm
         algorithm = "hybrid" if algorithm == "auto" else algorithm  # no planner in the hook
-        return (yield from bucket_program(buf, topo, scheme, None, key, state.loss_scale, ws, algorithm))
+        resident = resident_on(state.config.resident, topo.comm_device)
+        return (
+            yield from bucket_program(
+                buf, topo, scheme, None, key, state.loss_scale, ws, algorithm, resident=resident
+            )
+        )
     codec = state.codec
     assert codec is not None
     apply_schedule(state.density_schedule, [codec], state.step)  # the same step for every bucket
@@ -379,6 +387,11 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
 
 def gradsync_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: synchronize the bucket on gradsync's threads."""
+    with host_reads.watching():  # (autograd runs hooks outside the caller's torch modes)
+        return _synchronize_bucket(state, bucket)
+
+
+def _synchronize_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     topo = state.bind()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     buf = bucket.buffer()

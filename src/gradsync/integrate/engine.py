@@ -78,7 +78,7 @@ from gradsync.sync.checkpoint import must_reset
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.flags import apply_flags, flags_program, rescale_for_join
+from gradsync.sync.flags import apply_flags, flags_program, read_flags, rescale_for_join
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.momentum import SyncMomentum
 from gradsync.sync.scheme import Scheme
@@ -107,6 +107,8 @@ class SyncEngine:
         self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
         self.codec_set = CodecSet(config, self.scheme, topology)
         self.codecs: list[Compressor] = self.codec_set.codecs
+        self.resident = self.codec_set.set_resident(topology.comm_device)
+        """Resident mode (:attr:`SyncConfig.resident`): nothing on the path waits for the host."""
         self.schemes: list[Scheme] = self.codec_set.schemes
         """The scheme each codec runs under (by codec id): the scheme's own, then the candidates'."""
         self.ledger = Ledger(self.codecs)
@@ -297,7 +299,7 @@ class SyncEngine:
             overflow, unused = False, set[str]()
             if flags is not None:
                 overflow, unused = apply_flags(
-                    flags.tolist(), self.slots, self.ledger, self._agreeing, self.layout.layouts
+                    read_flags(flags), self.slots, self.ledger, self._agreeing, self.layout.layouts
                 )
             frozen = {self.slots[i].name for i in self._frozen}
             if frozen - unused and not overflow:
@@ -446,7 +448,8 @@ class SyncEngine:
         ws = bucket.workspace(part)
         if not compress:
             return bucket_program(bucket.flat[lo:hi], self.topo, self.scheme, None, bucket.key,
-                                  self.cur.loss_scale, ws, bucket.dense_algorithm)  # fmt: skip
+                                  self.cur.loss_scale, ws, bucket.dense_algorithm,
+                                  resident=self.resident)  # fmt: skip
         codec, scheme = self.codecs[bucket.codec_id], self.schemes[bucket.codec_id]
         lowrank_parts = None
         if codec.per_tensor:

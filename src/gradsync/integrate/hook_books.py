@@ -24,7 +24,7 @@ from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.bucket_sync import nonfinite_flag
 from gradsync.sync.carry import Layouts, whole
-from gradsync.sync.flags import flags_program
+from gradsync.sync.flags import flags_program, read_flags
 from gradsync.sync.ledger import Ledger
 
 
@@ -101,7 +101,7 @@ class HookBooks:
     def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
         """The iteration is over (compute thread): act on the agreed ``flags``, and carry what
         the streams of buckets DDP no longer forms owed. :meth:`release` then hands DDP the buckets."""
-        values = flags.tolist() if flags is not None else [0.0]
+        values = read_flags(flags) if flags is not None else [0.0]
         overflow = values[0] > 0
         unused = {n for n, v in zip(self._tracked, values[1:], strict=True) if v == 0}
         if overflow:  # every rank skips the step: NaN reaches each rank's GradScaler

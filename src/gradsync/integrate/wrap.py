@@ -28,6 +28,7 @@ from gradsync.collectives.topology import Topology
 from gradsync.integrate.agreement import agreed
 from gradsync.integrate.checks import check_model
 from gradsync.integrate.engine import SyncEngine
+from gradsync.sync import host_reads
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.stats import StepStats
 
@@ -119,22 +120,25 @@ class GradSync(nn.Module, Joinable):
                 engine.note_used(index)  # no_sync(): used, for the next synchronization
                 return
             self._syncing = True
-            engine.ready(index)
+            with host_reads.watching():  # (autograd runs hooks outside the caller's torch modes)
+                engine.ready(index)
 
         return hook
 
     def _finish_alone(self) -> None:
         self._callback_queued = False
-        self.engine.finish_alone()
+        with host_reads.watching():
+            self.engine.finish_alone()
 
     def _backward_end(self) -> None:
         self._in_pass = False
         if not self._syncing:
             return
         self._syncing = False
-        self.engine.backward_ended()
-        if self.engine.config.finish_in_backward:
-            self.engine.finish()
+        with host_reads.watching():
+            self.engine.backward_ended()
+            if self.engine.config.finish_in_backward:
+                self.engine.finish()
 
     # ------------------------------------------------------------------ public
     def finish_sync(self) -> StepStats | None:

@@ -73,6 +73,11 @@ def sync_momentum(codecs: list[Compressor]) -> SyncMomentum | None:
     return SyncMomentum(m, nesterov) if m > 0 else None
 
 
+def resident_on(choice: bool | None, device: torch.device) -> bool:
+    """Whether codecs run resident: ``choice``, or (None) whether ``device`` is not the CPU."""
+    return choice if choice is not None else torch.device(device).type != "cpu"
+
+
 class CodecSet:
     """The codecs of one engine, by id, each with the scheme it runs under."""
 
@@ -93,6 +98,14 @@ class CodecSet:
         self.density: float | None = None
         """What the last step ran at under the schedule (the largest density; None when every
         sparsifier ran at its own)."""
+
+    def set_resident(self, device: torch.device) -> bool:
+        """Put every codec in resident mode as the config says (None: where ``device`` is a GPU);
+        returns the choice."""
+        on = resident_on(self.config.resident, device)
+        for codec in self.codecs:
+            codec.set_resident(on)
+        return on
 
     def __len__(self) -> int:
         return len(self.codecs)

@@ -123,6 +123,11 @@ class SyncConfig(OptionsConfig):
     check_overflow: bool | None = None
     """All-reduce an inf/NaN flag every step so that every rank's GradScaler skips together, and
     roll back error-feedback residuals on such steps. None: on when a GradScaler is attached."""
+    resident: bool | None = None
+    """Resident mode for the codecs (:meth:`gradsync.codecs.Compressor.set_resident`): payloads
+    of a size fixed in advance, statistics and flags left on the device, so that nothing waits
+    for the host per bucket and communication overlaps the backward pass on a GPU. None: on
+    where the gradients live on a GPU; True also on the CPU (for tests and audits)."""
     check_steps: bool = True
     """Start every synchronized step with one tiny all-reduce that checks that every rank is at
     the same step and ran as many forward passes (a rank that skipped a backward pass would

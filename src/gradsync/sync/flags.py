@@ -19,12 +19,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.codecs.ops.backend import expected_host_read
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
 from gradsync.sync.carry import Layouts
 from gradsync.sync.ledger import Ledger
+
+STEP_FLAGS = "the step's flags"
+"""How an audit of host reads (:mod:`gradsync.sync.host_reads`) names the one read of the agreed
+flags a step makes (and, when the step agrees which parameters were used, their upload)."""
+
+
+def read_flags(flags: torch.Tensor) -> list[float]:
+    """The agreed flags as numbers: the step's one intended host read."""
+    with expected_host_read(STEP_FLAGS):
+        return flags.tolist()
 
 
 def flags_program(
@@ -45,8 +56,9 @@ def flags_program(
 
     def program() -> Program:
         if used is not None:
-            host[1:] = torch.tensor(used(), dtype=torch.float32, device=host.device)
-            out.copy_(host)
+            with expected_host_read(STEP_FLAGS):
+                host[1:] = torch.tensor(used(), dtype=torch.float32, device=host.device)
+                out.copy_(host)
         if nonfinite:  # device flags: no host synchronization per bucket
             out[:1].copy_(torch.stack([f.to(out.device) for f in nonfinite]).any().reshape(1))
         yield lambda: P.all_reduce(out, topo.world_group, "world", op=dist.ReduceOp.MAX)

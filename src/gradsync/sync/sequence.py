@@ -43,6 +43,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from gradsync.codecs.ops.backend import expected_host_read
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
@@ -84,6 +85,11 @@ class EngineWords:
     forwards_apart: tuple[int, int] | None = None
     """Result: the fewest and the most forward passes of the ranks, when they differ (the
     engine warns: fine after a look at the predictions, not after a dropped batch)."""
+
+
+STEP_CHECK = "the step check"
+"""How an audit of host reads (:mod:`gradsync.sync.host_reads`) names the step check's upload
+and read (once per step, on the compute thread, before the first bucket communicates)."""
 
 
 def warn_forwards_apart(words: EngineWords | None, where: str) -> bool:
@@ -129,8 +135,9 @@ def sequence_program(
     if words is not None:
         frozen = None if words.passes is None else words.frozen
         values += [*_pair(words.passes), *_pair(frozen), int(words.missed)]
-    mine = torch.tensor(values, dtype=torch.int64, device="cpu")
-    reduced = mine.to(topo.comm_device, copy=True)  # mine stays this rank's own numbers
+    with expected_host_read(STEP_CHECK):
+        mine = torch.tensor(values, dtype=torch.int64, device="cpu")
+        reduced = mine.to(topo.comm_device, copy=True)  # mine stays this rank's own numbers
 
     def check() -> None:
         t0 = time.perf_counter()
@@ -139,7 +146,8 @@ def sequence_program(
             clock.wait_s = time.perf_counter() - t0
 
     yield check
-    r = reduced.tolist()
+    with expected_host_read(STEP_CHECK):
+        r = reduced.tolist()
     if clock is not None:
         clock.lag_s = r[4] / 1e6 if r[4] >= 0 else None
     agree = _agree(r[0], r[1])

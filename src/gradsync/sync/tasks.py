@@ -50,6 +50,7 @@ import torch
 from gradsync.collectives import primitives as P
 from gradsync.collectives.program import AFTER_LAST, LastStep, Program, ProgramError, Step
 from gradsync.collectives.topology import use_device
+from gradsync.sync import host_reads
 
 _running: weakref.WeakSet[TaskManager] = weakref.WeakSet()
 """Managers whose threads run, for :func:`_close_running` (filled as threads start)."""
@@ -284,11 +285,12 @@ class TaskManager:
                 value, task._result = task._result, None
             t0 = time.perf_counter()
             try:
-                if task._started:
-                    step = task.program.send(value)
-                else:
-                    task._started = True
-                    step = next(task.program)
+                with host_reads.watching():
+                    if task._started:
+                        step = task.program.send(value)
+                    else:
+                        task._started = True
+                        step = next(task.program)
             except StopIteration as stop:
                 t1 = time.perf_counter()
                 task.compute_s += t1 - t0
@@ -323,10 +325,11 @@ class TaskManager:
             return
         t0 = time.perf_counter()
         try:
-            if finisher is not None:
-                finisher()
-            if task.on_done is not None:
-                task.on_done()
+            with host_reads.watching():
+                if finisher is not None:
+                    finisher()
+                if task.on_done is not None:
+                    task.on_done()
         except BaseException as e:
             self._fail(task, e)
             return
@@ -358,7 +361,8 @@ class TaskManager:
             if task.first_comm_at is None:
                 task.first_comm_at = t0
             try:
-                result = step()
+                with host_reads.watching():
+                    result = step()
             except BaseException as e:
                 self._fail(task, e)
                 continue

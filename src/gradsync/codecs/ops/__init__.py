@@ -3,7 +3,8 @@
 Each operator is defined in torch (any device, traceable by torch.compile) and, for contiguous
 float32 CPU tensors, runs a fused native kernel when ``gradsync._native`` is available.
 
-- reductions: :func:`tensor_stats` (sum/max of |x|, non-finite count, sum of squares)
+- reductions: :func:`tensor_stats` (sum/max of |x|, non-finite count, sum of squares);
+  :func:`device_stats`, the same left on the device
 - threshold selection: :func:`count_ge`, :func:`kth_largest`, :class:`CandidateSet`, :func:`topk`
 - compaction and sparse add: :meth:`CandidateSet.select`, :func:`sparse_add_`, :func:`gather`
 - bit packing: :func:`pack_codes`, :func:`unpack_codes`, :func:`lut_decode`, :func:`sign_pack`,
@@ -21,12 +22,14 @@ from gradsync.codecs.ops.bits import (
     pack_codes,
     packed_nbytes,
     sign_pack,
+    sign_pack_on_device,
     stochastic_pack,
     threshold_pack,
+    threshold_pack_on_device,
     unpack_codes,
 )
-from gradsync.codecs.ops.floats import FORMAT_MAX, CastStats, cast_checked, uncast
-from gradsync.codecs.ops.lowrank import orthogonalize_
+from gradsync.codecs.ops.floats import FORMAT_MAX, CastStats, cast_checked, cast_on_device, uncast
+from gradsync.codecs.ops.lowrank import orthogonalize_, orthogonalize_on_device
 from gradsync.codecs.ops.random import (
     draw_index,
     draw_words,
@@ -37,7 +40,14 @@ from gradsync.codecs.ops.random import (
     stochastic_round,
     stream_seed,
 )
-from gradsync.codecs.ops.reduce import TensorStats, abs_max, tensor_stats
+from gradsync.codecs.ops.reduce import (
+    DeviceStats,
+    TensorStats,
+    abs_max,
+    abs_max_on_device,
+    device_stats,
+    tensor_stats,
+)
 from gradsync.codecs.ops.select import CandidateSet, Key, count_ge, f32, f32_above, keyed, kth_largest, topk
 from gradsync.codecs.ops.sparse import gather, sparse_add_, sparse_to_dense_
 from gradsync.codecs.ops.workspace import Workspace
@@ -47,14 +57,18 @@ __all__ = [
     "FORMAT_MAX",
     "CandidateSet",
     "CastStats",
+    "DeviceStats",
     "Key",
     "SignStats",
     "TensorStats",
     "Workspace",
     "abs_max",
+    "abs_max_on_device",
     "backend",
     "cast_checked",
+    "cast_on_device",
     "count_ge",
+    "device_stats",
     "draw_index",
     "draw_words",
     "f32",
@@ -67,10 +81,12 @@ __all__ = [
     "lut_decode",
     "make_generator",
     "orthogonalize_",
+    "orthogonalize_on_device",
     "pack_codes",
     "packed_nbytes",
     "random_subset",
     "sign_pack",
+    "sign_pack_on_device",
     "sparse_add_",
     "sparse_to_dense_",
     "stochastic_pack",
@@ -78,6 +94,7 @@ __all__ = [
     "stream_seed",
     "tensor_stats",
     "threshold_pack",
+    "threshold_pack_on_device",
     "topk",
     "uncast",
     "unpack_codes",

@@ -43,6 +43,26 @@ def mode() -> str:
     return _mode.get()
 
 
+_host_read: contextvars.ContextVar[str | None] = contextvars.ContextVar("gradsync_host_read", default=None)
+
+
+@contextlib.contextmanager
+def expected_host_read(why: str) -> Iterator[None]:
+    """Mark the host reads made inside as intended (a CPU-only tensor such as a stream's
+    generator output, or the one flag read a step makes): an audit of host reads
+    (:func:`gradsync.sync.host_reads.audit_host_reads`) lists them apart, named by ``why``."""
+    token = _host_read.set(why)
+    try:
+        yield
+    finally:
+        _host_read.reset(token)
+
+
+def host_read_reason() -> str | None:
+    """Why host reads are expected here (None: they are not)."""
+    return _host_read.get()
+
+
 def compilable(fn: F) -> F:
     """Mark a pure tensor function (tensors in, tensors out) as one to compile in compiled mode.
 

@@ -65,13 +65,21 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def lut_decode(
-    packed: torch.Tensor, bits: int, lut: list[float], out: torch.Tensor, accumulate: bool = False
+    packed: torch.Tensor,
+    bits: int,
+    lut: list[float] | torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
 ) -> torch.Tensor:
-    """``out[i] (+)= lut[code_i]`` for the ``out.numel()`` codes in ``packed``."""
+    """``out[i] (+)= lut[code_i]`` for the ``out.numel()`` codes in ``packed``. ``lut``: floats,
+    or a float32 tensor on ``out``'s device (made there: nothing is copied from the host)."""
     _check_bits(bits)
     if len(lut) != 1 << bits:
         raise ValueError(f"a {bits}-bit lookup table needs {1 << bits} entries, got {len(lut)}")
     n = out.numel()
+    if isinstance(lut, torch.Tensor):
+        vals = _lut(packed, lut.float(), bits, n).to(out.dtype)
+        return out.add_(vals) if accumulate else out.copy_(vals)
     if native.usable(out) and packed.is_cpu and packed.is_contiguous():
         native.ext().lut_unpack(
             native.ptr(packed), packed.nbytes, n, bits, lut, native.ptr(out), out.nbytes, accumulate
@@ -110,6 +118,14 @@ def sign_pack(x: torch.Tensor, out: torch.Tensor) -> SignStats:
     return SignStats(sp, int(cp), sn, n - int(cp), int(nf))
 
 
+def sign_pack_on_device(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`sign_pack` with its sums left on the device: float64
+    ``[sum of x >= 0, their count, sum of x < 0, non-finite count]``."""
+    packed, st = _sign(x)
+    out[: packed.numel()].copy_(packed)
+    return st
+
+
 @compilable
 def _sign(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
@@ -138,6 +154,13 @@ def threshold_pack(x: torch.Tensor, tau: float, out: torch.Tensor) -> tuple[int,
     return nz, nf
 
 
+def threshold_pack_on_device(x: torch.Tensor, tau: float, out: torch.Tensor) -> torch.Tensor:
+    """:func:`threshold_pack` with its counts left on the device: ``[non-zero codes, non-finite]``."""
+    packed, st = _threshold(x, torch.full((), tau, dtype=torch.float32, device=x.device))
+    out[: packed.numel()].copy_(packed)
+    return st
+
+
 @compilable
 def _threshold(x: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
@@ -146,7 +169,12 @@ def _threshold(x: torch.Tensor, tau: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def stochastic_pack(
-    x: torch.Tensor, mult: float, levels: int, bits: int, words: tuple[int, int], out: torch.Tensor
+    x: torch.Tensor,
+    mult: float | torch.Tensor,
+    levels: int,
+    bits: int,
+    words: tuple[int, int],
+    out: torch.Tensor,
 ) -> None:
     """Stochastic symmetric quantization, one pass.
 
@@ -160,12 +188,20 @@ def stochastic_pack(
         raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
     n = x.numel()
     k1, k2 = words
-    if native.usable(x):
+    if native.usable(x) and not isinstance(mult, torch.Tensor):
         native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), out.nbytes)
         return
     dev = x.device
-    keys = torch.tensor([k1, k2], dtype=torch.int64, device=dev)
-    packed = _stochastic(x, torch.tensor(mult, dtype=torch.float32, device=dev), keys, levels, bits)
+    # made on the device from scalars (fill kernels): a tensor built on the host and copied over
+    # would make the host wait for the device
+    keys = torch.empty(2, dtype=torch.int64, device=dev)
+    keys[0], keys[1] = k1, k2
+    m = (
+        mult.float()
+        if isinstance(mult, torch.Tensor)
+        else torch.full((), mult, dtype=torch.float32, device=dev)
+    )
+    packed = _stochastic(x, m, keys, levels, bits)
     out[: packed.numel()].copy_(packed)
 
 

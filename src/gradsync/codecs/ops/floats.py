@@ -53,10 +53,30 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[tor
     return y, torch.stack([f.float() for f in flags])
 
 
-def uncast(
-    h: torch.Tensor, dtype: torch.dtype, scale: float, out: torch.Tensor, accumulate: bool = False
+def cast_on_device(
+    x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """``out (+)= float(h) * scale`` where ``h`` holds ``dtype`` bits."""
+    """:func:`cast_checked` with a 0-dim device ``scale`` and its statistics left on the device:
+    float32 ``[max |x|, any inf/NaN in x, any inf in the result]``."""
+    if dtype not in FORMAT_MAX:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    y, st = _cast(x, scale.float(), dtype)
+    out.view(dtype).copy_(y)
+    return st
+
+
+def uncast(
+    h: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float | torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """``out (+)= float(h) * scale`` where ``h`` holds ``dtype`` bits (``scale``: a float or a
+    0-dim tensor on ``out``'s device)."""
+    if isinstance(scale, torch.Tensor):
+        v = _uncast(h.view(dtype), scale.float(), out.dtype)
+        return out.add_(v) if accumulate else out.copy_(v)
     if native.usable(out) and out.numel() == h.numel():
         bf16 = dtype == torch.bfloat16
         native.ext().from_half(

@@ -29,3 +29,21 @@ def orthogonalize_(m: torch.Tensor, eps: float = 1e-8, rel_eps: float = 1e-5) ->
             rest = m[:, i + 1 :]
             rest.sub_(col @ (col.T @ rest))
     return m
+
+
+def orthogonalize_on_device(m: torch.Tensor, eps: float = 1e-8, rel_eps: float = 1e-5) -> torch.Tensor:
+    """:func:`orthogonalize_` with every decision taken on the device (a column's norm is never
+    read by the host): a column below the bounds is multiplied by 0 instead of skipped."""
+    if m.dtype != torch.float32:
+        raise TypeError(f"orthogonalize_on_device works in float32, got {m.dtype}")
+    cols = m.shape[1]
+    before = torch.linalg.vector_norm(m, dim=0)
+    for i in range(cols):
+        col = m[:, i : i + 1]
+        norm = torch.linalg.vector_norm(col)
+        keep = norm > torch.clamp(rel_eps * before[i], min=eps)
+        col.mul_(torch.where(keep, 1.0 / torch.where(keep, norm, 1.0), 0.0))
+        if i + 1 < cols:
+            rest = m[:, i + 1 :]
+            rest.sub_(col @ (col.T @ rest))
+    return m

@@ -15,6 +15,7 @@ import hashlib
 import torch
 
 from gradsync.codecs.ops import native
+from gradsync.codecs.ops.backend import expected_host_read
 
 _M32 = 0xFFFFFFFF
 
@@ -33,8 +34,9 @@ def make_generator(seed: int, key: str = "") -> torch.Generator:
 
 
 def draw_words(gen: torch.Generator, count: int = 2) -> list[int]:
-    """``count`` uniformly random 32-bit words from ``gen``."""
-    return [int(v) for v in torch.randint(0, 2**32, (count,), generator=gen, dtype=torch.int64)]
+    """``count`` uniformly random 32-bit words from ``gen`` (a CPU generator: no device is read)."""
+    with expected_host_read("a stream's CPU generator"):
+        return [int(v) for v in torch.randint(0, 2**32, (count,), generator=gen, dtype=torch.int64)]
 
 
 def draw_index(gen: torch.Generator, high: int) -> int:

@@ -66,6 +66,31 @@ def _stats(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([p.to(torch.float64) for p in parts])
 
 
+@dataclass(frozen=True)
+class DeviceStats:
+    """:class:`TensorStats` kept as 0-dim tensors on the tensor's device (nothing is read back,
+    so a GPU never waits for the host): float64 sums and maximum, a bool ``nonfinite``."""
+
+    numel: int
+    sum_abs: torch.Tensor
+    max_abs: torch.Tensor
+    nonfinite: torch.Tensor
+    sum_sq: torch.Tensor
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.sum_abs / max(self.numel, 1)
+
+
+def device_stats(x: torch.Tensor) -> DeviceStats:
+    """:func:`tensor_stats` without a host read: the same four reductions, left on the device."""
+    if x.numel() == 0:
+        z = torch.zeros((), dtype=torch.float64, device=x.device)
+        return DeviceStats(0, z, z, torch.zeros((), dtype=torch.bool, device=x.device), z)
+    v = _stats(x)
+    return DeviceStats(x.numel(), v[0], v[1], v[2] > 0, v[3])
+
+
 def abs_max(x: torch.Tensor) -> tuple[float, bool]:
     """``(max |x|, whether any element is inf or NaN)`` in one pass; max is 0 for an empty tensor."""
     if x.numel() == 0:
@@ -75,6 +100,14 @@ def abs_max(x: torch.Tensor) -> tuple[float, bool]:
         return m, bool(nf)
     m, nf = _absmax(x).tolist()
     return m, nf > 0
+
+
+def abs_max_on_device(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` (NaN ignored; 0 for an empty tensor) as a 1-element float32 tensor on x's
+    device: ready for an all-reduce, never read by the host."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return _absmax(x)[:1].clone()
 
 
 @compilable

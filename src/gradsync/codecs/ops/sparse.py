@@ -7,17 +7,25 @@ import torch
 from gradsync.codecs.ops import native
 
 
-def sparse_add_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+def sparse_add_(
+    out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, alpha: float = 1.0, *, on_device: bool = False
+) -> torch.Tensor:
     """``out[idx[j]] += alpha * val[j]`` for a 1-D ``out``; duplicates accumulate.
 
     Indices come from peers, so each is checked against ``out.numel()`` first; an out-of-range
-    index raises ``IndexError`` and leaves ``out`` unchanged.
+    index raises ``IndexError`` and leaves ``out`` unchanged. On a GPU (or with ``on_device``)
+    the check runs on the device instead (``torch._assert_async``: the host does not wait for
+    it; a bad index still fails loudly, as a ``RuntimeError`` or a device-side assertion).
     """
     if idx.numel() != val.numel():
         raise ValueError(f"idx and val must have the same length, got {idx.numel()} and {val.numel()}")
     n = out.numel()
     if idx.numel() == 0:
         return out
+    if on_device or idx.device.type != "cpu":
+        _assert_in_range(idx, n)
+        v = val.to(out.dtype)
+        return out.index_add_(0, idx.long(), v if alpha == 1.0 else v * alpha)
     if (
         native.usable(out, val)
         and idx.dtype == torch.int32
@@ -34,7 +42,9 @@ def sparse_add_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, alpha: 
     return out.index_add_(0, idx.long(), v if alpha == 1.0 else v * alpha)
 
 
-def sparse_to_dense_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+def sparse_to_dense_(
+    out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, *, on_device: bool = False
+) -> torch.Tensor:
     """``out = 0`` except ``out[idx[j]] = val[j]`` (duplicates add up), with bounds checks.
 
     With strictly increasing int32 indices on the native path this is one streaming pass that
@@ -43,7 +53,8 @@ def sparse_to_dense_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) ->
     if idx.numel() != val.numel():
         raise ValueError(f"idx and val must have the same length, got {idx.numel()} and {val.numel()}")
     if (
-        native.usable(out, val)
+        not on_device
+        and native.usable(out, val)
         and idx.dtype == torch.int32
         and idx.is_contiguous()
         and idx.device.type == "cpu"
@@ -57,7 +68,14 @@ def sparse_to_dense_(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) ->
             lo, hi = torch.aminmax(idx)
             _check_range(int(lo), int(hi), out.numel())
     out.zero_()
-    return sparse_add_(out, idx, val)
+    return sparse_add_(out, idx, val, on_device=on_device)
+
+
+def _assert_in_range(idx: torch.Tensor, n: int) -> None:
+    torch._assert_async(
+        ((idx >= 0) & (idx < n)).all(),
+        f"a sparse index is outside a tensor of {n} elements (corrupt or mismatched payload)",
+    )
 
 
 def _check_range(lo: int, hi: int, n: int) -> None:

@@ -1,0 +1,228 @@
+"""The selection methods of :mod:`gradsync.codecs.selection`, written so that nothing is read
+back by the host: for a GPU, where every host read of a count or a threshold stalls the launch
+queue until the device catches up (one stall per bucket, so communication cannot overlap the
+backward pass).
+
+What makes them host-free:
+
+- every payload has a **capacity** known before the data is seen (``k`` for the exact-k methods,
+  ``2k`` for the threshold methods whose count varies), so its size is fixed and a peer needs no
+  size exchange. Slots past the real count are padding: a copy of the first selected index with
+  the value 0, which a sparse add ignores;
+- thresholds, counts and statistics stay 0-dim device tensors, and every branch of the host
+  versions becomes a ``torch.where`` over them; searches run a fixed number of steps;
+- compaction uses ``torch.nonzero_static`` (a fixed-size nonzero). When more elements pass a
+  threshold than the candidate pool holds, the pool keeps the first ones by position and the
+  capacity keeps the largest of those; error feedback carries the rest to the next step.
+
+Departures from the host versions (which stay the reference on the CPU), each because the host
+version decides on a count it would have to read:
+
+- DGC sends what passes its sampled threshold, at most ``k`` (the largest, when more pass),
+  without the retries at lower thresholds (the DGC paper's own rule);
+- bsearch reuses its threshold for ``reuse`` calls without re-counting it; the bisection runs
+  ``ceil(log2(1 / eps))`` steps and keeps the first threshold with a count in ``[k, 2k]``;
+- trimmed top-k takes the exact top-k of the survivors when at most ``8k`` of them survive the
+  chosen threshold (the usual case: the threshold is lowered only until ``k`` pass);
+- a threshold is never above ``max |x|``, so at least one element is sent;
+- random-k draws its indices from the counter-based hash (:func:`~gradsync.codecs.ops.hashed_uniform`)
+  keyed from the stream's generator, not from ``randperm`` on the host.
+
+MSTopK is the MSTopK paper's Algorithm 1 as printed for GPUs: ``iters`` bisection steps, each one
+counting pass, then the random contiguous run of the band in one prefix sum.
+
+References:
+
+- MSTopK paper: Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+  Clusters", MLSys 2021, arXiv:2010.10458.
+- RedSync paper: Fang et al., "RedSync: Reducing Synchronization Traffic for Distributed Deep
+  Learning", arXiv:1808.04357.
+- DGC paper: Lin et al., "Deep Gradient Compression", ICLR 2018, arXiv:1712.01887.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsync.codecs.ops import DeviceStats, device_stats, draw_words, hashed_uniform
+
+
+@dataclass
+class Capped:
+    """A selection in a fixed number of slots: the selected indices in increasing order, then
+    padding (the first index again, value 0); ``count`` (0-dim int64) says how many are real."""
+
+    idx: torch.Tensor
+    val: torch.Tensor
+    count: torch.Tensor
+    stats: DeviceStats
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` in float32; NaN stays NaN and so passes no threshold."""
+    return x.float().abs()
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n <= 2**31 - 1 else torch.int64
+
+
+def _slots(x: torch.Tensor, cand: torch.Tensor, stats: DeviceStats) -> Capped:
+    """``cand``: int64 positions, real ones first in increasing order, -1 after them."""
+    real = cand >= 0
+    first = cand[:1].clamp(min=0)
+    idx = torch.where(real, cand, first)
+    val = torch.where(real, x[idx], torch.zeros((), dtype=x.dtype, device=x.device))
+    return Capped(idx.to(_index_dtype(x.numel())), val, real.sum(), stats)
+
+
+def _largest_of(keys: torch.Tensor, cand: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The ``capacity`` candidates of largest key (empty slots, -1, last), in increasing order."""
+    if cand.numel() <= capacity:
+        return cand
+    n = keys.numel()
+    score = torch.where(cand >= 0, keys[cand.clamp(min=0)], -1.0)
+    kept = cand[score.topk(capacity, sorted=False).indices]
+    order = torch.where(kept >= 0, kept, n).sort().values
+    return torch.where(order < n, order, -1)
+
+
+def above(
+    x: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, capacity: int, strict: bool = False
+) -> Capped:
+    """The elements whose key reaches ``t`` (exceeds it, with ``strict``), at most ``capacity``
+    of them: the largest among the first ``2 * capacity`` that pass, by position."""
+    stats = device_stats(x)
+    t = torch.minimum(t.float(), stats.max_abs.float())  # the largest element always passes
+    mask = keys > t if strict else keys >= t
+    if strict:  # ... also when it is the threshold itself
+        mask = mask | (keys >= stats.max_abs.float())
+    pool = min(x.numel(), 2 * capacity)
+    cand = torch.nonzero_static(mask, size=pool, fill_value=-1).view(-1)
+    return _slots(x, _largest_of(keys, cand, capacity), stats)
+
+
+def exact_topk(x: torch.Tensor, k: int) -> Capped:
+    """The ``k`` largest magnitudes (``torch.topk``: no host read)."""
+    idx = _keys(x).nan_to_num(nan=math.inf).topk(k, sorted=False).indices.sort().values
+    return _slots(x, idx, device_stats(x))
+
+
+def mstopk(x: torch.Tensor, k: int, iters: int, gen: torch.Generator) -> Capped:
+    """The MSTopK paper's Algorithm 1 on the device: exactly ``min(k, numel)`` elements when the
+    tensor is finite."""
+    keys, stats = _keys(x), device_stats(x)
+    mean, top = stats.mean_abs.float(), stats.max_abs.float()
+    lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
+    thres1 = torch.full_like(mean, math.inf)  # threshold of the largest count <= k seen
+    k1 = torch.zeros((), dtype=torch.int64, device=x.device)
+    thres2 = torch.zeros_like(mean)  # threshold of the smallest count > k seen
+    for _ in range(iters):
+        ratio = lo + (hi - lo) / 2
+        t = mean + ratio * (top - mean)
+        count = (keys >= t).sum()
+        fits = count <= k
+        hi, lo = torch.where(fits, ratio, hi), torch.where(fits, lo, ratio)
+        thres1, k1 = torch.where(fits, t, thres1), torch.where(fits, count, k1)
+        thres2 = torch.where(fits, thres2, t)
+    upper = keys >= thres1
+    need = (min(k, x.numel()) - k1).clamp(min=0)
+    band = (keys >= thres2) & ~upper
+    # too few in the band only when fewer than k elements are finite: take any finite ones
+    band = torch.where(band.sum() >= need, band, (keys < thres1))
+    rank = band.cumsum(0, dtype=torch.int64) - 1
+    (word,) = draw_words(gen, 1)
+    start = torch.floor((word >> 8) / 16777216.0 * (band.sum() - need + 1).clamp(min=1))
+    run = band & (rank >= start) & (rank < start + need)
+    cand = torch.nonzero_static(upper | run, size=min(k, x.numel()), fill_value=-1).view(-1)
+    return _slots(x, cand, stats)
+
+
+def trimmed_topk(x: torch.Tensor, k: int, step: float) -> Capped:
+    """The RedSync paper's trimmed top-k on the device: every lowered threshold counted in one
+    pass each (a fixed number: ``ceil(1 / step)``), the first with ``k`` survivors chosen, then
+    the exact top-k of its survivors."""
+    keys, stats = _keys(x), device_stats(x)
+    mean, top = stats.mean_abs.float(), stats.max_abs.float()
+    ratios, r = [], 1.0
+    while r > 0.0:
+        r = max(r - step, 0.0)
+        ratios.append(r)
+    ts = torch.stack([mean + q * (top - mean) for q in ratios])
+    counts = torch.stack([(keys > t).sum() for t in ts])
+    enough = counts >= k
+    chosen = torch.where(enough.any(), ts[enough.int().argmax()], -math.inf)
+    pool = min(x.numel(), 8 * k)
+    cand = torch.nonzero_static(keys > chosen, size=pool, fill_value=-1).view(-1)
+    return _slots(x, _largest_of(keys, cand, min(k, x.numel())), stats)
+
+
+def bsearch(x: torch.Tensor, k: int, eps: float, reuse: torch.Tensor | None) -> tuple[Capped, torch.Tensor]:
+    """The RedSync paper's threshold bisection on the device, at most ``2k`` elements; returns
+    the selection and the threshold (0-dim) to reuse."""
+    keys, stats = _keys(x), device_stats(x)
+    if reuse is not None:  # (NaN after a non-finite input: the mean, capped, until the next search)
+        reuse = torch.where(reuse.isnan(), stats.mean_abs.float(), reuse)
+        return above(x, keys, reuse, 2 * k, strict=True), reuse
+    mean, top = stats.mean_abs.float(), stats.max_abs.float()
+    base = torch.where((keys > mean).sum() >= k, mean, torch.zeros_like(mean))
+    lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
+    found, at = torch.zeros((), dtype=torch.bool, device=x.device), torch.zeros_like(mean)
+    for _ in range(max(1, math.ceil(math.log2(1.0 / eps)))):
+        ratio = lo + (hi - lo) / 2
+        t = base + ratio * (top - base)
+        count = (keys > t).sum()
+        hit = (count >= k) & (count <= 2 * k) & ~found
+        at, found = torch.where(hit, t, at), found | hit
+        few = count < k
+        hi, lo = torch.where(few, ratio, hi), torch.where(few, lo, ratio)
+    threshold = torch.where(found, at, base + lo * (top - base))
+    return above(x, keys, threshold, 2 * k, strict=True), threshold
+
+
+def sampled_threshold(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> torch.Tensor:
+    """DGC's estimate of the k-th magnitude from a random sample, as a 0-dim device tensor (the
+    sample's positions come from the counter-based hash: no host-made index tensor to copy)."""
+    n = x.numel()
+    s = min(n, max(math.ceil(sample * n), 1024))
+    w1, w2 = draw_words(gen)
+    pos = (hashed_uniform(s, w1, w2, x.device) * n).long().clamp(max=n - 1)
+    keys = x[pos].float().abs().nan_to_num(nan=-math.inf)
+    rank = min(s, max(1, round(k * s / n)))
+    return keys.topk(rank, sorted=False).values.min()
+
+
+def dgc(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> Capped:
+    """DGC on the device: what passes the sampled threshold, at most ``k``."""
+    return above(x, _keys(x), sampled_threshold(x, k, sample, gen), k)
+
+
+def graddrop(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> Capped:
+    """GradDrop with a sampled threshold for about ``k`` elements, at most ``2k``."""
+    return above(x, _keys(x), sampled_threshold(x, k, sample, gen), min(x.numel(), 2 * k))
+
+
+def randomk(x: torch.Tensor, k: int, gen: torch.Generator) -> Capped:
+    """``k`` distinct positions: the ``k`` largest of per-element hashed uniforms."""
+    w1, w2 = draw_words(gen)
+    u = hashed_uniform(x.numel(), w1, w2, x.device)
+    return _slots(x, u.topk(k, sorted=False).indices.sort().values, device_stats(x))
+
+
+def chunked_topk(x: torch.Tensor, chunk: int, per_chunk: int, of_tail: int) -> Capped:
+    """:func:`gradsync.codecs.selection.chunked_topk` with its statistics left on the device."""
+    n = x.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        rows = _keys(x[: full * chunk]).view(full, chunk).nan_to_num(nan=math.inf)
+        top = rows.topk(per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
+        parts.append((top + torch.arange(0, full * chunk, chunk, device=x.device).unsqueeze(1)).view(-1))
+    if of_tail:
+        tail = _keys(x[full * chunk :]).nan_to_num(nan=math.inf)
+        parts.append(tail.topk(of_tail, sorted=False).indices.sort().values + full * chunk)
+    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=x.device)
+    return _slots(x, idx, device_stats(x))
