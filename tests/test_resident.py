@@ -276,7 +276,9 @@ def _steps(model, opt, n, seed=0):
 def check_every_scheme_runs_without_host_reads_in_wrap():
     with expect_all() as expect:
         for scheme in AUDITED:
-            model = gradsync.wrap(Net(), scheme, resident=True, check_overflow=True, **OPTS)
+            # two nodes of one rank: every scheme crosses a node (hitopk compresses only there)
+            topo = gradsync.Topology(nodes=2, per_node=1)
+            model = gradsync.wrap(Net(), scheme, topo, resident=True, check_overflow=True, **OPTS)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             _steps(model, opt, 2)
             with audit_host_reads() as audit:
@@ -344,8 +346,35 @@ def check_resident_topk_is_the_mean_of_each_ranks_top_k():
     model.close()
 
 
+def check_fsdp_resident_runs_without_host_reads_and_agrees_with_the_host_path():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync.fsdp import compress_fsdp
+
+    mesh = init_device_mesh("cpu", (2,))
+    runs = {}
+    for resident in (False, True):
+        net = Net()
+        for block in (net.a, net.b, net.c):
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        compress_fsdp(net, "topk:density=0.05", min_compress_bytes=0, resident=resident)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        _steps(net, opt, 2)
+        with audit_host_reads() as audit:
+            _steps(net, opt, 2, seed=5)
+        if resident:
+            assert not audit.unexpected, audit.summary()
+        else:
+            assert audit.unexpected, "the host path reads sizes (the audit must see them)"
+        runs[resident] = torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(runs[True], runs[False], atol=1e-5, rtol=1e-5)
+
+
 def _world():
     run_checks(
+        named_check(check_fsdp_resident_runs_without_host_reads_and_agrees_with_the_host_path),
         named_check(check_every_scheme_runs_without_host_reads_in_wrap),
         named_check(check_the_hook_runs_without_host_reads),
         named_check(check_resident_lossless_equals_ddp),

@@ -13,6 +13,7 @@ from gradsync.collectives import Topology
 from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, register_comm_hook, wrap
 from gradsync.moved import install as _install_moved_modules
 from gradsync.sync import StepStats, SyncConfig
+from gradsync.sync.host_reads import audit_host_reads
 
 _install_moved_modules()  # old module names (gradsync.bench, gradsync.sync.engine...) import, with a warning
 
@@ -30,6 +31,7 @@ __all__ = [
     "SyncedOptimizer",
     "Topology",
     "__version__",
+    "audit_host_reads",
     "build_codec",
     "codec_names",
     "ddp_comm_hook",

@@ -208,7 +208,7 @@ class HookState:
     def begin(self, joined: bool) -> Iteration:
         """The first bucket of an iteration (every bucket of the last one is done by now)."""
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            self.loss_scale = float(self.grad_scaler.get_scale())  # once per iteration
+            self.loss_scale = host_reads.read_loss_scale(self.grad_scaler)  # once per iteration
         self.iteration = self.books.begin(joined, self.dense_step())
         return self.iteration
 

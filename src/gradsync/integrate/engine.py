@@ -71,6 +71,7 @@ from gradsync.planner.engine_costs import EngineCosts
 from gradsync.planner.explain import PlanReport, report_plan
 from gradsync.planner.plan import Plan
 from gradsync.planner.replan import Replanner
+from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import bucket_program, nonfinite_flag, unpacker
 from gradsync.sync.buckets import Bucket, Slot
 from gradsync.sync.carry import Carry, whole
@@ -387,7 +388,7 @@ class SyncEngine:
         )
         scale = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            scale = float(self.grad_scaler.get_scale())  # once per step
+            scale = host_reads.read_loss_scale(self.grad_scaler)  # once per step
         self.cur = StepState(len(self.slots), dense, shadow, scale)
         self._frozen = [s.index for s in self.slots if not s.param.requires_grad]
         if self._frozen:

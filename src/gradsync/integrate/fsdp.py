@@ -80,10 +80,11 @@ from gradsync.collectives.pieces import apply_pieces
 from gradsync.collectives.program import Program, run
 from gradsync.collectives.strategies import Coder, reduce_scatter_pieces, run_strategy
 from gradsync.integrate.agreement import explain_models, model_fingerprint
+from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import nonfinite_flag
 from gradsync.sync.carry import Layouts, Piece
 from gradsync.sync.checkpoint import front_state, must_reset
-from gradsync.sync.codec_set import sync_momentum
+from gradsync.sync.codec_set import resident_on, sync_momentum
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.scheme import Scheme
 
@@ -232,7 +233,8 @@ class _CompressedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         factors = {g.gradient_divide_factor for g in _groups(self.module)}
-        self.owner.reduce_scatter(self.key, output_tensor, input_tensor, group, op, factors.pop())
+        with host_reads.watching():  # (autograd runs FSDP's hooks outside the caller's torch modes)
+            self.owner.reduce_scatter(self.key, output_tensor, input_tensor, group, op, factors.pop())
 
 
 class FsdpCompression:
@@ -251,11 +253,14 @@ class FsdpCompression:
         dense_warmup_steps: int,
         min_compress_bytes: int,
         grad_scaler: Any | None = None,
+        resident: bool | None = None,
     ) -> None:
         self.scheme = parse_fsdp_scheme(scheme)
         self.where = where
         self.replicate_group = replicate_group
         self.codec: Compressor | None = self.scheme.build(error_feedback)
+        self.resident = resident
+        """Resident mode for the codec (None: decided by the gradients' device at the first call)."""
         self.dense_warmup_steps = dense_warmup_steps
         self.min_compress_bytes = min_compress_bytes
         self.grad_scaler = grad_scaler
@@ -360,7 +365,7 @@ class FsdpCompression:
         self.ledger.begin_round()
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
-            self.loss_scale = float(scaler.get_scale())
+            self.loss_scale = host_reads.read_loss_scale(scaler)
 
     def _overflowed(self, flat: torch.Tensor) -> bool:
         """Whether some rank's gradient overflowed in this round, agreed by every rank (a tiny
@@ -493,6 +498,7 @@ class FsdpCompression:
             return
         self._check_dtype(module_key, inp.dtype)
         assert self.codec is not None
+        self.codec.set_resident(resident_on(self.resident, inp.device))
         coder = Coder(self.codec, key, self.loss_scale)
 
         def program() -> Program:
@@ -502,6 +508,11 @@ class FsdpCompression:
         with P.record_traffic() as t:
             run(program())
         self._count(t)
+
+    def watched_all_reduce(self, module_key: str, shard: torch.Tensor) -> None:
+        """:meth:`all_reduce` as FSDP's hook calls it (seen by an audit of host reads)."""
+        with host_reads.watching():
+            self.all_reduce(module_key, shard)
 
     def all_reduce(self, module_key: str, shard: torch.Tensor) -> None:
         """The replicate dimension's all-reduce of one module's reduced shard, in place: the mean
@@ -543,6 +554,7 @@ class FsdpCompression:
             return
         self._check_dtype(module_key, shard.dtype)
         assert self.codec is not None
+        self.codec.set_resident(resident_on(self.resident, shard.device))
         coder = Coder(self.codec, key, self.loss_scale)
         rank = dist.get_rank()
 
@@ -699,17 +711,23 @@ def _describe(
     dense_warmup_steps: int,
     min_compress_bytes: int,
     grad_scaler: Any | None,
+    resident: bool | None = None,
 ) -> str:
     """The configuration as text, compared across ranks at start-up."""
     replicas = replicate_group.size() if isinstance(replicate_group, dist.ProcessGroup) else None
     return (
         f"scheme={Scheme.parse(scheme).text if isinstance(scheme, str) else scheme!r} where={where} "
         f"replicas={replicas} error_feedback={error_feedback} dense_warmup_steps={dense_warmup_steps} "
-        f"min_compress_bytes={min_compress_bytes} grad_scaler={grad_scaler is not None}"
+        f"min_compress_bytes={min_compress_bytes} grad_scaler={grad_scaler is not None} resident={resident}"
     )
 
 
-_OPTIONS = ("error_feedback", "dense_warmup_steps", "min_compress_bytes", "grad_scaler")
+_OPTIONS = ("error_feedback", "dense_warmup_steps", "min_compress_bytes", "grad_scaler", "resident")
+
+
+def _check_resident(resident: object) -> None:
+    if resident not in (None, True, False):
+        raise ValueError(f"compress_fsdp: resident must be None, True or False, got {resident!r}")
 
 
 def describe_options(scheme: str, options: dict[str, Any]) -> str:
@@ -728,7 +746,11 @@ def describe_options(scheme: str, options: dict[str, Any]) -> str:
     warmup = _check_int("dense_warmup_steps", options.get("dense_warmup_steps", 0))
     min_bytes = _check_int("min_compress_bytes", options.get("min_compress_bytes", 16384))
     _check_scaler(options.get("grad_scaler"))
-    return _describe(scheme, None, "replicate", error_feedback, warmup, min_bytes, options.get("grad_scaler"))
+    _check_resident(options.get("resident"))
+    return _describe(
+        scheme, None, "replicate", error_feedback, warmup, min_bytes, options.get("grad_scaler"),
+        options.get("resident"),
+    )  # fmt: skip
 
 
 def agree(build: Callable[[], Any], describe: Callable[[], str], module: nn.Module | None) -> Any:
@@ -764,6 +786,7 @@ def compress_fsdp(
     dense_warmup_steps: int = 0,
     min_compress_bytes: int = 16384,
     grad_scaler: Any | None = None,
+    resident: bool | None = None,
 ) -> FsdpCompression:
     """Compress the gradient synchronization of every FSDP module in ``module`` (after
     ``fully_shard``, before the first backward pass).
@@ -776,13 +799,18 @@ def compress_fsdp(
     ``torch.amp.GradScaler`` that scales the loss (needed for float16 compute or reduction with
     a compressed scheme): residuals are kept unscaled, and a step in which any rank's gradient
     overflowed is skipped by every rank's scaler and leaves every rank's residuals as they were.
+    ``resident``: the codec's resident mode (:meth:`gradsync.codecs.Compressor.set_resident`:
+    fixed-size payloads, no size exchange, statistics on the device); None: on where the
+    gradients are on a GPU.
 
     Every argument is checked on every rank, then every rank of the default process group
     checks that all were given the same configuration and model (one small all-gather), before
     any other collective; then the ranks of ``replicate_group`` check that they hold the same
     parameters (one small all-gather).
     """
-    options = (replicate_group, where, error_feedback, dense_warmup_steps, min_compress_bytes, grad_scaler)
+    options = (
+        replicate_group, where, error_feedback, dense_warmup_steps, min_compress_bytes, grad_scaler, resident
+    )  # fmt: skip
     comp = agree(lambda: _build(module, scheme, *options), lambda: _describe(scheme, *options), module)
     assert isinstance(comp, FsdpCompression)
     modules = _fsdp_modules(module)
@@ -799,7 +827,7 @@ def compress_fsdp(
             m.set_custom_reduce_scatter(_CompressedReduceScatter(comp, name, m))
             comp.streams.add(f"{name}/rs")
         if replicating:
-            m.set_all_reduce_hook(partial(comp.all_reduce, name))
+            m.set_all_reduce_hook(partial(comp.watched_all_reduce, name))
             comp.streams.add(f"{name}/ar")
         if compressing:
             m.set_reduce_scatter_unused_params(True, recurse=False)
@@ -815,6 +843,7 @@ def _build(
     dense_warmup_steps: int,
     min_compress_bytes: int,
     grad_scaler: Any | None,
+    resident: bool | None = None,
 ) -> FsdpCompression:
     """Check every argument (no collective) and build the compression."""
     if where is None:
@@ -824,6 +853,7 @@ def _build(
     _check_int("dense_warmup_steps", dense_warmup_steps)
     _check_int("min_compress_bytes", min_compress_bytes)
     _check_scaler(grad_scaler)
+    _check_resident(resident)
     if error_feedback not in (None, True, False):
         raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")
     replicating = where in ("replicate", "both")
@@ -856,6 +886,7 @@ def _build(
         dense_warmup_steps=dense_warmup_steps,
         min_compress_bytes=min_compress_bytes,
         grad_scaler=grad_scaler,
+        resident=resident,
     )
     for name, m in modules:
         groups = _groups(m)

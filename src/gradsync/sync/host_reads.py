@@ -151,5 +151,17 @@ def watching() -> contextlib.AbstractContextManager[Any]:
 expected = expected_host_read
 """Mark the host reads made inside as intended (``why`` names them in the audit)."""
 
+LOSS_SCALE = "the loss scale"
 
-__all__ = ["HOST_READS", "HostRead", "HostReadAudit", "audit_host_reads", "expected", "watching"]
+
+def read_loss_scale(grad_scaler: Any) -> float:
+    """``grad_scaler.get_scale()`` as a float: a read of the GradScaler's device tensor, made
+    once per step (error feedback keeps its state unscaled)."""
+    with expected_host_read(LOSS_SCALE):
+        return float(grad_scaler.get_scale())
+
+
+__all__ = [
+    "HOST_READS", "LOSS_SCALE", "HostRead", "HostReadAudit", "audit_host_reads", "expected",
+    "read_loss_scale", "watching",
+]  # fmt: skip
