@@ -405,6 +405,7 @@ def gloo_world(device_type):
         named_check(check_lossy_schemes_with_the_hook, device),
         named_check(check_autocast_with_a_grad_scaler, device),
         named_check(check_planner_times_codecs_on_the_gradients_device, device),
+        named_check(check_resident_wrap_makes_no_host_read_with_cuda_gradients, device),
     )
 
 
@@ -472,3 +473,93 @@ def test_lars_and_lamb_on_cuda_equal_the_cpu_step_without_host_synchronization(d
         tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         for a, b in zip(cpu.parameters(), gpu.parameters(), strict=True):
             torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------ resident mode
+RESIDENT_CODECS = (
+    "topk:density=0.01", "chunktopk:density=0.01", "mstopk:density=0.01", "trimmed_topk:density=0.01",
+    "bsearch:density=0.01", "dgc:density=0.01", "graddrop:density=0.01", "randomk:density=0.01",
+    "onebit", "tbq:threshold=0.01", "terngrad", "fp16", "bf16", "none", "powersgd:rank=4",
+    "dgc:density=0.01+ef", "onebit+ef", "powersgd:rank=4+ef",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", RESIDENT_CODECS)
+def test_a_resident_codec_never_synchronizes_with_the_host_on_cuda(spec):
+    """Encode, decode and a peer's payload, on CUDA, under the sync debug mode "error": any host
+    synchronization (a count read back, a tensor built on the host) raises. The decoded tensor
+    equals the CPU's resident decode where the codec is deterministic."""
+    codec = gradsync.build_codec(spec)
+    codec.set_resident(True)
+    shape = (1024, 1024) if spec.startswith("powersgd") else (1 << 20,)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    xc = x.cuda()
+    codec.encode(xc)  # first call: streams and generators (PowerSGD's first Q comes from the host)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        payload = codec.encode(xc)
+        out = torch.empty_like(xc)
+        codec.decode(payload, out=out)
+        peer = codec.payload_from_bytes(payload.data.clone(), shape, xc.dtype)
+        codec.decode(peer, out=out, accumulate=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert payload.nbytes == codec.max_nbytes(x.numel(), shape)
+    if spec.split(":")[0] in ("topk", "chunktopk", "trimmed_topk", "onebit", "fp16", "bf16", "none"):
+        cpu = gradsync.build_codec(spec)
+        cpu.set_resident(True)
+        torch.testing.assert_close(out.cpu() / 2, cpu.decode(cpu.encode(x)), rtol=1e-5, atol=1e-6)
+
+
+def check_resident_wrap_makes_no_host_read_with_cuda_gradients(device):
+    """The audit of host reads over two steps of wrap and of the hook with CUDA gradients (gloo
+    stages its transfers through the CPU in C++, which the audit does not count): nothing but
+    the per-step reads (step check, flags)."""
+    from gradsync.sync.host_reads import audit_host_reads
+
+    with expect_all() as expect:
+        for scheme in ("allgather/dgc:density=0.05+ef", "ring/chunktopk:density=0.05", "powersgd:rank=2"):
+            model = gradsync.wrap(mlp().to(device), scheme, topology(), plan="compress", min_compress_bytes=0,
+                                  resident=True, check_overflow=True, **FAST)  # fmt: skip
+            train(model, device, steps=2)
+            with audit_host_reads() as audit:
+                train(model, device, steps=2, start=2)
+            model.close()
+            with expect(f"wrap {scheme}"):
+                assert not audit.unexpected, audit.summary()
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs two GPUs (NCCL takes one GPU per rank); this machine has {GPUS}")
+def test_resident_steps_synchronize_with_the_host_once_per_step_on_nccl():
+    run_world(2, _count_syncs_world, backend="nccl")
+
+
+def _count_syncs_world():
+    """Two NCCL ranks: count CUDA's synchronization warnings over two steps of wrap with the
+    step check off and the overflow flags on. Target: one per step (the flags)."""
+    import warnings
+
+    device = torch.device("cuda", dist.get_rank())
+    for scheme in ("allgather/topk:density=0.05", "allgather/dgc:density=0.05+ef", "powersgd:rank=2"):
+        model = gradsync.wrap(mlp().to(device), scheme, plan="compress", min_compress_bytes=0, resident=True,
+                              check_overflow=True, check_steps=False, **FAST)  # fmt: skip
+        train(model, device, steps=2)
+        batches = [batch(step, dist.get_rank(), device) for step in (2, 3)]  # on the GPU first
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for x, y in batches:  # the loop itself reads nothing back
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        model.close()
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        assert len(syncs) <= 2, f"{scheme}: {len(syncs)} synchronizations in 2 steps: " + "; ".join(
+            str(w.message)[:200] for w in syncs
+        )

@@ -154,7 +154,8 @@ def trimmed_topk(x: torch.Tensor, k: int, step: float) -> Capped:
     ts = torch.stack([mean + q * (top - mean) for q in ratios])
     counts = torch.stack([(keys > t).sum() for t in ts])
     enough = counts >= k
-    chosen = torch.where(enough.any(), ts[enough.int().argmax()], -math.inf)
+    first = ts.gather(0, enough.int().argmax().reshape(1)).reshape(())  # (a gather: no host read)
+    chosen = torch.where(enough.any(), first, -math.inf)
     pool = min(x.numel(), 8 * k)
     cand = torch.nonzero_static(keys > chosen, size=pool, fill_value=-1).view(-1)
     return _slots(x, _largest_of(keys, cand, min(k, x.numel())), stats)
