@@ -3,6 +3,11 @@ and without error feedback, against ``torch.topk`` on ``|x|`` and the copy floor
 tensor), timed with CUDA events at 2^20 .. 2^26 float32 elements and k = 1 %.
 
     PYTHONPATH=src python scripts/gpu_codec_table.py OUT.json [--sizes 20,22,24,26] [--reps 20]
+        [--modes resident,host]
+
+Each codec runs in resident mode (``Compressor.set_resident``: the host-free versions, what
+gradsync uses on a GPU) and, for comparison, on its host path (counts and thresholds read back
+by the host). ``compile=true`` rows run the quantizers' fused passes through torch.compile.
 
 Prints one table and writes the rows as JSON with the device, torch and CUDA versions. Each
 contender is timed right after its own copy-floor and torch.topk runs, so every ratio comes from
@@ -43,6 +48,8 @@ SPECS = [
     "mstopk:density=0.01+ef",
     "dgc:density=0.01+ef",
     "onebit+ef",
+    "onebit:compile=true+ef",
+    "terngrad:compile=true",
 ]
 
 
@@ -70,18 +77,21 @@ def median_ms(fn: Callable[[], object], reps: int, device: torch.device) -> floa
     return statistics.median(times)
 
 
-def time_codec(spec: str, g: torch.Tensor, reps: int) -> dict[str, object]:
+def time_codec(spec: str, g: torch.Tensor, reps: int, mode: str = "resident") -> dict[str, object]:
     """One row: the copy floor, torch.topk at k = 1 % and the codec's encode and decode."""
     k = max(1, g.numel() // 100)
     floor = median_ms(lambda: g.clone(), reps, g.device)
     ref = median_ms(lambda: torch.topk(g.abs(), k, sorted=False), reps, g.device)
-    row: dict[str, object] = {"log2": g.numel().bit_length() - 1, "codec": spec, "copy_ms": floor,
-                              "torch_topk_ms": ref}  # fmt: skip
+    row: dict[str, object] = {"log2": g.numel().bit_length() - 1, "codec": spec, "mode": mode,
+                              "copy_ms": floor, "torch_topk_ms": ref}  # fmt: skip
     try:
         codec = build_codec(spec)
+        codec.set_resident(mode == "resident")
+        row["host_free"] = codec.host_free
         ctx = EncodeContext(key="w")
         payload = codec.encode(g, ctx)
-        buf, out = payload.data.clone(), torch.empty_like(g)
+        buf = torch.empty(codec.max_nbytes(g.numel()), dtype=torch.uint8, device=g.device)
+        out = torch.empty_like(g)
         enc = median_ms(lambda: codec.encode(g, ctx, out=buf), reps, g.device)
         dec = median_ms(lambda: codec.decode(payload, out=out), reps, g.device)
         row.update(encode_ms=enc, decode_ms=dec, payload_bytes=int(payload.nbytes),
@@ -97,6 +107,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="20,22,24,26", help="log2 of the element counts")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke run")
+    p.add_argument("--modes", default="resident,host", help="resident (the GPU path) and/or host")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -106,12 +117,13 @@ def main(argv: list[str]) -> int:
     for log2 in (int(s) for s in args.sizes.split(",")):
         g = torch.randn(1 << log2, device=device)
         for spec in SPECS:
-            row = time_codec(spec, g, args.reps)
-            rows.append(row)
-            if "error" in row:
-                print(f"2^{log2} {spec:28s} ERROR {row['error']}")
-            else:
-                print(f"2^{log2} {spec:28s} encode {row['encode_ms']:8.3f} ms "
+            for mode in args.modes.split(","):
+                row = time_codec(spec, g, args.reps, mode)
+                rows.append(row)
+                if "error" in row:
+                    print(f"2^{log2} {spec:28s} {mode:8s} ERROR {row['error']}")
+                else:
+                    print(f"2^{log2} {spec:28s} {mode:8s} encode {row['encode_ms']:8.3f} ms "
                       f"({row['vs_torch_topk']:6.2f}x torch.topk, {row['x_copy']:6.1f}x copy)  "
                       f"decode {row['decode_ms']:7.3f} ms")  # fmt: skip
     doc = {
