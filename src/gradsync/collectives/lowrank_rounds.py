@@ -88,11 +88,11 @@ def lowrank_rounds(
         yield last(partial(P.all_reduce, second, group, level), final)
 
     def finish() -> None:
-        if codec.resident:
-            finish_on_device()
-            return
-        # any rank's inf/NaN reaches the summed factors (and stays there: never hidden)
-        finite = bool(torch.isfinite(first).all()) and bool(torch.isfinite(second).all())
+        # any rank's inf/NaN reaches the summed factors (and stays there: never hidden); in
+        # resident mode the test stays on the device and every branch below becomes a where
+        finite_t = torch.isfinite(first).all() & torch.isfinite(second).all()
+        resident = codec.resident
+        finite = True if resident else bool(finite_t)
         pos = 0
         for x in dense:
             x.copy_(first[pos : pos + x.numel()].view(x.shape))
@@ -102,9 +102,12 @@ def lowrank_rounds(
             q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
             qpos += q_local.numel()
             assert stream.p is not None  # reproject() kept orth(sum P) in the stream
+            old_q = stream.q
             if feedback is not None:
                 if finite:  # what this rank's data contributed to the sum
                     feedback.commit(key, factors=(stream.p, q_local))
+                    if resident:
+                        feedback.keep_if(~finite_t, key)
                 else:
                     feedback.discard(key)
             if not finite:  # keep the factors finite (a skipped step); the NaN result makes it skip
@@ -115,31 +118,11 @@ def lowrank_rounds(
             result = codec.reconstruct(q_sum, stream, out=out)
             if out is None:
                 x.copy_(result.view(x.shape))
-
-    def finish_on_device() -> None:
-        # the same, with the finite test left on the device: every branch becomes a where
-        finite = torch.isfinite(first).all() & torch.isfinite(second).all()
-        pos = 0
-        for x in dense:
-            x.copy_(first[pos : pos + x.numel()].view(x.shape))
-            pos += x.numel()
-        qpos = 0
-        for (x, key, _, stream, _, old_p), q_local in zip(mats, q_locals, strict=True):
-            q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
-            qpos += q_local.numel()
-            assert stream.p is not None
-            old_q = stream.q
-            if feedback is not None:
-                feedback.commit(key, factors=(stream.p, q_local))
-                feedback.keep_if(~finite, key)
-            out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
-            result = codec.reconstruct(q_sum, stream, out=out)
-            if out is None:
-                x.copy_(result.view(x.shape))
-            x.masked_fill_(~finite, float("nan"))
-            if old_p is not None:  # a skipped step keeps the factors finite
-                stream.p = torch.where(finite, stream.p, old_p)
-            if old_q is not None and stream.q is not None:
-                stream.q = torch.where(finite, stream.q, old_q)
+            if resident:
+                x.masked_fill_(~finite_t, float("nan"))
+                if old_p is not None:
+                    stream.p = torch.where(finite_t, stream.p, old_p)
+                if old_q is not None and stream.q is not None:
+                    stream.q = torch.where(finite_t, stream.q, old_q)
 
     return finish
