@@ -122,4 +122,8 @@ def one_rank_world() -> Iterator[None]:
         yield
     finally:
         gc.collect()  # the DDP wrappers' reducers go before the group
+        # gloo's worker threads drop a finished collective's work (and its tensors, which need
+        # the GIL) a moment after the caller has moved on; destroying the group meanwhile can
+        # abort the process (pytorch/pytorch#190489). Give them that moment.
+        time.sleep(0.2)
         dist.destroy_process_group()
