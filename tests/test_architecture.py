@@ -15,7 +15,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src" / "gradsync"
 
 # What each package of the library may import (besides itself). The order is the layering of
-# docs/architecture.md: codecs, collectives, sync, planner, observe, integrate, optim, whatif.
+# docs/architecture.md: codecs, collectives, sync, planner, observe, integrate, optim, whatif, outer.
 ALLOWED = {
     "codecs": set(),
     "collectives": {"codecs"},
@@ -25,6 +25,7 @@ ALLOWED = {
     "integrate": {"codecs", "collectives", "sync", "planner", "observe"},
     "optim": {"codecs", "collectives"},
     "whatif": {"codecs", "collectives", "sync", "planner", "observe", "units"},
+    "outer": {"codecs", "collectives", "sync", "integrate", "optim"},
 }
 
 

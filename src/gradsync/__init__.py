@@ -12,6 +12,7 @@ from gradsync.codecs import (
 from gradsync.collectives import Topology
 from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, register_comm_hook, wrap
 from gradsync.moved import install as _install_moved_modules
+from gradsync.outer import OuterLoop
 from gradsync.sync import StepStats, SyncConfig
 from gradsync.sync.host_reads import audit_host_reads
 
@@ -25,6 +26,7 @@ __all__ = [
     "ErrorFeedback",
     "FeedbackConfig",
     "GradSync",
+    "OuterLoop",
     "Payload",
     "StepStats",
     "SyncConfig",

@@ -1,0 +1,7 @@
+"""The outer loop of the DiLoCo family (:mod:`gradsync.outer.loop`): workers that meet every H
+inner steps, their pseudo-gradients averaged through gradsync's codecs and hierarchical
+collectives, optionally streamed in fragments that overlap the inner steps."""
+
+from gradsync.outer.loop import OuterLoop, split_fragments
+
+__all__ = ["OuterLoop", "split_fragments"]

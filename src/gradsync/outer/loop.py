@@ -1,0 +1,422 @@
+"""The outer loop of the DiLoCo family: synchronize every H inner steps instead of every step.
+
+Each node is one *worker*: its ranks keep their copies identical by synchronizing densely every
+inner step (DDP, ``gradsync.wrap`` or FSDP2 over :attr:`OuterLoop.inner_group`), and the nodes
+only meet every ``every`` inner steps. There each node's *pseudo-gradient* (where the parameters
+were at the last meeting minus where its inner optimizer took them) is averaged across nodes and
+an *outer optimizer* (SGD with Nesterov momentum, DiLoCo's choice) moves the shared parameters
+by it; every worker then carries on from them.
+
+The average travels through gradsync's machinery: a codec with error feedback (chunked top-k as
+SparseLoCo sends, onebit, fp16/bf16, PowerSGD, ...; or none) and the hierarchical path
+(:func:`~gradsync.collectives.compressed.compressed_program` with local aggregation): inside a
+node the ranks split the tensor, each carries its share across nodes, and an all-gather inside
+the node completes it, so one copy per node crosses the slow link.
+
+Streaming (Streaming DiLoCo): ``fragments`` splits the parameters into groups of whole tensors
+that meet on a staggered schedule (fragment ``f`` at steps ``(f + 1) * every / fragments`` and
+every ``every`` steps after), so the link carries a fragment at a time. With ``delay`` > 0 an
+exchange runs on gradsync's task threads while the next ``delay`` inner steps compute, and is
+applied when it has landed: the fragment becomes ``mix * local + (1 - mix) * shared`` (local:
+what its inner steps made of it meanwhile).
+
+Checkpoints: :meth:`OuterLoop.state_dict` holds the shared parameters, the outer optimizer, the
+codec's residuals and any exchange still in flight (waited for, kept unapplied), so a run resumed
+from it continues bit for bit.
+
+References:
+
+- DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+  arXiv:2311.08105.
+- Streaming DiLoCo: Douillard et al., "Streaming DiLoCo with overlapping communication",
+  arXiv:2501.18512.
+- SparseLoCo: Templar's sparse outer-gradient DiLoCo variant, arXiv:2508.15706.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.codecs import Compressor, ErrorFeedback, build_codec
+from gradsync.collectives import primitives as P
+from gradsync.collectives.compressed import compressed_program
+from gradsync.collectives.dense import allreduce_program
+from gradsync.collectives.program import Program, run
+from gradsync.collectives.topology import Topology
+from gradsync.integrate.wrap import GradSync
+from gradsync.optim import CompressedMomentumOptimizer
+from gradsync.sync.tasks import Task, TaskManager
+
+FORMAT = "gradsync.outer/1"
+
+
+@dataclass
+class _Exchange:
+    """An exchange of one fragment's pseudo-gradient: in flight (``task``) or landed (``mean``)."""
+
+    fragment: int
+    due: int
+    """The inner step after which it is applied."""
+    flat: torch.Tensor
+    """The pseudo-gradient, averaged in place across the nodes once the exchange has landed."""
+    task: Task | None = None
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Cut tensors of these sizes, in order, into ``fragments`` contiguous groups of about equal
+    total size (each at least one tensor)."""
+    n = len(sizes)
+    if not 1 <= fragments <= n:
+        raise ValueError(
+            f"outer loop: fragments must be between 1 and the number of trained parameter tensors "
+            f"({n}), got {fragments}"
+        )
+    total = sum(sizes)
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    done, g = 0, 0
+    for i, s in enumerate(sizes):
+        # move on once this group has its share, keeping a tensor for each group still to fill
+        left = n - i
+        if groups[g] and (done >= total * (g + 1) / fragments or left <= fragments - 1 - g):
+            g += 1
+        groups[g].append(i)
+        done += s
+    return groups
+
+
+class OuterLoop:
+    """The DiLoCo-family outer loop for ``model`` (see the module text).
+
+    Call :meth:`step` after every inner optimizer step (or pass the ``optimizer``: a hook then
+    calls it). ``every``: inner steps between two meetings of a fragment (DiLoCo's H).
+    ``codec``: a codec spec for the pseudo-gradient (error feedback is added to biased codecs,
+    as ``wrap`` does), or None for a dense average. ``outer_lr``, ``outer_momentum``,
+    ``nesterov``: the outer SGD. ``fragments``, ``delay``, ``mix``: streaming (``mix``: the weight
+    of the local fragment when a delayed exchange lands; default 0.5 with a delay). ``topology``:
+    nodes x ranks per node (default: torchrun's layout).
+
+    Every argument is checked on every rank, then the ranks check that they agree (one small
+    all-gather), before any other collective.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int = 100,
+        codec: str | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        fragments: int = 1,
+        delay: int = 0,
+        mix: float | None = None,
+        topology: Topology | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        _check_int("every", every, 1)
+        _check_int("fragments", fragments, 1)
+        _check_int("delay", delay, 0)
+        if delay >= every:
+            raise ValueError(
+                f"outer loop: delay must be below every (a fragment's exchange lands before its next "
+                f"one starts), got delay={delay} with every={every}"
+            )
+        mix = (0.5 if delay else 0.0) if mix is None else mix
+        _check_real("mix", mix, 0.0, 1.0)
+        _check_real("outer_lr", outer_lr, 0.0, math.inf, lo_open=True)
+        _check_real("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"outer loop: model must be a torch.nn.Module, got {type(model).__name__}")
+        _refuse_per_step_compression(model, optimizer)
+        self.codec: Compressor | None = None
+        if codec is not None:
+            built = build_codec(codec)
+            self.codec = ErrorFeedback(built.plain) if built.biased and not built.error_feedback else built
+        module = _bare(model)
+        trained = list(trained_tensors(model))
+        self.names = [n for n, _ in trained]
+        self.params = [p for _, p in trained]
+        if not self.params:
+            raise ValueError("outer loop: the model has no parameter that requires a gradient")
+        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        self.every, self.fragments_n, self.delay, self.mix = every, fragments, delay, mix
+        self.timeout_s = timeout_s
+        self.topo = (topology or Topology()).bind()
+        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if self.topo.world > 1:
+            P.check_same(
+                self.topo.world_group, "gradsync outer loop",
+                every=every, fragments=fragments, delay=delay, mix=str(mix), codec=str(codec),
+                outer_lr=str(outer_lr), outer_momentum=str(outer_momentum), nesterov=int(nesterov),
+                parameters=";".join(self._config()["parameters"]),
+            )  # fmt: skip
+        # the shared parameters (where the workers last met), in float32, and their optimizer
+        self.anchors = [p.detach().float().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self.inner_steps = 0
+        self.meetings = [0] * fragments
+        """How many times each fragment has been averaged (applied)."""
+        self.traffic = P.Traffic()
+        """Bytes this rank sent in the outer exchanges, per level (``inter``: across nodes)."""
+        self._pending: list[_Exchange] = []
+        self._manager = TaskManager("gradsync-outer", self.topo.device) if delay else None
+        self.inner_group = self._make_inner_groups()
+        """This rank's node as a process group of its own, for the inner synchronization
+        (``DDP(model, process_group=outer.inner_group)``); None with one rank per node."""
+        self._hook = None
+        if optimizer is not None:  # the inner optimizer's steps call step()
+            self._hook = optimizer.register_step_post_hook(self._after_inner_step)
+
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step()
+
+    # ------------------------------------------------------------------ the schedule
+    def due(self, fragment: int, step: int) -> bool:
+        """Whether ``fragment`` starts an exchange after inner step ``step`` (1-based)."""
+        offset = (fragment + 1) * self.every // self.fragments_n
+        return step >= offset and (step - offset) % self.every == 0
+
+    def step(self) -> bool:
+        """After an inner optimizer step: apply the exchanges that are due and start those the
+        schedule asks for. Returns whether the shared parameters changed."""
+        self.inner_steps += 1
+        t = self.inner_steps
+        changed = False
+        for ex in [e for e in self._pending if e.due <= t]:
+            self._apply(ex)
+            changed = True
+        for f in range(self.fragments_n):
+            if self.due(f, t):
+                ex = self._start(f, t)
+                if self.delay == 0:
+                    self._apply(ex)
+                    changed = True
+        return changed
+
+    # ------------------------------------------------------------------ one exchange
+    def _members(self, fragment: int) -> list[int]:
+        return self.fragments[fragment]
+
+    def _start(self, fragment: int, t: int) -> _Exchange:
+        members = self._members(fragment)
+        with torch.no_grad():
+            flat = torch.cat(
+                [(self.anchors[i] - self.params[i].detach().float()).reshape(-1) for i in members]
+            )
+        ex = _Exchange(fragment, t + self.delay, flat)
+        program = self._program(fragment, flat)
+        if self._manager is None:
+            with P.record_traffic() as sent:
+                run(program)
+            self._count(sent)
+        else:
+            ex.task = self._manager.submit(program, f"outer fragment {fragment}")
+            self._pending.append(ex)
+        return ex
+
+    def _program(self, fragment: int, flat: torch.Tensor) -> Program:
+        topo = self.topo
+        if self.codec is None:
+            return allreduce_program(flat, topo, "hierarchical" if topo.per_node > 1 else "flat", "mean")
+        parts = None
+        if self.codec.per_tensor:  # PowerSGD: each tensor a matrix of its own
+            parts, pos = [], 0
+            for i in self._members(fragment):
+                n = self.params[i].numel()
+                parts.append((flat[pos : pos + n].view(self.params[i].shape), f"outer/{self.names[i]}"))
+                pos += n
+        return compressed_program(
+            flat, topo, self.codec, "allgather", topo.per_node > 1 and topo.nodes > 1, "mean",
+            f"outer/{fragment}", parts=parts,
+        )  # fmt: skip
+
+    def _apply(self, ex: _Exchange) -> None:
+        if ex.task is not None:
+            assert self._manager is not None
+            self._manager.wait([ex.task], timeout=self.timeout_s)
+            self._count_manager()
+            ex.task = None
+        if ex in self._pending:
+            self._pending.remove(ex)
+        members = self._members(ex.fragment)
+        pos = 0
+        for i in members:  # the averaged pseudo-gradient is the outer optimizer's gradient
+            n = self.anchors[i].numel()
+            self.anchors[i].grad = ex.flat[pos : pos + n].view(self.anchors[i].shape)
+            pos += n
+        self.outer.step()
+        with torch.no_grad():
+            for i in members:
+                self.anchors[i].grad = None
+                p = self.params[i]
+                if self.mix:
+                    p.copy_((self.mix * p.float() + (1.0 - self.mix) * self.anchors[i]).to(p.dtype))
+                else:
+                    p.copy_(self.anchors[i].to(p.dtype))
+            if ex.fragment == 0 and self.buffers and self.topo.world > 1:
+                self._average_buffers()
+        self.meetings[ex.fragment] += 1
+
+    def _average_buffers(self) -> None:
+        """Floating buffers (BatchNorm statistics) averaged over every rank with fragment 0."""
+        flat = torch.cat([b.detach().float().reshape(-1) for b in self.buffers])
+        with P.record_traffic() as sent:
+            run(allreduce_program(flat, self.topo, "flat", "mean"))
+        self._count(sent)
+        pos = 0
+        for b in self.buffers:
+            b.copy_(flat[pos : pos + b.numel()].view(b.shape).to(b.dtype))
+            pos += b.numel()
+
+    def _count(self, sent: P.Traffic) -> None:
+        for level, n in sent.sent.items():
+            self.traffic.add(level, n)
+
+    def _count_manager(self) -> None:
+        if self._manager is not None:
+            for level, n in self._manager.take_traffic().items():
+                self.traffic.add(level, n)
+
+    def _make_inner_groups(self) -> dist.ProcessGroup | None:
+        topo = self.topo
+        if topo.world == 1 or topo.per_node == 1:
+            return None
+        mine = None
+        for node in range(topo.nodes):  # every rank creates every group, in the same order
+            g = dist.new_group(topo.node_ranks(node))
+            if node == topo.node:
+                mine = g
+        return mine
+
+    # ------------------------------------------------------------------ state
+    def finish(self) -> None:
+        """Wait for and apply every exchange still in flight (at the end of training)."""
+        for ex in list(self._pending):
+            self._apply(ex)
+
+    def close(self) -> None:
+        """Stop the task threads and the optimizer hook (exchanges in flight are applied first)."""
+        self.finish()
+        if self._manager is not None:
+            self._manager.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming needs: waits for exchanges in flight and keeps them unapplied."""
+        pending = []
+        for ex in self._pending:
+            if ex.task is not None:
+                assert self._manager is not None
+                self._manager.wait([ex.task], timeout=self.timeout_s)
+                self._count_manager()
+                ex.task = None
+            pending.append({"fragment": ex.fragment, "due": ex.due, "mean": ex.flat.clone()})
+        return {
+            "format": FORMAT,
+            "config": self._config(),
+            "inner_steps": self.inner_steps,
+            "meetings": list(self.meetings),
+            "anchors": [a.detach().clone() for a in self.anchors],
+            "outer": self.outer.state_dict(),
+            "codec": self.codec.state_dict() if self.codec is not None else None,
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the same configuration and parameters are required)."""
+        if state.get("format") != FORMAT:
+            raise ValueError(
+                f"outer loop: not an outer-loop state ({state.get('format')!r}, want {FORMAT!r})"
+            )
+        mine, theirs = self._config(), state["config"]
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in diff)
+            raise ValueError(f"outer loop: the state was saved with another configuration ({detail})")
+        self.finish()
+        self.inner_steps = int(state["inner_steps"])
+        self.meetings = [int(m) for m in state["meetings"]]
+        with torch.no_grad():
+            for a, saved in zip(self.anchors, state["anchors"], strict=True):
+                a.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        if self.codec is not None and state["codec"] is not None:
+            self.codec.load_state_dict(state["codec"])
+        device = self.anchors[0].device
+        self._pending = [
+            _Exchange(int(p["fragment"]), int(p["due"]), p["mean"].to(device)) for p in state["pending"]
+        ]
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "every": self.every,
+            "fragments": self.fragments_n,
+            "delay": self.delay,
+            "mix": self.mix,
+            "codec": self.codec.spec() if self.codec is not None else None,
+            "parameters": [f"{n}:{tuple(p.shape)}" for n, p in zip(self.names, self.params, strict=True)],
+            "topology": [self.topo.nodes, self.topo.per_node],
+        }
+
+
+def _refuse_per_step_compression(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """The outer loop's slow link carries pseudo-gradients only: a per-step scheme that
+    compresses across nodes, or an optimizer that exchanges compressed momentum every step,
+    would cross it every step as well."""
+    engine = model.engine if isinstance(model, GradSync) else None
+    if engine is not None and engine.scheme.kind != "dense" and engine.topo.nodes > 1:
+        raise ValueError(
+            f"outer loop: the model is wrapped with the compressed scheme {engine.scheme.text!r} across "
+            f"{engine.topo.nodes} nodes; inside an outer loop keep the per-step synchronization inside the "
+            "node (DDP(process_group=outer.inner_group), or wrap with a dense scheme) and give the outer "
+            "loop the codec"
+        )
+    if isinstance(optimizer, CompressedMomentumOptimizer):
+        raise ValueError(
+            f"outer loop: {type(optimizer).__name__} exchanges compressed momentum across ranks every step; "
+            "inside an outer loop use a local optimizer (AdamW, SGD, LAMB...) and let the outer loop "
+            "average the pseudo-gradients"
+        )
+
+
+def _check_int(name: str, value: object, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"outer loop: {name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_real(
+    name: str, value: object, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise ValueError(f"outer loop: {name} must be a number in {lo_b}{lo}, {hi}{hi_b}, got {value!r}")
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    """The module inside a ``wrap`` or DDP wrapper (the model itself otherwise)."""
+    inner = model.module if isinstance(model, (GradSync, nn.parallel.DistributedDataParallel)) else model
+    assert isinstance(inner, nn.Module)
+    return inner
+
+
+def trained_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The parameters the outer loop averages: those that require a gradient, in model order."""
+    return ((n, p) for n, p in _bare(model).named_parameters() if p.requires_grad)
+
+
+__all__ = ["FORMAT", "OuterLoop", "split_fragments", "trained_tensors"]

@@ -1,0 +1,223 @@
+"""The DiLoCo-family outer loop (gradsync.OuterLoop) in a world of 2 nodes x 2 ranks, against the
+algorithm written out in float64 in this file: each node's inner SGD on the mean gradient of its
+ranks, the pseudo-gradients averaged across nodes, the outer Nesterov SGD, fragments on their
+staggered schedule, delayed exchanges mixed in when they land. Plus resuming bit for bit, the
+compressed pseudo-gradient, and the errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync
+from gradsync.collectives import Topology
+from gradsync.outer import OuterLoop, split_fragments
+from worlds import expect_all, named_check, run_checks, run_world, same_on_every_rank
+
+NODES, PER_NODE = 2, 2
+INNER_LR = 0.05
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def data(rank: int, step: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 6, generator=g)
+    return x.to(dtype), torch.tanh(x @ torch.linspace(-1, 1, 18).view(6, 3)).to(dtype)
+
+
+def reference(steps: int, every: int, fragments: list[list[int]], delay: int, mix: float,
+              outer_lr: float = 0.7, momentum: float = 0.9) -> list[torch.Tensor]:  # fmt: skip
+    """The outer loop in float64, every rank simulated here: node n's copy of the parameters
+    takes SGD steps on the mean gradient of its ranks; fragment f meets after the steps t with
+    t >= (f + 1) * every / F and (t - that) % every == 0; its pseudo-gradient (anchor - copy) is
+    averaged over the nodes, Nesterov SGD moves the anchor (torch's formula: buf = m buf + d,
+    step = d + m buf), and the copies take the anchor (or, ``delay`` steps later, mix * copy +
+    (1 - mix) * anchor)."""
+    net = Net().double()
+    start = [p.detach().clone() for p in net.parameters()]
+    copies = [[p.clone() for p in start] for _ in range(NODES)]
+    anchors = [p.clone() for p in start]
+    bufs: list[torch.Tensor | None] = [None] * len(start)
+    pending: list[tuple[int, int, list[torch.Tensor]]] = []  # (due, fragment, mean delta)
+    F_ = len(fragments)
+
+    def grads(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
+        ps = [p.clone().requires_grad_(True) for p in params]
+        x, y = data(rank, step, torch.float64)
+        out = torch.tanh(x @ ps[0].T + ps[1]) @ ps[2].T + ps[3]
+        F.mse_loss(out, y).backward()
+        return [p.grad for p in ps]
+
+    def apply(fragment: int, mean: list[torch.Tensor]) -> None:
+        for i, d in zip(fragments[fragment], mean, strict=True):
+            bufs[i] = d.clone() if bufs[i] is None else momentum * bufs[i] + d
+            anchors[i] = anchors[i] - outer_lr * (d + momentum * bufs[i])
+            for n in range(NODES):
+                copies[n][i] = mix * copies[n][i] + (1 - mix) * anchors[i]
+
+    for t in range(1, steps + 1):
+        for n in range(NODES):
+            per_rank = [grads(copies[n], n * PER_NODE + r, t) for r in range(PER_NODE)]
+            for i in range(len(start)):
+                copies[n][i] = copies[n][i] - INNER_LR * sum(g[i] for g in per_rank) / PER_NODE
+        for due, f, mean in [e for e in pending if e[0] <= t]:
+            pending.remove((due, f, mean))
+            apply(f, mean)
+        for f in range(F_):
+            offset = (f + 1) * every // F_
+            if t >= offset and (t - offset) % every == 0:
+                mean = [sum(anchors[i] - copies[n][i] for n in range(NODES)) / NODES for i in fragments[f]]
+                if delay:
+                    pending.append((t + delay, f, mean))
+                else:
+                    apply(f, mean)
+    return copies
+
+
+def train(steps: int, start: int = 0, state=None, **kw):
+    """This rank's node trains with DDP over the outer loop's inner group; returns the model,
+    its optimizer and the outer loop after ``steps`` inner steps (from ``start``)."""
+    topo = Topology(nodes=NODES, per_node=PER_NODE)
+    net = Net()
+    outer = OuterLoop(net, topology=topo, **kw)
+    model = DDP(net, process_group=outer.inner_group)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    if state is not None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        outer.load_state_dict(state["outer"])
+    for t in range(start + 1, start + steps + 1):
+        x, y = data(dist.get_rank(), t)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        outer.step()
+    return net, opt, outer
+
+
+def check_the_outer_loop_is_diloco_written_out():
+    node = dist.get_rank() // PER_NODE
+    cases = [
+        ("dense, H=3", {"every": 3}, 7, [[0, 1, 2, 3]], 0, 0.0),
+        ("2 fragments, H=4", {"every": 4, "fragments": 2}, 9, None, 0, 0.0),
+        ("2 fragments, delay 1", {"every": 4, "fragments": 2, "delay": 1}, 10, None, 1, 0.5),
+        (
+            "lossless codec through the compressed path",
+            {"every": 3, "codec": "none"},
+            7,
+            [[0, 1, 2, 3]],
+            0,
+            0.0,
+        ),
+    ]
+    with expect_all() as expect:
+        for label, kw, steps, frags, delay, mix in cases:
+            net, _, outer = train(steps, **kw)
+            frags = frags or outer.fragments
+            want = reference(steps, kw["every"], frags, delay, mix)[node]
+            with expect(label):  # (before close(), which applies an exchange still in flight)
+                for p, w in zip(net.parameters(), want, strict=True):
+                    torch.testing.assert_close(p.detach().double(), w, atol=2e-5, rtol=1e-4)
+            outer.close()
+
+
+def check_resuming_is_bit_for_bit():
+    kw = {"every": 4, "fragments": 2, "delay": 1, "codec": "chunktopk:density=0.25,chunk=8"}
+    full, _, outer = train(10, **kw)
+    outer.close()
+    half, opt, outer = train(5, **kw)  # step 5: fragment 1 met at step 4; its exchange lands at 5
+    state = {"model": {k: v.clone() for k, v in half.state_dict().items()}, "opt": opt.state_dict(),
+             "outer": outer.state_dict()}  # fmt: skip
+    outer.close()
+    resumed, _, outer = train(5, start=5, state=state, **kw)
+    outer.close()
+    for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def check_compressed_pseudo_gradients_agree_and_send_less():
+    sent = {}
+    with expect_all() as expect:
+        for codec in (None, "chunktopk:density=0.1,chunk=16", "onebit", "powersgd:rank=1"):
+            net, _, outer = train(8, every=4, codec=codec)
+            total = torch.tensor([float(outer.traffic.sent.get("inter", 0))])
+            dist.all_reduce(total)  # every rank's share of what crossed the nodes
+            sent[codec] = total.item()
+            outer.close()
+            with expect(f"{codec}: the same parameters on every rank after a meeting"):
+                same_on_every_rank(list(net.parameters()), str(codec))
+        with expect("the compressed outer loops send less across nodes"):
+            for codec in ("chunktopk:density=0.1,chunk=16", "onebit"):
+                assert 0 < sent[codec] < sent[None] / 2, sent
+
+
+def check_bad_input_is_refused_on_every_rank():
+    topo = Topology(nodes=NODES, per_node=PER_NODE)
+    bad = [
+        ({"every": 0}, "every must be an integer >= 1"),
+        ({"every": 2.5}, "every must be an integer"),
+        ({"fragments": 5}, "fragments must be between 1 and the number of trained parameter tensors \\(4\\)"),
+        ({"every": 4, "delay": 4}, "delay must be below every"),
+        ({"mix": 1.5}, "mix must be a number in"),
+        ({"outer_lr": 0}, "outer_lr must be a number in"),
+        ({"codec": "nope"}, "nope"),
+    ]
+    with expect_all() as expect:
+        for kw, match in bad:
+            with expect(str(kw)), pytest.raises(ValueError, match=match):
+                OuterLoop(Net(), topology=topo, **kw)
+        with (
+            expect("a scheme that compresses across nodes"),
+            pytest.raises(ValueError, match="compressed scheme"),
+        ):
+            wrapped = gradsync.wrap(
+                Net(), "allgather/topk:density=0.5", topo, calibrate=False, log_plan=False
+            )
+            try:
+                OuterLoop(wrapped, topology=topo)
+            finally:
+                wrapped.close()
+        with (
+            expect("an optimizer that exchanges momentum"),
+            pytest.raises(ValueError, match="compressed momentum"),
+        ):
+            from gradsync.optim import OneBitAdam
+
+            net = Net()
+            OuterLoop(net, OneBitAdam(net.parameters(), lr=1e-3), topology=topo)
+
+
+def _world():
+    run_checks(
+        named_check(check_the_outer_loop_is_diloco_written_out),
+        named_check(check_resuming_is_bit_for_bit),
+        named_check(check_compressed_pseudo_gradients_agree_and_send_less),
+        named_check(check_bad_input_is_refused_on_every_rank),
+    )
+
+
+@pytest.mark.timeout(600)
+def test_the_outer_loop_in_a_world_of_two_nodes():
+    run_world(NODES * PER_NODE, _world)
+
+
+def test_fragments_are_contiguous_and_balanced():
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([1, 1, 1], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="between 1 and"):
+        split_fragments([1, 2], 3)
