@@ -221,3 +221,26 @@ def test_fragments_are_contiguous_and_balanced():
     assert split_fragments([1, 1, 1], 3) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="between 1 and"):
         split_fragments([1, 2], 3)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--outer", "0"], "--outer must be a number >= 1"),
+        (["--fragments", "2"], "--fragments need --outer H"),
+        (["--outer", "4", "--outer-delay", "4"], "--outer-delay must be in [0, --outer)"),
+        (["--outer", "4", "--outer-mix", "2"], "--outer-mix must be in [0, 1]"),
+        (["--outer", "4", "--outer-codec", "zip"], "zip"),
+        (["--outer", "4", "--optimizer", "onebit-adam"], "--outer with --optimizer onebit-adam"),
+        (
+            ["--outer", "4", "--scheme", "allgather/topk:density=0.01"],
+            "would compress across nodes every step",
+        ),
+        (["--outer", "4", "--fragments", "0"], "--fragments must be a number >= 1"),
+    ],
+)
+def test_train_refuses_bad_outer_options_before_any_work(extra, message, capsys):
+    from gradsync.apps.commands import main
+
+    assert main(["train", "--epochs", "1", *extra]) == 2
+    assert message in capsys.readouterr().err

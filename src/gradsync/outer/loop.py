@@ -35,8 +35,9 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,6 +297,33 @@ class OuterLoop:
             if node == topo.node:
                 mine = g
         return mine
+
+    @contextlib.contextmanager
+    def shared_parameters(self) -> Iterator[None]:
+        """Inside the block the model holds the shared parameters (where the workers last met,
+        DiLoCo's global model: what to evaluate); its own come back after."""
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self.params]
+            for p, a in zip(self.params, self.anchors, strict=True):
+                p.copy_(a.to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, o in zip(self.params, own, strict=True):
+                    p.copy_(o)
+
+    def describe(self) -> str:
+        """One line: the schedule and the codec."""
+        codec = self.codec.spec() if self.codec is not None else "dense"
+        streaming = f", {self.fragments_n} fragments" if self.fragments_n > 1 else ""
+        delayed = f", applied {self.delay} steps later (mix {self.mix:g})" if self.delay else ""
+        group = self.outer.param_groups[0]
+        nesterov = " nesterov" if group["nesterov"] else ""
+        return (
+            f"outer loop every {self.every} inner steps{streaming}{delayed}, pseudo-gradients {codec}, "
+            f"outer SGD lr {group['lr']:g} momentum {group['momentum']:g}{nesterov}"
+        )
 
     # ------------------------------------------------------------------ state
     def finish(self) -> None:

@@ -242,6 +242,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="any further gradsync SyncConfig option (repeatable)",
     )
 
+    g = p.add_argument_group("outer loop (DiLoCo family; docs/outer-loop.md)")
+    g.add_argument(
+        "--outer",
+        type=int,
+        default=None,
+        metavar="H",
+        help="train each node on its own for H inner steps (its ranks synchronized densely every step) "
+        "and average the nodes' pseudo-gradients every H steps with an outer Nesterov SGD",
+    )
+    g.add_argument(
+        "--outer-codec",
+        default=None,
+        metavar="SPEC",
+        help="compress the pseudo-gradients with this codec (error feedback added to biased ones), e.g. "
+        "chunktopk:density=0.02, onebit, bf16, powersgd:rank=4 (default: dense float32)",
+    )
+    g.add_argument("--outer-lr", type=float, default=0.7, help="the outer SGD's learning rate (DiLoCo: 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=0.9, help="the outer SGD's Nesterov momentum")
+    g.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming: split the parameters into this many fragments that meet on a staggered schedule",
+    )
+    g.add_argument(
+        "--outer-delay",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="streaming: exchange in the background and apply STEPS inner steps later (below H)",
+    )
+    g.add_argument(
+        "--outer-mix",
+        type=float,
+        default=None,
+        help="weight of the local fragment when a delayed exchange lands (default 0.5 with a delay)",
+    )
+
     g = p.add_argument_group("processes")
     g.add_argument(
         "--nproc",

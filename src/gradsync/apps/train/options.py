@@ -28,7 +28,7 @@ from gradsync.apps.train.arguments import (
 )
 from gradsync.apps.train.optim import optimizer_kind, optimizer_names
 from gradsync.apps.train.resize import parse_resize_schedule
-from gradsync.codecs import Compressor, ErrorFeedback
+from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.codec_set import build_candidates, build_codecs
@@ -115,6 +115,7 @@ def validate(args: argparse.Namespace) -> None:
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     optimizer_kind(args.optimizer)  # ValueError naming every choice
     _check_self_syncing(args)
+    _check_outer(args)
     _choice("--schedule", args.schedule, SCHEDULES)
     _choice("--lr-scaling", args.lr_scaling, LR_SCALING)
     if not (math.isfinite(args.poly_power) and args.poly_power > 0):
@@ -214,6 +215,45 @@ def validate(args: argparse.Namespace) -> None:
             f"--scheme {args.scheme!r} carries the optimizer's momentum in its error feedback "
             f"(momentum correction: {corrected[0]}); it needs --optimizer sgd with --momentum 0, "
             "or drop ef:momentum and keep the optimizer's"
+        )
+
+
+def _check_outer(args: argparse.Namespace) -> None:
+    """``--outer`` and its options (the ranges the library checks too, named as options here)."""
+    outer = getattr(args, "outer", None)
+    if outer is None:
+        given = [
+            name for name, value, default in (
+                ("--outer-codec", args.outer_codec, None), ("--fragments", args.fragments, 1),
+                ("--outer-delay", args.outer_delay, 0), ("--outer-mix", args.outer_mix, None),
+                ("--outer-lr", args.outer_lr, 0.7), ("--outer-momentum", args.outer_momentum, 0.9),
+            ) if value != default
+        ]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)} need --outer H (the inner steps between two meetings)")
+        return
+    _at_least("--outer", outer, 1)
+    _at_least("--fragments", args.fragments, 1)
+    if not 0 <= args.outer_delay < outer:
+        raise ValueError(f"--outer-delay must be in [0, --outer) = [0, {outer}), got {args.outer_delay}")
+    if args.outer_mix is not None and not 0.0 <= args.outer_mix <= 1.0:
+        raise ValueError(f"--outer-mix must be in [0, 1], got {args.outer_mix!r}")
+    if not (math.isfinite(args.outer_lr) and args.outer_lr > 0):
+        raise ValueError(f"--outer-lr must be a positive number, got {args.outer_lr!r}")
+    if not 0.0 <= args.outer_momentum < 1.0:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum!r}")
+    if args.outer_codec is not None:
+        build_codec(args.outer_codec)  # ValueError naming the codecs
+    if optimizer_kind(args.optimizer).self_syncing:
+        raise ValueError(
+            f"--outer with --optimizer {args.optimizer}: that optimizer exchanges compressed momentum across "
+            "ranks every step; inside an outer loop use a local one (adamw, sgd, lamb...)"
+        )
+    if args.scheme != DEFAULT_SCHEME and Scheme.parse(args.scheme).kind != "dense":
+        raise ValueError(
+            f"--outer with --scheme {args.scheme}: the scheme would compress across nodes every step; with "
+            "--outer the ranks of a node synchronize densely every step and only the outer loop crosses "
+            "nodes (compress its pseudo-gradients with --outer-codec)"
         )
 
 

@@ -49,6 +49,7 @@ from gradsync.apps.train.optim import (
     optimizer_kind,
 )
 from gradsync.apps.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.apps.train.outer import NodeSync
 from gradsync.apps.train.pto_choice import PtoChoice, choose_pto
 from gradsync.apps.train.resize import resize
 from gradsync.collectives import Topology
@@ -91,7 +92,7 @@ def _verdict(flags: StepFlags, world: int, quiet: bool = False) -> None:
 
 
 def accumulated_backward(
-    model: gradsync.GradSync,
+    model: gradsync.GradSync | NodeSync,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
@@ -171,14 +172,24 @@ class Trainer:
         self.config = sync_config(args, self.plan.to_steps)
         self.clip_after_sync = clip_where(args, self.config) == "sync"
         """``--clip-grad`` on the synchronized gradient (else the engine clips locally, or nothing)."""
-        self.model = gradsync.wrap(
-            net,
-            self.config,
-            self.topo,
-            grad_scaler=self.scaler,
-            trace=args.trace,
-            trace_steps=trace_steps(args.trace_steps) if args.trace else None,
-        )
+        self.outer: gradsync.OuterLoop | None = None
+        self.model: gradsync.GradSync | NodeSync
+        if args.outer is not None:  # each node alone for H steps, then the outer loop
+            self.outer = gradsync.OuterLoop(
+                net, every=args.outer, codec=args.outer_codec, outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum, fragments=args.fragments, delay=args.outer_delay,
+                mix=args.outer_mix, topology=self.topo,
+            )  # fmt: skip
+            self.model = NodeSync(net, self.outer, self.device)
+        else:
+            self.model = gradsync.wrap(
+                net,
+                self.config,
+                self.topo,
+                grad_scaler=self.scaler,
+                trace=args.trace,
+                trace_steps=trace_steps(args.trace_steps) if args.trace else None,
+            )
         self.net = net
         self.self_syncing = optimizer_kind(args.optimizer).self_syncing
         """The optimizer synchronizes the model (compressed momentum): the engine must not."""
@@ -188,6 +199,7 @@ class Trainer:
                 raise ValueError(
                     f"--optimizer {args.optimizer} does not support a GradScaler (--amp on a GPU)"
                 )
+            assert isinstance(self.model, gradsync.GradSync)  # (--outer refuses these optimizers)
             self._local_gradients.enter_context(self.model.no_sync())  # for the whole run
         lr = args.lr if args.lr is not None else optimizer_kind(args.optimizer).lr
         base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
@@ -228,6 +240,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.telemetry: list[dict[str, Any]] = []  # rank 0's step records, every --log-every steps
         self._unchecked: StepFlags | None = None  # the last step's finiteness flags, in flight
+        self.outer_met = False  # whether the outer loop's shared parameters moved at the last step
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.checkpoint_dir and (args.resume or restarted):
             self._resume()
@@ -292,6 +305,8 @@ class Trainer:
                     # there the verdict is awaited at once; elsewhere it comes one step later
                     self._check_finite(loss, save_now or self.batch == self.steps_per_epoch)
                     self.meter.add(loss, x.shape[0], dt, self.model.last_stats)
+                    if isinstance(self.model, NodeSync):  # what the outer loop and DDP sent
+                        self.meter.add_sent(self.model.sent_this_step(), self.outer_met)
                     if self.self_syncing:  # what the optimizer sent this step
                         compressing = self.optimizer.compressing  # type: ignore[attr-defined]
                         self.meter.add_sent(self.optimizer.traffic.take(), compressing)  # type: ignore[attr-defined]
@@ -345,7 +360,7 @@ class Trainer:
     def _log_telemetry(self, loss: float, step_s: float, bar: Any) -> None:
         """Rank 0's telemetry of the step just taken (local figures: no collective)."""
         stats = self.model.last_stats
-        if stats is None:  # a world of one synchronizes nothing
+        if stats is None or not isinstance(self.model, gradsync.GradSync):  # nothing synchronized
             return
         rec = step_record(stats, residual_norm=self.model.engine.residual_norm())
         rec.update(
@@ -364,6 +379,8 @@ class Trainer:
         )
 
     def _sync_words(self) -> str:
+        if self.outer is not None:
+            return self.outer.describe()
         if self.self_syncing:
             return f"no gradient sync (--optimizer {self.args.optimizer} synchronizes the model)"
         return f"scheme {self.args.scheme} (plan {self.args.plan})"
@@ -378,11 +395,12 @@ class Trainer:
             "task": self.data.task,
             "model": self.model_name,
             "parameters": parameter_count(self.net),
-            "scheme": "none" if self.self_syncing else a.scheme,
+            "scheme": self._scheme_words(),
             "optimizer": a.optimizer,
             "plan": a.plan,
             "plan_table": self.model.plan_table(),
-            "plan_summary": self.model.engine.report.summary if self.model.engine.report else "",
+            "plan_summary": self._plan_summary(),
+            **({} if self.outer is None else {"outer": self.outer.describe()}),
             "world": self.world,
             "nodes": self.topo.nodes,
             "per_node": self.topo.per_node,
@@ -398,6 +416,18 @@ class Trainer:
             "telemetry": self.telemetry,
             "trace": a.trace,
         }
+
+    def _scheme_words(self) -> str:
+        if self.outer is not None:
+            codec = self.args.outer_codec or "dense"
+            return f"outer:every={self.args.outer},fragments={self.args.fragments},codec={codec}"
+        return "none" if self.self_syncing else self.args.scheme
+
+    def _plan_summary(self) -> str:
+        if not isinstance(self.model, gradsync.GradSync):
+            return ""
+        report = self.model.engine.report
+        return report.summary if report else ""
 
     def synchronize_optimizer(self) -> None:
         """An optimizer that synchronizes the model itself (``--optimizer onebit-adam`` ...)
@@ -430,6 +460,8 @@ class Trainer:
             ident["resize_batch"] = a.resize_batch
         if self.partitioned:
             ident["data_order"] = "partition"
+        if self.outer is not None:
+            ident["outer"] = self.outer.describe()
         return ident
 
     # ------------------------------------------------------------------ checkpoints
@@ -452,8 +484,10 @@ class Trainer:
             # batch-norm statistics are per rank (each sees its own shard); main.pt has rank 0's
             "buffers": {n: b for n, b in self.net.named_buffers()},
         }
-        if self.self_syncing:  # error-feedback residuals and the momentum exchange are per rank
+        if self.self_syncing or self.outer is not None:  # per rank: residuals, momentum, a node's copy
             local["optimizer"] = self.optimizer.state_dict()
+        if self.outer is not None:  # between meetings each node has its own parameters
+            local["model"] = self.net.state_dict()
         checkpoint.save(
             self.args.checkpoint_dir, self.global_step, main, local, self.rank, self.args.keep_checkpoints
         )
@@ -469,8 +503,8 @@ class Trainer:
             return
         main, local = checkpoint.load(folder, self.rank)
         checkpoint.check_identity(main["identity"], self.identity())
-        self.net.load_state_dict(main["model"])
-        self.optimizer.load_state_dict(local["optimizer"] if self.self_syncing else main["optimizer"])
+        self.net.load_state_dict(local.get("model", main["model"]))
+        self.optimizer.load_state_dict(local["optimizer"] if "optimizer" in local else main["optimizer"])
         self.scheduler.load_state_dict(main["scheduler"])
         if self.scaler is not None and main["scaler"] is not None:
             self.scaler.load_state_dict(main["scaler"])
@@ -541,6 +575,8 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.outer is not None:
+            self.outer_met = self.outer.step()
         return loss
 
     def _check_finite(self, loss: float, now: bool) -> None:
@@ -606,7 +642,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and accuracy (classification) or perplexity (language model) on the validation set,
-        each rank taking every world-th sample."""
+        each rank taking every world-th sample (under ``--outer``: of the shared parameters, where
+        the nodes last met)."""
+        with self.outer.shared_parameters() if self.outer is not None else nullcontext():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         self._average_buffers()
         self.net.eval()
         val = self.data.val
@@ -663,7 +704,7 @@ def save_costs(trainer: Trainer, path: str) -> None:
     """Rank 0: write the engine's refitted costs to ``path`` (atomically), or say why there are
     none (no closed-loop round ran: the plan was not ``auto``, the scheme dense, or the run too
     short for a round)."""
-    costs = trainer.model.engine.costs()
+    costs = trainer.model.engine.costs() if isinstance(trainer.model, gradsync.GradSync) else None
     if costs is None:
         print(
             f"gradsync train: --save-costs {path}: nothing written: the closed loop never refitted the "
