@@ -25,7 +25,7 @@ ALLOWED = {
     "integrate": {"codecs", "collectives", "sync", "planner", "observe"},
     "optim": {"codecs", "collectives"},
     "whatif": {"codecs", "collectives", "sync", "planner", "observe", "units"},
-    "outer": {"codecs", "collectives", "sync", "integrate", "optim"},
+    "outer": {"codecs", "collectives", "sync", "observe", "integrate", "optim"},
 }
 
 

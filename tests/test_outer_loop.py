@@ -283,3 +283,28 @@ def test_gradsync_train_outer_trains_and_a_killed_worker_rejoins_bit_for_bit(tmp
         got = checkpoint.load(checkpoint.latest(tmp_path / "b"), rank)[1]["model"]
         for k, v in got.items():
             assert torch.equal(v, ref[k]), (rank, k)
+
+
+@pytest.mark.timeout(600)
+def test_the_streaming_exchange_overlaps_the_inner_steps_in_the_trace(tmp_path, monkeypatch):
+    """With a delay, a fragment's exchange runs on gradsync's threads while inner steps run on the
+    training thread: the trace shows its slices inside the inner steps' time."""
+    import json
+
+    from gradsync.apps.commands import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trace = tmp_path / "trace.json"
+    argv = ["train", "--nproc", "2", "--nodes", "2", "--per-node", "1", "--epochs", "1", "--quiet",
+            "--outer", "4", "--outer-delay", "2", "--outer-codec", "chunktopk:density=0.05",
+            "--trace", str(trace)]  # fmt: skip
+    assert main(argv) == 0
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    inner = [(e["pid"], e["ts"], e["ts"] + e["dur"]) for e in slices if e["name"] == "inner step"]
+    exchange = [
+        (e["pid"], e["ts"], e["ts"] + e["dur"]) for e in slices if e["name"].startswith("outer fragment")
+    ]
+    assert inner and exchange
+    overlapping = [x for x in exchange if any(p == x[0] and a < x[2] and x[1] < b for p, a, b in inner)]
+    assert len(overlapping) >= len(exchange) // 3, (len(overlapping), len(exchange))

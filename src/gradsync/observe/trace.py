@@ -152,6 +152,14 @@ class TraceRecorder:
                 return
         self._add([slice_event(name, "step", TRAINING, start, end, args)])
 
+    def task(self, task: Task, step: int) -> None:
+        """A task run outside an engine's step (an outer-loop exchange): its compute and
+        communication slices on gradsync's threads, labelled with its name and ``step``. The
+        task's manager must have recorded its spans (``manager.record = True``)."""
+        if task.spans is None or (self.window is not None and not self.window[0] <= step < self.window[1]):
+            return
+        self._add(self._task_events(task, step, -1, True, None))
+
     def _flow_id(self) -> int:
         self._flow += 1
         return (self.rank << 40) | self._flow  # unique across the merged trace

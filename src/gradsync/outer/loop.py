@@ -52,6 +52,7 @@ from gradsync.collectives.dense import allreduce_program
 from gradsync.collectives.program import Program, run
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.wrap import GradSync
+from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
 from gradsync.sync.tasks import Task, TaskManager
 
@@ -173,9 +174,18 @@ class OuterLoop:
         self.inner_group = self._make_inner_groups()
         """This rank's node as a process group of its own, for the inner synchronization
         (``DDP(model, process_group=outer.inner_group)``); None with one rank per node."""
+        self.tracer: TraceRecorder | None = None
+        """Where the exchanges' slices go (set :meth:`trace`)."""
         self._hook = None
         if optimizer is not None:  # the inner optimizer's steps call step()
             self._hook = optimizer.register_step_post_hook(self._after_inner_step)
+
+    def trace(self, tracer: TraceRecorder) -> None:
+        """Record each exchange's slices on gradsync's threads (compute and communication, beside
+        the inner steps they overlap) into ``tracer``."""
+        self.tracer = tracer
+        if self._manager is not None:
+            self._manager.record = True
 
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
@@ -245,6 +255,8 @@ class OuterLoop:
             assert self._manager is not None
             self._manager.wait([ex.task], timeout=self.timeout_s)
             self._count_manager()
+            if self.tracer is not None:
+                self.tracer.task(ex.task, self.inner_steps)
             ex.task = None
         if ex in self._pending:
             self._pending.remove(ex)

@@ -55,6 +55,7 @@ from gradsync.apps.train.resize import resize
 from gradsync.collectives import Topology
 from gradsync.collectives.primitives import comm_device
 from gradsync.observe.telemetry import format_line, step_record
+from gradsync.observe.trace import TraceRecorder
 from gradsync.optim.layerwise import LayerwiseOptimizer
 
 
@@ -173,6 +174,7 @@ class Trainer:
         self.clip_after_sync = clip_where(args, self.config) == "sync"
         """``--clip-grad`` on the synchronized gradient (else the engine clips locally, or nothing)."""
         self.outer: gradsync.OuterLoop | None = None
+        self.outer_trace: TraceRecorder | None = None
         self.model: gradsync.GradSync | NodeSync
         if args.outer is not None:  # each node alone for H steps, then the outer loop
             self.outer = gradsync.OuterLoop(
@@ -181,6 +183,11 @@ class Trainer:
                 mix=args.outer_mix, topology=self.topo,
             )  # fmt: skip
             self.model = NodeSync(net, self.outer, self.device)
+            if args.trace:  # the inner steps on the training thread, the exchanges on gradsync's
+                self.outer_trace = TraceRecorder(
+                    self.topo, trace_steps(args.trace_steps) if args.trace_steps else None
+                )
+                self.outer.trace(self.outer_trace)
         else:
             self.model = gradsync.wrap(
                 net,
@@ -338,6 +345,8 @@ class Trainer:
             if a.checkpoint_dir:
                 self._save()
         self.model.close()
+        if self.outer_trace is not None:
+            self.outer_trace.write(self.args.trace)  # (collective: every rank)
         return self._summary() if self.rank == 0 else None
 
     def _cache_counters(self) -> dict[str, float] | None:
@@ -560,6 +569,7 @@ class Trainer:
         return resize(x, size) if size is not None else x
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.perf_counter()
         x, y = self._inputs(x), y.to(self.device, non_blocking=True)
         loss = self._backward(x, y)
         clip = self.args.clip_grad if self.clip_after_sync else None
@@ -577,6 +587,8 @@ class Trainer:
         self.scheduler.step()
         if self.outer is not None:
             self.outer_met = self.outer.step()
+            if self.outer_trace is not None:
+                self.outer_trace.span("inner step", t0, time.perf_counter(), step=self.global_step + 1)
         return loss
 
     def _check_finite(self, loss: float, now: bool) -> None:
