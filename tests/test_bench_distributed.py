@@ -131,13 +131,17 @@ def check_step_bench(tmp):
     assert "synchronized as" in s["details"]["hitopk:density=0.1"]["plan"]
 
 
+OUTER = "outer@every=2@codec=chunktopk:density=0.1"
+
+
 def train_bench(tmp):
     """One ``bench train`` run; rank 0 checks what it wrote."""
     tj, tm, tp = (os.path.join(tmp, f"t.{ext}") for ext in ("json", "md", "png"))
 
     def check_bench_train_runs():
         argv = ["bench", "train", "--model", "vgg-small", "--batch-size", "4", "--contenders",
-                "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1,auto", "--warmup", "2",
+                "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hitopk:density=0.1,auto,"
+                "outer@every=2@codec=chunktopk:density=0.1", "--warmup", "2",
                 "--steps", "2", "--rounds", "2", "--nodes", "2", "--per-node", "1", "--json", tj,
                 "--markdown", tm, "--png", tp]  # fmt: skip
         assert main(argv) == 0
@@ -149,7 +153,7 @@ def train_bench(tmp):
     def check_throughput_and_scaling_figures():
         t, rows_ = rows()
         hooks = ["ddp", "ddp-fp16", "ddp-powersgd:rank=1"]
-        assert list(rows_) == ["local", *hooks, "hitopk:density=0.1", "auto"]
+        assert list(rows_) == ["local", *hooks, "hitopk:density=0.1", "auto", OUTER]
         single = t["single_worker_step_ms"] / 1e3
         assert single > 0
         for r in rows_.values():
@@ -170,6 +174,10 @@ def train_bench(tmp):
             assert rows_[hook]["crossing_mb_per_worker"] is None  # loopback: no NIC to read
         hi = rows_["hitopk:density=0.1"]
         assert hi["crossing_mb_per_worker"] == hi["sent_mb"]["inter"]
+        # the outer loop meets once in its 2 measured steps: what it sent is a mean over them,
+        # far below what a per-step dense all-reduce sends
+        assert 0 < rows_[OUTER]["sent_mb"]["inter"] < rows_["hitopk:density=0.1"]["sent_mb"]["inter"]
+        assert rows_[OUTER]["steps"] == 2 * 2  # 2 measured steps (one outer period) in each of 2 rounds
 
     def check_summary_names_the_best():
         t, rows_ = rows()
@@ -297,6 +305,8 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
             "expected ddp-powersgd or ddp-powersgd:rank=R",
         ),
         (["bench", "train", "--warmup", "1"], "--warmup must be at least 2"),
+        (["bench", "train", "--contenders", "outer@every=0"], "needs every >= 1"),
+        (["bench", "train", "--contenders", "outer@spin=1"], "unknown option(s) spin; allowed: every, codec"),
         (["bench", "train", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
         (
             ["bench", "train", "--emulate", "2x2", "--link", "fast"],

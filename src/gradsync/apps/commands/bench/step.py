@@ -78,6 +78,9 @@ def check_contender(name: str) -> str:
     if name.startswith("ddp-powersgd"):
         _powersgd_rank(name)
         return name
+    if is_outer(name):
+        outer_options(name)
+        return name
     scheme, options = contender_options(name)
     SyncConfig.from_options({"scheme": scheme, **options})  # validates both
     return name
@@ -94,6 +97,48 @@ def contender_options(name: str) -> tuple[str, dict[str, str]]:
 
 def is_ddp(name: str) -> bool:
     return name == "ddp" or name.startswith("ddp-")
+
+
+OUTER_KEYS = {"every": int, "codec": str, "fragments": int, "delay": int, "mix": float, "outer_lr": float,
+              "outer_momentum": float}  # fmt: skip
+
+
+def is_outer(name: str) -> bool:
+    """``outer@every=H@codec=SPEC@...``: the DiLoCo-family outer loop, DDP inside each node."""
+    return name == "outer" or name.startswith("outer@")
+
+
+def outer_options(name: str) -> dict[str, Any]:
+    """An outer contender's :class:`gradsync.OuterLoop` keywords (``every`` defaults to 10),
+    checked: ``ValueError`` naming the contender and the allowed keys."""
+    _, items = contender_options(name)
+    unknown = sorted(set(items) - set(OUTER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(OUTER_KEYS)}"
+        )
+    out: dict[str, Any] = {"every": 10}
+    for key, text in items.items():
+        try:
+            out[key] = OUTER_KEYS[key](text)
+        except ValueError:
+            raise ValueError(
+                f"contender {name!r}: {key} takes a {OUTER_KEYS[key].__name__}, got {text!r}"
+            ) from None
+    if out["every"] < 1 or out.get("fragments", 1) < 1 or not 0 <= out.get("delay", 0) < out["every"]:
+        raise ValueError(f"contender {name!r}: needs every >= 1, fragments >= 1 and 0 <= delay < every")
+    if "codec" in out:
+        gradsync.build_codec(out["codec"])  # ValueError naming the codecs
+    return out
+
+
+def measured_steps(name: str, steps: int) -> int:
+    """Steps to measure: ``steps``, or for an outer contender whole outer periods (at least one),
+    so that its meetings weigh in as often as they happen."""
+    if not is_outer(name):
+        return steps
+    every = outer_options(name)["every"]
+    return every * max(1, -(-steps // every))
 
 
 def _powersgd_rank(name: str) -> int:
@@ -183,8 +228,13 @@ def measure_contender(
     warmup = ROUND_WARMUP if later else args.warmup
     model: nn.Module = copy.deepcopy(base)
     synced = None
+    outer = None
     if is_ddp(name):
         model = _ddp(name, model, args.warmup, carry)
+    elif is_outer(name):  # each node alone (DDP inside it), the nodes meet every H steps
+        outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
+        if outer.inner_group is not None:
+            model = DDP(model, process_group=outer.inner_group)
     elif name != "local":
         scheme, own = contender_options(name)
         options = dict(
@@ -206,7 +256,8 @@ def measure_contender(
     meter = CableMeter(topo)
     probe = bench_nic.NicProbe(args, topo)
     step, measuring = 0, False
-    while len(samples) < args.steps:
+    count = measured_steps(name, args.steps)
+    while len(samples) < count:
         if not measuring and step >= warmup and not (_settling(synced) and step < warmup + SETTLE_STEPS):
             measuring = True
             meter.start()
@@ -219,6 +270,8 @@ def measure_contender(
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if outer is not None:
+            outer.step()
         t3 = time.perf_counter()
         st = synced.last_stats if synced is not None else None
         if measuring:
@@ -233,17 +286,25 @@ def measure_contender(
             samples.append(row)
             if st is not None:
                 sent.append(st.sent_bytes)
+            elif outer is not None:
+                sent.append(outer.traffic.take())
+        elif outer is not None:
+            outer.traffic.take()
         step += 1
-    cable = meter.stop(args.steps)
+    if outer is not None:
+        outer.close()
+    cable = meter.stop(count)
     nic_row, nic_details = probe.finish()
-    med = [statistics.median(col) * 1e3 for col in zip(*samples, strict=True)]
+    # an outer contender's steps differ (most compute alone, one in H meets): their mean
+    middle = statistics.mean if outer is not None else statistics.median
+    med = [middle(col) * 1e3 for col in zip(*samples, strict=True)]
     levels = sorted({k for s in sent for k in s})
     result = StepRow(
         contender=name, step_ms=med[0], forward_ms=med[1], backward_ms=med[2], optimizer_ms=med[3],
         exposed_ms=med[4] if synced is not None else None,
         compress_ms=med[5] if synced is not None else None, comm_ms=med[6] if synced is not None else None,
-        sent_mb={k: statistics.median(s.get(k, 0) for s in sent) / 2**20 for k in levels},
-        cable_mb=cable / 2**20 if cable is not None else None, steps=args.steps,
+        sent_mb={k: middle(s.get(k, 0) for s in sent) / 2**20 for k in levels},
+        cable_mb=cable / 2**20 if cable is not None else None, steps=count,
     )  # fmt: skip
     for key, value in nic_row.items():
         setattr(result, key, value)
