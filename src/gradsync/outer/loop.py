@@ -163,7 +163,10 @@ class OuterLoop:
             )  # fmt: skip
         # the shared parameters (where the workers last met), in float32, and their optimizer
         self.anchors = [p.detach().float().clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        # (Nesterov needs momentum: with none the outer step is plain SGD, lr 1 a plain average)
+        self.outer = torch.optim.SGD(
+            self.anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        )
         self.inner_steps = 0
         self.meetings = [0] * fragments
         """How many times each fragment has been averaged (applied)."""
