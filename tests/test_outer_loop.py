@@ -201,8 +201,31 @@ def check_bad_input_is_refused_on_every_rank():
             OuterLoop(net, OneBitAdam(net.parameters(), lr=1e-3), topology=topo)
 
 
+def check_buffers_are_averaged_when_fragment_zero_lands():
+    """BatchNorm statistics: averaged over every rank (on their own group, while another
+    fragment's exchange may be in flight) when fragment 0's exchange lands."""
+    topo = Topology(nodes=NODES, per_node=PER_NODE)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    outer = OuterLoop(net, topology=topo, every=2, fragments=2, delay=1)
+    model = DDP(net, process_group=outer.inner_group)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for t in range(1, 5):  # fragment 0 starts after steps 1 and 3 and lands after 2 and 4
+        x, y = data(dist.get_rank(), t)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        before = net[1].running_mean.clone()
+        outer.step()
+    want = before.clone()
+    dist.all_reduce(want)
+    torch.testing.assert_close(net[1].running_mean, want / dist.get_world_size())
+    outer.close()
+
+
 def _world():
     run_checks(
+        named_check(check_buffers_are_averaged_when_fragment_zero_lands),
         named_check(check_the_outer_loop_is_diloco_written_out),
         named_check(check_resuming_is_bit_for_bit),
         named_check(check_compressed_pseudo_gradients_agree_and_send_less),
