@@ -223,8 +223,43 @@ def check_buffers_are_averaged_when_fragment_zero_lands():
     outer.close()
 
 
+def check_fsdp_inside_the_node_is_diloco_written_out():
+    """FSDP2 shards the model over each node; the shards meet across nodes rank by rank. The
+    result is the same algorithm as with DDP inside the node (the float64 reference)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("node", "shard"))
+    topo = Topology(nodes=NODES, per_node=PER_NODE)
+    node = dist.get_rank() // PER_NODE
+    with expect_all() as expect:
+        for codec in (None, "none"):
+            net = Net()
+            for m in (net.a, net.b, net):
+                fully_shard(m, mesh=mesh["shard"])
+            outer = OuterLoop(net, topology=topo, every=3, codec=codec)
+            opt = torch.optim.SGD(net.parameters(), lr=INNER_LR)
+            for t in range(1, 8):
+                x, y = data(dist.get_rank(), t)
+                F.mse_loss(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                outer.step()
+            full = [p.full_tensor().detach().double() for p in net.parameters()]
+            outer.close()
+            with expect(f"FSDP2 inside the node, codec {codec}"):
+                for got, want in zip(full, reference(7, 3, [[0, 1, 2, 3]], 0, 0.0)[node], strict=True):
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        with expect("PowerSGD on shards"), pytest.raises(ValueError, match="needs whole matrices"):
+            net = Net()
+            for m in (net.a, net.b, net):
+                fully_shard(m, mesh=mesh["shard"])
+            OuterLoop(net, topology=topo, codec="powersgd:rank=1")
+
+
 def _world():
     run_checks(
+        named_check(check_fsdp_inside_the_node_is_diloco_written_out),
         named_check(check_buffers_are_averaged_when_fragment_zero_lands),
         named_check(check_the_outer_loop_is_diloco_written_out),
         named_check(check_resuming_is_bit_for_bit),

@@ -39,17 +39,21 @@ import contextlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.collectives import primitives as P
 from gradsync.collectives.compressed import compressed_program
 from gradsync.collectives.dense import allreduce_program
+from gradsync.collectives.pieces import apply_pieces
 from gradsync.collectives.program import Program, run
+from gradsync.collectives.strategies import Coder, run_strategy
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
@@ -153,6 +157,9 @@ class OuterLoop:
         self.every, self.fragments_n, self.delay, self.mix = every, fragments, delay, mix
         self.timeout_s = timeout_s
         self.topo = (topology or Topology()).bind()
+        self.sharded = _check_sharding(self.params, self.names, self.topo, self.codec)
+        """FSDP2 inside the node: each rank holds a shard, and the shards meet across nodes
+        rank by rank (each rank with the same rank of every other node: the inter group)."""
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         if self.topo.world > 1:
             P.check_same(
@@ -161,8 +168,9 @@ class OuterLoop:
                 outer_lr=str(outer_lr), outer_momentum=str(outer_momentum), nesterov=int(nesterov),
                 parameters=";".join(self._config()["parameters"]),
             )  # fmt: skip
-        # the shared parameters (where the workers last met), in float32, and their optimizer
-        self.anchors = [p.detach().float().clone() for p in self.params]
+        # the shared parameters (where the workers last met; this rank's shards under FSDP2), in
+        # float32, and their optimizer
+        self.anchors = [_local(p).detach().float().clone() for p in self.params]
         # (Nesterov needs momentum: with none the outer step is plain SGD, lr 1 a plain average)
         self.outer = torch.optim.SGD(
             self.anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
@@ -224,7 +232,7 @@ class OuterLoop:
         members = self._members(fragment)
         with torch.no_grad():
             flat = torch.cat(
-                [(self.anchors[i] - self.params[i].detach().float()).reshape(-1) for i in members]
+                [(self.anchors[i] - _local(self.params[i]).detach().float()).reshape(-1) for i in members]
             )
         ex = _Exchange(fragment, t + self.delay, flat)
         program = self._program(fragment, flat)
@@ -239,6 +247,8 @@ class OuterLoop:
 
     def _program(self, fragment: int, flat: torch.Tensor) -> Program:
         topo = self.topo
+        if self.sharded:
+            return self._across_nodes(fragment, flat)
         if self.codec is None:
             return allreduce_program(flat, topo, "hierarchical" if topo.per_node > 1 else "flat", "mean")
         parts = None
@@ -252,6 +262,18 @@ class OuterLoop:
             flat, topo, self.codec, "allgather", topo.per_node > 1 and topo.nodes > 1, "mean",
             f"outer/{fragment}", parts=parts,
         )  # fmt: skip
+
+    def _across_nodes(self, fragment: int, flat: torch.Tensor) -> Program:
+        """The mean over the nodes of this rank's shard, with the same rank of every node."""
+        topo, group = self.topo, self.topo.inter_group
+        if topo.nodes == 1 or group is None:
+            return None
+        if self.codec is None:
+            yield partial(P.all_reduce, flat, group, "inter")
+            return partial(flat.div_, topo.nodes)
+        coder = Coder(self.codec, f"outer/{fragment}", 1.0)
+        pieces = yield from run_strategy(flat, group, "inter", coder, "allgather", topo.rank, final=True)
+        return partial(apply_pieces, pieces, flat, coder.plain, 1.0 / topo.nodes)
 
     def _apply(self, ex: _Exchange) -> None:
         if ex.task is not None:
@@ -273,7 +295,7 @@ class OuterLoop:
         with torch.no_grad():
             for i in members:
                 self.anchors[i].grad = None
-                p = self.params[i]
+                p = _local(self.params[i])
                 if self.mix:
                     p.copy_((self.mix * p.float() + (1.0 - self.mix) * self.anchors[i]).to(p.dtype))
                 else:
@@ -320,15 +342,15 @@ class OuterLoop:
         """Inside the block the model holds the shared parameters (where the workers last met,
         DiLoCo's global model: what to evaluate); its own come back after."""
         with torch.no_grad():
-            own = [p.detach().clone() for p in self.params]
+            own = [_local(p).detach().clone() for p in self.params]
             for p, a in zip(self.params, self.anchors, strict=True):
-                p.copy_(a.to(p.dtype))
+                _local(p).copy_(a.to(p.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, o in zip(self.params, own, strict=True):
-                    p.copy_(o)
+                    _local(p).copy_(o)
 
     def describe(self) -> str:
         """One line: the schedule and the codec."""
@@ -450,6 +472,39 @@ def _check_real(
     if not ok:
         lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ValueError(f"outer loop: {name} must be a number in {lo_b}{lo}, {hi}{hi_b}, got {value!r}")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its shard under FSDP2 (a DTensor), else itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _check_sharding(
+    params: list[torch.Tensor], names: list[str], topo: Topology, codec: Compressor | None
+) -> bool:
+    """Whether the parameters are FSDP2 shards; if so, they must be sharded over this rank's
+    node exactly (the meeting pairs each rank with the same rank of the other nodes), and the
+    codec must not need whole matrices."""
+    sharded = [isinstance(p, DTensor) for p in params]
+    if not any(sharded):
+        return False
+    node = topo.node_ranks(topo.node)
+    for name, p in zip(names, params, strict=True):
+        ranks = (
+            sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist()) if isinstance(p, DTensor) else None
+        )
+        if ranks != node:
+            where = "not sharded" if ranks is None else f"sharded over ranks {ranks}"
+            raise ValueError(
+                f"outer loop: with FSDP2 every trained parameter must be sharded over this rank's node "
+                f"(ranks {node}: fully_shard(..., mesh=<the node's mesh>)); {name} is {where}"
+            )
+    if codec is not None and codec.per_tensor:
+        raise ValueError(
+            f"outer loop: {codec.spec()} needs whole matrices, and under FSDP2 each rank holds shards; "
+            "use a codec that takes any tensor (chunktopk, onebit, bf16...)"
+        )
+    return True
 
 
 def _bare(model: nn.Module) -> nn.Module:
