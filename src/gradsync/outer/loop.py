@@ -247,6 +247,8 @@ class OuterLoop:
 
     def _program(self, fragment: int, flat: torch.Tensor) -> Program:
         topo = self.topo
+        if topo.nodes == 1:  # one worker: its pseudo-gradient is the average, nothing to send
+            return _nothing_to_send()
         if self.sharded:
             return self._across_nodes(fragment, flat)
         if self.codec is None:
@@ -472,6 +474,12 @@ def _check_real(
     if not ok:
         lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ValueError(f"outer loop: {name} must be a number in {lo_b}{lo}, {hi}{hi_b}, got {value!r}")
+
+
+def _nothing_to_send() -> Program:
+    """A program without a step (one node: no exchange)."""
+    return None
+    yield  # (a generator: the task manager runs it like any program)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
