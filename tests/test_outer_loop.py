@@ -257,8 +257,31 @@ def check_fsdp_inside_the_node_is_diloco_written_out():
             OuterLoop(net, topology=topo, codec="powersgd:rank=1")
 
 
+def check_one_node_sends_nothing():
+    """All four ranks as one node: the node's pseudo-gradient is the average; with a plain
+    average as the outer step the anchors become the parameters, and nothing is sent."""
+    topo = Topology(nodes=1, per_node=NODES * PER_NODE)
+    net = Net()
+    outer = OuterLoop(net, topology=topo, every=2, codec="onebit", outer_lr=1.0, outer_momentum=0.0)
+    model = DDP(net, process_group=outer.inner_group)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for t in (1, 2):
+        x, y = data(dist.get_rank(), t)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        before = [p.detach().clone() for p in net.parameters()]
+        outer.step()
+    assert outer.meetings == [1] and not outer.traffic.sent, outer.traffic.sent
+    for p, b, a in zip(net.parameters(), before, outer.anchors, strict=True):
+        torch.testing.assert_close(p.detach(), b)
+        torch.testing.assert_close(a, b)
+    outer.close()
+
+
 def _world():
     run_checks(
+        named_check(check_one_node_sends_nothing),
         named_check(check_fsdp_inside_the_node_is_diloco_written_out),
         named_check(check_buffers_are_averaged_when_fragment_zero_lands),
         named_check(check_the_outer_loop_is_diloco_written_out),
