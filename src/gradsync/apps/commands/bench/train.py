@@ -172,7 +172,8 @@ def round_ratios(faster: dict[str, Any], slower: dict[str, Any]) -> dict[str, An
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The headline ratios: the best gradsync contender against DDP and against the best DDP hook,
-    and ``auto`` against DDP, the best hook and the best fixed gradsync contender. Each ratio is
+    and ``auto`` against DDP, the best hook and the best fixed per-step gradsync contender (outer
+    loops are not among those: they change what is trained). Each ratio is
     of the medians over the rounds; ``*_rounds`` holds the per-round ratios' median and spread."""
     ours = [r for r in rows if r["contender"] != "local" and not bench_step.is_ddp(r["contender"])]
     hooks = [r for r in rows if r["contender"].startswith("ddp-")]
@@ -197,7 +198,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out["best_hook"] = top["contender"]
             ratio("best_over_best_hook", best, top)
         autos = [r for r in ours if is_automatic(r["contender"])]
-        fixed = [r for r in ours if not is_automatic(r["contender"])]
+        # (auto is compared with the per-step schemes: an outer loop changes what is trained)
+        fixed = [
+            r for r in ours if not is_automatic(r["contender"]) and not bench_step.is_outer(r["contender"])
+        ]
         best_fixed = max(fixed, key=lambda r: r["samples_per_s"]) if fixed else None
         if best_fixed is not None and autos:
             out["best_fixed"] = best_fixed["contender"]
