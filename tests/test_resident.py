@@ -385,3 +385,13 @@ def _world():
 @pytest.mark.timeout(600)
 def test_resident_fronts_in_a_world():
     run_world(2, _world)
+
+
+def test_resident_none_passes_an_integer_tensor_without_a_host_read():
+    codec = resident("none")
+    x = torch.arange(1000, dtype=torch.int64)
+    with audit_host_reads() as audit:
+        payload = codec.encode(x)
+        out = codec.decode(payload)
+    assert not audit.unexpected, audit.summary()
+    assert torch.equal(out, x) and not payload.nonfinite

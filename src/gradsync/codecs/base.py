@@ -209,16 +209,13 @@ class Codec(Compressor, Generic[StreamT]):
                 f"{'' if out.is_contiguous() else ' (non-contiguous)'}"
             )
         flat = out.view(-1)
-        if self._on_device:  # the flags stay on the device: decode, then NaN where flagged
-            with self._ops_backend():
-                self._decode(payload, flat, accumulate, scale)
-            flat.masked_fill_(payload.flag_word(), math.nan)
-            return out
-        if payload.nonfinite:
+        if not self._on_device and payload.nonfinite:
             flat.fill_(math.nan)
             return out
         with self._ops_backend():
             self._decode(payload, flat, accumulate, scale)
+        if self._on_device and flat.is_floating_point():  # the flags stay on the device: NaN
+            flat.masked_fill_(payload.flag_word(), math.nan)  # where flagged, after decoding
         return out
 
     def _ops_backend(self) -> contextlib.AbstractContextManager[None]:

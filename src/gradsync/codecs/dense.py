@@ -34,7 +34,6 @@ from gradsync.codecs.ops import (
     abs_max_on_device,
     cast_checked,
     cast_on_device,
-    device_stats,
     native,
     uncast,
 )
@@ -77,8 +76,8 @@ class NoCompression(Codec[Stream]):
         vals = lay.view(data, "val")
         if self._on_device:
             vals.copy_(x)
-            bad = device_stats(x).nonfinite if x.is_floating_point() else 0
-            write_device_header(data, x.numel(), device_flags(torch.as_tensor(bad, device=x.device)))
+            flags = device_flags(~torch.isfinite(x).all()) if x.is_floating_point() else 0
+            write_device_header(data, x.numel(), flags)
             return payload
         flags = Flag.NONE
         if native.usable(x) and x.numel():

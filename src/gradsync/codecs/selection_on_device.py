@@ -91,11 +91,17 @@ def _largest_of(keys: torch.Tensor, cand: torch.Tensor, capacity: int) -> torch.
 
 
 def above(
-    x: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, capacity: int, strict: bool = False
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    t: torch.Tensor,
+    capacity: int,
+    strict: bool = False,
+    stats: DeviceStats | None = None,
 ) -> Capped:
     """The elements whose key reaches ``t`` (exceeds it, with ``strict``), at most ``capacity``
-    of them: the largest among the first ``2 * capacity`` that pass, by position."""
-    stats = device_stats(x)
+    of them: the largest among the first ``2 * capacity`` that pass, by position. ``stats``:
+    ``x``'s, when the caller has them already (else one pass computes them)."""
+    stats = stats if stats is not None else device_stats(x)
     t = torch.minimum(t.float(), stats.max_abs.float())  # the largest element always passes
     mask = keys > t if strict else keys >= t
     if strict:  # ... also when it is the threshold itself
@@ -167,7 +173,7 @@ def bsearch(x: torch.Tensor, k: int, eps: float, reuse: torch.Tensor | None) -> 
     keys, stats = _keys(x), device_stats(x)
     if reuse is not None:  # (NaN after a non-finite input: the mean, capped, until the next search)
         reuse = torch.where(reuse.isnan(), stats.mean_abs.float(), reuse)
-        return above(x, keys, reuse, 2 * k, strict=True), reuse
+        return above(x, keys, reuse, 2 * k, strict=True, stats=stats), reuse
     mean, top = stats.mean_abs.float(), stats.max_abs.float()
     base = torch.where((keys > mean).sum() >= k, mean, torch.zeros_like(mean))
     lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
@@ -181,7 +187,7 @@ def bsearch(x: torch.Tensor, k: int, eps: float, reuse: torch.Tensor | None) -> 
         few = count < k
         hi, lo = torch.where(few, ratio, hi), torch.where(few, lo, ratio)
     threshold = torch.where(found, at, base + lo * (top - base))
-    return above(x, keys, threshold, 2 * k, strict=True), threshold
+    return above(x, keys, threshold, 2 * k, strict=True, stats=stats), threshold
 
 
 def sampled_threshold(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> torch.Tensor:
