@@ -132,6 +132,7 @@ class HookState:
         # bound to the process group by bind() (at construction when one exists, else at the first call)
         self.topo: Topology | None = None
         self.scheme: Scheme | None = None
+        self.resident = False  # decided when the hook binds to its process group
         self._topology = topology
         # parameter names, for state keys that match wrap()'s (internal)
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
@@ -163,8 +164,10 @@ class HookState:
     def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
+        self.resident = resident_on(self.config.resident, topo.comm_device)
+        """Resident mode (:attr:`SyncConfig.resident`), decided once the device is known."""
         if self.codec is not None:
-            self.codec.set_resident(resident_on(self.config.resident, topo.comm_device))
+            self.codec.set_resident(self.resident)
         self.manager.device = topo.device  # the threads start with the first bucket
         return topo
 
@@ -365,10 +368,9 @@ def _program(state: HookState, it: Iteration, bucket: dist.GradBucket, key: str,
     if not compress:
         algorithm = state.config.dense_algorithm
         algorithm = "hybrid" if algorithm == "auto" else algorithm  # no planner in the hook
-        resident = resident_on(state.config.resident, topo.comm_device)
         return (
             yield from bucket_program(
-                buf, topo, scheme, None, key, state.loss_scale, ws, algorithm, resident=resident
+                buf, topo, scheme, None, key, state.loss_scale, ws, algorithm, resident=state.resident
             )
         )
     codec = state.codec
