@@ -412,6 +412,7 @@ def check_bad_input() -> None:
         (native, {"scheme": "topk", "replicate_group": group}, "HSDP or replicate"),
         (sub, {"scheme": "topk+ef:momentum=0.9", "replicate_group": group}, "ef momentum"),
         (sub, {"scheme": "topk", "grad_scaler": "yes"}, "grad_scaler must be None or a torch.amp.GradScaler"),
+        (sub, {"scheme": "topk", "resident": "yes"}, "resident must be None, True or False"),
         (
             shard(make(), mesh["shard"], mp_policy=MixedPrecisionPolicy(torch.float16, torch.float32)),
             {"scheme": "topk", "replicate_group": group},
@@ -426,6 +427,7 @@ def check_bad_input() -> None:
             (("hitopk",), {}, "hierarchical"),
             (("topk",), {"where": "shard"}, "replicate_group and where are its own"),
             (("topk",), {"dense_warmup_steps": -1}, "dense_warmup_steps must be an integer >= 0"),
+            (("topk",), {"resident": 1}, "resident must be None, True or False"),
             (("topk+ef:momentum=0.9",), {}, "ef momentum"),
             (("topk",), {"nosuch": 1}, "unknown option"),
         ):

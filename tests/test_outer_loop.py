@@ -174,6 +174,7 @@ def check_bad_input_is_refused_on_every_rank():
         ({"every": 4, "delay": 4}, "delay must be below every"),
         ({"mix": 1.5}, "mix must be a number in"),
         ({"outer_lr": 0}, "outer_lr must be a number in"),
+        ({"outer_momentum": 1.0}, "outer_momentum must be a number in"),
         ({"codec": "nope"}, "nope"),
     ]
     with expect_all() as expect:
@@ -191,6 +192,8 @@ def check_bad_input_is_refused_on_every_rank():
                 OuterLoop(wrapped, topology=topo)
             finally:
                 wrapped.close()
+        with expect("not a module"), pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+            OuterLoop([nn.Linear(2, 2)], topology=topo)  # type: ignore[arg-type]
         with (
             expect("an optimizer that exchanges momentum"),
             pytest.raises(ValueError, match="compressed momentum"),
@@ -250,6 +253,15 @@ def check_fsdp_inside_the_node_is_diloco_written_out():
             with expect(f"FSDP2 inside the node, codec {codec}"):
                 for got, want in zip(full, reference(7, 3, [[0, 1, 2, 3]], 0, 0.0)[node], strict=True):
                     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        with (
+            expect("sharded over the world"),
+            pytest.raises(ValueError, match="sharded over this rank's node"),
+        ):
+            net = Net()
+            world_mesh = init_device_mesh("cpu", (NODES * PER_NODE,))
+            for m in (net.a, net.b, net):
+                fully_shard(m, mesh=world_mesh)
+            OuterLoop(net, topology=topo)
         with expect("PowerSGD on shards"), pytest.raises(ValueError, match="needs whole matrices"):
             net = Net()
             for m in (net.a, net.b, net):
@@ -318,6 +330,8 @@ def test_fragments_are_contiguous_and_balanced():
             "would compress across nodes every step",
         ),
         (["--outer", "4", "--fragments", "0"], "--fragments must be a number >= 1"),
+        (["--outer", "4", "--outer-lr", "0"], "--outer-lr must be a positive number"),
+        (["--outer", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     ],
 )
 def test_train_refuses_bad_outer_options_before_any_work(extra, message, capsys):

@@ -726,7 +726,7 @@ _OPTIONS = ("error_feedback", "dense_warmup_steps", "min_compress_bytes", "grad_
 
 
 def _check_resident(resident: object) -> None:
-    if resident not in (None, True, False):
+    if resident is not None and not isinstance(resident, bool):  # (1 == True: no `in` test)
         raise ValueError(f"compress_fsdp: resident must be None, True or False, got {resident!r}")
 
 
