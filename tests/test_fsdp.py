@@ -409,6 +409,7 @@ def check_bad_input() -> None:
         (sub, {"scheme": "topk", "dense_warmup_steps": -1}, "dense_warmup_steps must be an integer >= 0"),
         (sub, {"scheme": "topk", "min_compress_bytes": 1.5}, "min_compress_bytes must be an integer >= 0"),
         (sub, {"scheme": "topk", "error_feedback": "yes"}, "error_feedback must be None, True or False"),
+        (sub, {"scheme": "topk", "error_feedback": 1}, "error_feedback must be None, True or False"),
         (native, {"scheme": "topk", "replicate_group": group}, "HSDP or replicate"),
         (sub, {"scheme": "topk+ef:momentum=0.9", "replicate_group": group}, "ef momentum"),
         (sub, {"scheme": "topk", "grad_scaler": "yes"}, "grad_scaler must be None or a torch.amp.GradScaler"),

@@ -741,7 +741,7 @@ def describe_options(scheme: str, options: dict[str, Any]) -> str:
         )
     parse_fsdp_scheme(scheme)
     error_feedback = options.get("error_feedback")
-    if error_feedback not in (None, True, False):
+    if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")
     warmup = _check_int("dense_warmup_steps", options.get("dense_warmup_steps", 0))
     min_bytes = _check_int("min_compress_bytes", options.get("min_compress_bytes", 16384))
@@ -854,7 +854,7 @@ def _build(
     _check_int("min_compress_bytes", min_compress_bytes)
     _check_scaler(grad_scaler)
     _check_resident(resident)
-    if error_feedback not in (None, True, False):
+    if error_feedback is not None and not isinstance(error_feedback, bool):
         raise ValueError(f"compress_fsdp: error_feedback must be None, True or False, got {error_feedback!r}")
     replicating = where in ("replicate", "both")
     if replicating and replicate_group is None:
