@@ -23,7 +23,48 @@ def benches(tmp):
         named_check(check_step_bench, tmp),
         named_check(check_fsdp_bench, tmp),
         named_check(check_whatif_bench, tmp),
+        named_check(check_language_model_train_bench, tmp),
     )
+
+
+def check_language_model_train_bench(tmp):
+    """``bench train`` on a sized Transformer LM with AdamW inside, 0/1 Adam as a contender (it
+    synchronizes the model itself) and an outer loop: the bytes each sends, and the summary's
+    outer loop against the best contender that synchronizes every step."""
+    from gradsync.apps.models.text import TransformerLanguageModel
+
+    lj = os.path.join(tmp, "lm.json")
+    names = ["local", "ddp", "zeroone-adam", "onebit-adam@freeze_step=2", "outer@every=2"]
+    argv = ["bench", "train", "--model", "transformer", "--dim", "16", "--layers", "1", "--seq-len", "8",
+            "--vocab", "16", "--batch-size", "2", "--optimizer", "adamw", "--contenders", ",".join(names),
+            "--warmup", "2", "--steps", "2", "--rounds", "1", "--nodes", "2", "--per-node", "1",
+            "--json", lj]  # fmt: skip
+    assert main(argv) == 0
+    if dist.get_rank() != 0:
+        return  # rank 0 reports
+    t = json.loads(Path(lj).read_text())
+    rows = {r["contender"]: r for r in t["rows"]}
+    assert list(rows) == names
+    assert t["model"] == "transformer dim=16 layers=1"
+    model = TransformerLanguageModel(16, 8, 16, 4, 1, 64)
+    assert t["parameters"] == sum(p.numel() for p in model.parameters())
+    dense = t["parameters"] * 4 / 2**20  # a dense float32 copy of the gradients, MB
+    for name in ("zeroone-adam", "onebit-adam@freeze_step=2"):
+        # compressed momentum (1 bit per element plus scales per tensor): well under dense
+        sent = sum(rows[name]["sent_mb"].values())
+        assert 0 < sent < dense / 4, (name, sent, dense)
+    assert 0 < sum(rows["outer@every=2"]["sent_mb"].values()) < dense  # one dense meeting in 2 steps
+    summary = t["summary"]
+    per_step = ("zeroone-adam", "onebit-adam@freeze_step=2")
+    assert summary["best_outer"] == "outer@every=2"
+    assert summary["best_per_step"] == max(per_step, key=lambda c: rows[c]["samples_per_s"])
+    assert summary["outer_over_best_per_step"] == pytest.approx(
+        rows["outer@every=2"]["samples_per_s"] / rows[summary["best_per_step"]]["samples_per_s"]
+    )
+    assert summary["outer_over_ddp"] == pytest.approx(
+        rows["outer@every=2"]["samples_per_s"] / rows["ddp"]["samples_per_s"]
+    )
+    assert "outer loop outer@every=2: " in bench_train.headline(summary)
 
 
 def check_whatif_bench(tmp):
@@ -306,6 +347,11 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         ),
         (["bench", "train", "--warmup", "1"], "--warmup must be at least 2"),
         (["bench", "train", "--contenders", "outer@every=0"], "needs every >= 1"),
+        (["bench", "train", "--contenders", "zeroone-adam@spin=1"], "unknown option(s) spin; allowed: lr"),
+        (["bench", "train", "--contenders", "onebit-adam@freeze_step=x"], "freeze_step takes a int, got 'x'"),
+        (["bench", "train", "--model", "transformer", "--dim", "30"], "--dim must be a multiple of 4"),
+        (["bench", "train", "--model", "vgg", "--layers", "2"], "--layers sizes --model transformer only"),
+        (["bench", "train", "--model", "transformer", "--seq-len", "0"], "--seq-len must be at least 1"),
         (["bench", "train", "--contenders", "outer@spin=1"], "unknown option(s) spin; allowed: every, codec"),
         (["bench", "train", "--emulate", "2by2"], "--emulate takes NODESxPER_NODE"),
         (

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.collectives.cost import synchronize
+from gradsync.observe.profiler import default_loss
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -43,8 +44,9 @@ LossOf = Callable[[nn.Module], torch.Tensor]
 
 
 def cross_entropy_of(x: torch.Tensor, y: torch.Tensor) -> LossOf:
-    """The loss of a classifier on ``x`` against labels ``y``."""
-    return lambda model: nn.functional.cross_entropy(model(x), y)
+    """The loss of a classifier on ``x`` against labels ``y`` (or of a language model against the
+    next tokens ``y``: :func:`gradsync.observe.profiler.default_loss`)."""
+    return lambda model: default_loss(model(x), y)
 
 
 def _step_seconds(model: nn.Module, loss_of: LossOf, device: torch.device, steps: int) -> list[float]:

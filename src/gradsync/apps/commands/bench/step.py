@@ -5,7 +5,14 @@ For one model and per-worker batch it runs, in the same session and on the same 
 
 - ``local``: no synchronization at all (the compute-only reference);
 - ``ddp``: PyTorch DistributedDataParallel, dense all-reduce, default buckets;
-- every gradsync scheme given (``gradsync.wrap(model, scheme)``).
+- every gradsync scheme given (``gradsync.wrap(model, scheme)``);
+- the optimizers that synchronize the model themselves (``onebit-adam``, ``zeroone-adam``,
+  ``onebit-lamb``, measured in their compressed phase) and the DiLoCo-family outer loop
+  (``outer@every=H@...``, DDP inside each node).
+
+The model is an image classifier (``--model vgg``, random images and labels) or a language model
+(``--model transformer``, random token ids, the next token as the label; ``--dim``/``--layers``
+size the Transformer).
 
 Per contender it reports the median over the measured steps of the slowest rank's times:
 forward, backward (``loss.backward()``, which includes waiting for the synchronization), the
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import re
 import statistics
@@ -37,9 +45,11 @@ import gradsync
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
-from gradsync.apps.models import build_model_for, models_for, parameter_count
+from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
+from gradsync.observe.profiler import default_loss
+from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.sync import SyncConfig
 from gradsync.sync.config import parse_options
 
@@ -80,6 +90,9 @@ def check_contender(name: str) -> str:
         return name
     if is_outer(name):
         outer_options(name)
+        return name
+    if is_self_syncing(name):
+        self_syncing_options(name)
         return name
     scheme, options = contender_options(name)
     SyncConfig.from_options({"scheme": scheme, **options})  # validates both
@@ -130,6 +143,64 @@ def outer_options(name: str) -> dict[str, Any]:
     if "codec" in out:
         gradsync.build_codec(out["codec"])  # ValueError naming the codecs
     return out
+
+
+SELF_SYNCING: dict[str, Any] = {
+    "onebit-adam": OneBitAdam,
+    "zeroone-adam": ZeroOneAdam,
+    "onebit-lamb": OneBitLamb,
+}
+"""Contenders that are optimizers synchronizing the model themselves (gradsync.optim)."""
+
+SELF_SYNCING_LR = 1e-3
+
+
+def is_self_syncing(name: str) -> bool:
+    """``onebit-adam``, ``zeroone-adam``, ``onebit-lamb``, each optionally with constructor options
+    after ``@`` (``zeroone-adam@sync_growth=1``)."""
+    return name.split("@")[0] in SELF_SYNCING
+
+
+def self_syncing_options(name: str) -> dict[str, Any]:
+    """The constructor keywords of a self-syncing contender, checked (``ValueError`` naming the
+    contender and the allowed keys). The dense warm-up lasts one step (``freeze_step=1``, and
+    ``var_freeze_step=1`` for 0/1 Adam) unless given: the measured steps are the compressed ones."""
+    kind, items = contender_options(name)
+    cls = SELF_SYNCING[kind]
+    params = inspect.signature(cls.__init__).parameters
+    kinds = {
+        k: type(p.default)
+        for k, p in params.items()
+        if k not in ("self", "params", "topology") and isinstance(p.default, (bool, int, float, str))
+    }
+    unknown = sorted(set(items) - set(kinds))
+    if unknown:
+        raise ValueError(
+            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(kinds)}"
+        )
+    out: dict[str, Any] = {"lr": SELF_SYNCING_LR, "freeze_step": 1}
+    if "var_freeze_step" in kinds:
+        out["var_freeze_step"] = 1
+    for key, text in items.items():
+        want = kinds[key]
+        try:
+            out[key] = {"true": True, "false": False}[text.lower()] if want is bool else want(text)
+        except (KeyError, ValueError):
+            raise ValueError(f"contender {name!r}: {key} takes a {want.__name__}, got {text!r}") from None
+    if "var_freeze_step" in out and out["var_freeze_step"] < out["freeze_step"]:
+        out["var_freeze_step"] = out["freeze_step"]
+    return out
+
+
+INNER_OPTIMIZERS = ("sgd", "adamw")
+
+
+def inner_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """Every contender's optimizer but the self-syncing ones: ``--optimizer sgd`` (lr 0.01,
+    momentum 0.9) or ``adamw`` (lr 1e-3, what the self-syncing Adam family is compared with)."""
+    if getattr(args, "optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
 def measured_steps(name: str, steps: int) -> int:
@@ -235,7 +306,7 @@ def measure_contender(
         outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
         if outer.inner_group is not None:
             model = DDP(model, process_group=outer.inner_group)
-    elif name != "local":
+    elif name != "local" and not is_self_syncing(name):
         scheme, own = contender_options(name)
         options = dict(
             SyncConfig.from_options(
@@ -250,7 +321,11 @@ def measure_contender(
         if later and carry is not None and carry.engine_state is not None:
             synced.engine.load_state_dict(carry.engine_state)
         model = synced
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if is_self_syncing(name):  # the optimizer synchronizes the (unwrapped) model itself
+        kind = name.split("@")[0]
+        opt = SELF_SYNCING[kind](model.parameters(), topology=topo, **self_syncing_options(name))
+    else:
+        opt = inner_optimizer(model, args)
     samples: list[list[float]] = []
     sent: list[dict[str, int]] = []
     meter = CableMeter(topo)
@@ -264,7 +339,7 @@ def measure_contender(
             probe.start()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = default_loss(model(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -288,15 +363,20 @@ def measure_contender(
                 sent.append(st.sent_bytes)
             elif outer is not None:
                 sent.append(outer.traffic.take())
+            elif is_self_syncing(name):
+                sent.append(opt.traffic.take())
         elif outer is not None:
             outer.traffic.take()
+        elif is_self_syncing(name):
+            opt.traffic.take()
         step += 1
     if outer is not None:
         outer.close()
     cable = meter.stop(count)
     nic_row, nic_details = probe.finish()
-    # an outer contender's steps differ (most compute alone, one in H meets): their mean
-    middle = statistics.mean if outer is not None else statistics.median
+    # an outer contender's steps differ (most compute alone, one in H meets), as 0/1 Adam's do
+    # (it skips synchronizations): their mean
+    middle = statistics.mean if outer is not None or is_self_syncing(name) else statistics.median
     med = [middle(col) * 1e3 for col in zip(*samples, strict=True)]
     levels = sorted({k for s in sent for k in s})
     result = StepRow(
@@ -340,11 +420,37 @@ def join_with_batch(args: argparse.Namespace) -> tuple[Topology, nn.Module, torc
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
     torch.manual_seed(0)
-    base = build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
+    base = bench_model(args)
     g = torch.Generator().manual_seed(topo.rank)
+    if is_language_model(args.model):  # random token ids; each position's label is the next one
+        tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
+        return topo, base, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
     return topo, base, x, y
+
+
+def is_language_model(name: str) -> bool:
+    return name in models_for("lm")
+
+
+def bench_model(args: argparse.Namespace) -> nn.Module:
+    """The benchmark's model: an image classifier for ``--image-size``/``--classes`` or a language
+    model for ``--seq-len``/``--vocab`` (the Transformer sized by ``--dim``/``--layers``)."""
+    if not is_language_model(args.model):
+        return build_model_for(args.model, "classify", (3, args.image_size, args.image_size), args.classes)
+    if args.model == "transformer" and (args.dim is not None or args.layers is not None):
+        size = {"dim": args.dim or 128, "layers": args.layers or 2}
+        return build_model(
+            "transformer", vocab_size=args.vocab, seq_len=args.seq_len, heads=4, ff=4 * size["dim"], **size
+        )
+    return build_model_for(args.model, "lm", (args.seq_len,), args.vocab)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """``vgg``, or ``transformer dim=512 layers=4`` when sized."""
+    sized = [f"{k}={getattr(args, k)}" for k in ("dim", "layers") if getattr(args, k, None) is not None]
+    return " ".join([args.model, *sized])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -353,7 +459,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     rank0 = topo.rank == 0
     if rank0:
         print(
-            f"gradsync bench step: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), "
+            f"gradsync bench step: {model_label(args)} ({parameter_count(base) / 1e6:.1f} M parameters), "
             f"batch {args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, "
             f"link {os.environ.get('TB_RATE', 'unknown')}",
             file=sys.stderr,
@@ -373,7 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
     result = {
         "command": "gradsync " + " ".join(sys.argv[1:]),
-        "model": args.model,
+        "model": model_label(args),
         "parameters": parameter_count(base),
         "batch_size": args.batch_size,
         "nodes": topo.nodes,
@@ -428,10 +534,16 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="vgg", choices=models_for("classify"))
-    p.add_argument("--batch-size", type=int, default=16, help="samples per worker")
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--model", default="vgg", choices=models_for("classify") + models_for("lm"))
+    p.add_argument("--batch-size", type=int, default=16, help="samples (sequences) per worker")
+    p.add_argument("--image-size", type=int, default=32, help="image classifiers' input size")
+    p.add_argument("--classes", type=int, default=10, help="image classifiers' class count")
+    p.add_argument("--seq-len", type=int, default=64, help="language models' sequence length")
+    p.add_argument("--vocab", type=int, default=256, help="language models' vocabulary")
+    p.add_argument("--dim", type=int, help="the Transformer's width (default 128; a multiple of 4)")
+    p.add_argument("--layers", type=int, help="the Transformer's block count (default 2)")
+    p.add_argument("--optimizer", default="sgd", choices=INNER_OPTIMIZERS,
+                   help="every contender's optimizer but the self-syncing ones (default sgd)")  # fmt: skip
     p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                    help="comma-separated: local, ddp and gradsync schemes, each with its own sync "
                         "options after '@' (hierarchical@grad_as_bucket_view=true)")  # fmt: skip
@@ -453,11 +565,24 @@ def trace_path(base: str, contender: str) -> str:
     return f"{stem}.{re.sub(r'[^A-Za-z0-9_.=+-]', '-', contender)}.json"
 
 
+def check_sizes(args: argparse.Namespace, more: tuple[str, ...]) -> None:
+    """The model's and the batch's sizes and the options ``more`` are at least 1; ``--dim`` and
+    ``--layers`` size the Transformer only (``ValueError`` naming the option)."""
+    sizes = ("batch_size", "image_size", "classes", "seq_len", "vocab", "dim", "layers", *more)
+    for name in sizes:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("dim", "layers"):
+        if getattr(args, name, None) is not None and args.model != "transformer":
+            raise ValueError(f"--{name} sizes --model transformer only, not {args.model!r}")
+    if getattr(args, "dim", None) is not None and args.dim % 4:
+        raise ValueError(f"--dim must be a multiple of 4 (the Transformer's heads), got {args.dim}")
+
+
 def check(args: argparse.Namespace) -> None:
     """The option values, before the process group starts (``ValueError`` naming the option)."""
-    for name in ("batch_size", "image_size", "classes", "steps", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_sizes(args, ("steps", "threads"))
     if args.warmup < 1:
         raise ValueError(
             f"--warmup must be at least 1 (gradsync plans after its first step), got {args.warmup}"

@@ -40,6 +40,7 @@ from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.world import check_world_options, run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.collectives import Topology
+from gradsync.observe.profiler import default_loss
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,ddp-powersgd:rank=4,auto,hierarchical,hitopk:density=0.01,"
@@ -72,10 +73,10 @@ def _single_worker(base: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argp
     times: list[float] = []
     if dist.get_rank() == 0:
         model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = bench_step.inner_optimizer(model, args)
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            nn.functional.cross_entropy(model(x), y).backward()
+            default_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if i >= args.warmup:
@@ -173,7 +174,8 @@ def round_ratios(faster: dict[str, Any], slower: dict[str, Any]) -> dict[str, An
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The headline ratios: the best gradsync contender against DDP and against the best DDP hook,
     and ``auto`` against DDP, the best hook and the best fixed per-step gradsync contender (outer
-    loops are not among those: they change what is trained). Each ratio is
+    loops are not among those: they change what is trained), and the best outer loop against DDP
+    and the best contender that synchronizes every step. Each ratio is
     of the medians over the rounds; ``*_rounds`` holds the per-round ratios' median and spread."""
     ours = [r for r in rows if r["contender"] != "local" and not bench_step.is_ddp(r["contender"])]
     hooks = [r for r in rows if r["contender"].startswith("ddp-")]
@@ -219,6 +221,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 ratio("auto_over_best_hook", auto, top, keys)
             if best_fixed is not None:
                 ratio("auto_over_best_fixed", auto, best_fixed, keys)
+    # the outer loop against every contender that synchronizes each step (gradsync's schemes,
+    # PyTorch's hooks, the self-syncing optimizers; not plain DDP)
+    outers = [r for r in rows if bench_step.is_outer(r["contender"])]
+    per_step = [
+        r for r in rows if r["contender"] not in ("local", "ddp") and not bench_step.is_outer(r["contender"])
+    ]
+    if outers and per_step:
+        best_outer = max(outers, key=lambda r: r["samples_per_s"])
+        rival = max(per_step, key=lambda r: r["samples_per_s"])
+        out["best_outer"], out["best_per_step"] = best_outer["contender"], rival["contender"]
+        ratio("outer_over_best_per_step", best_outer, rival)
+        if ddp:
+            ratio("outer_over_ddp", best_outer, ddp)
     return out
 
 
@@ -236,8 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     link = os.environ.get("TB_RATE")
     if rank0:
         print(
-            f"gradsync bench train: {args.model} ({parameter_count(base) / 1e6:.1f} M parameters), batch "
-            f"{args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}",
+            f"gradsync bench train: {bench_step.model_label(args)} ({parameter_count(base) / 1e6:.1f} M "
+            f"parameters), batch {args.batch_size} per worker, {topo.nodes} x {topo.per_node} ranks, "
+            f"link {link or 'unknown'}",
             file=sys.stderr,
             flush=True,
         )
@@ -248,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     result = {
         "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
-        "model": args.model,
+        "model": bench_step.model_label(args),
         "parameters": parameter_count(base),
         "batch_size": args.batch_size,
         "nodes": topo.nodes,
@@ -327,6 +343,16 @@ def headline(summary: dict[str, Any]) -> str | None:
         ]
         if auto:
             line += f"\n{name}: " + ", ".join(auto)
+    if "best_outer" in summary:
+        spread = _spread(summary.get("outer_over_best_per_step_rounds"))
+        outer = [
+            f"{summary['outer_over_best_per_step']:.2f}x the best contender synchronizing every step "
+            f"({summary['best_per_step']}){spread}"
+        ]
+        if "outer_over_ddp" in summary:
+            spread = _spread(summary.get("outer_over_ddp_rounds"))
+            outer.append(f"{summary['outer_over_ddp']:.2f}x DDP{spread}")
+        line += f"\nouter loop {summary['best_outer']}: " + ", ".join(outer)
     return line
 
 
@@ -379,9 +405,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 def check(args: argparse.Namespace) -> None:
     """The option values, before any process group or emulated cluster (``ValueError`` naming the
     option)."""
-    for name in ("batch_size", "image_size", "classes", "steps", "threads", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    bench_step.check_sizes(args, ("steps", "threads", "rounds"))
     if args.warmup < 2:
         raise ValueError(f"--warmup must be at least 2 (the PowerSGD hook's dense start), got {args.warmup}")
     names = [c.strip() for c in args.contenders.split(",") if c.strip()]

@@ -39,6 +39,7 @@ from gradsync.apps.commands.bench import train as bench_train
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.world import run_emulated
 from gradsync.apps.models import parameter_count
+from gradsync.observe.profiler import default_loss
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -100,7 +101,7 @@ def _train_steps(
         if together:
             dist.barrier()
         t0 = time.perf_counter()
-        nn.functional.cross_entropy(model(x), y).backward()
+        default_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -143,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             print(text, file=sys.stderr, flush=True)
 
     size = f"{parameter_count(base) / 1e6:.1f} M parameters"
-    say(f"gradsync bench whatif: {args.model} ({size}), batch {args.batch_size} per worker, "
-        f"{topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}")  # fmt: skip
+    say(f"gradsync bench whatif: {bench_step.model_label(args)} ({size}), batch {args.batch_size} per "
+        f"worker, {topo.nodes} x {topo.per_node} ranks, link {link or 'unknown'}")  # fmt: skip
     t0 = time.perf_counter()
     engine = EngineCosts.load(args.costs) if args.costs else None
     if engine is not None:
@@ -180,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     assert profile is not None
     result = {
         "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
-        "model": args.model, "parameters": parameter_count(base), "batch_size": args.batch_size,
+        "model": bench_step.model_label(args), "parameters": parameter_count(base),
+        "batch_size": args.batch_size,
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call},
