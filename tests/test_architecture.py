@@ -24,7 +24,7 @@ ALLOWED = {
     "observe": {"collectives", "sync"},
     "integrate": {"codecs", "collectives", "sync", "planner", "observe"},
     "optim": {"codecs", "collectives"},
-    "whatif": {"codecs", "collectives", "sync", "planner", "observe", "units"},
+    "whatif": {"codecs", "collectives", "sync", "planner", "observe", "optim", "units"},
     "outer": {"codecs", "collectives", "sync", "observe", "integrate", "optim"},
 }
 

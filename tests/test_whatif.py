@@ -422,3 +422,88 @@ def test_cli_charges_the_profiled_powersgd_hook(files, tmp_path, capsys):
     assert "no timing of PyTorch's PowerSGD hook at rank 2" in err
     assert steps["hooked"]["ddp-powersgd:rank=1"] - steps["plain"]["ddp-powersgd:rank=1"] > 0.9 * work_ms
     assert steps["hooked"]["ddp-powersgd:rank=2"] == pytest.approx(steps["plain"]["ddp-powersgd:rank=2"])
+
+
+def quantizer_table():
+    """The codecs of the modes below written out: onebit (with error feedback, as the outer loop
+    and the Adam family run it) sends 1/32 of the bytes plus 8, encode 2 ms + 1 ns/B, decode 0.5 ms."""
+    one = CodecCost(Linear(2e-3, 1e-9), Linear(5e-4, 0.0), Linear(8.0, 1 / 32), summable=False)
+    return CodecTable(entries={"onebit+ef": one})
+
+
+def test_outer_loop_is_its_inner_steps_plus_the_exchange_spread_over_the_period():
+    """2 x 1: the inner step is the compute alone (one rank per node, no DDP inside); every H
+    steps the dense pseudo-gradient crosses in one flat ring and the outer step makes 5 passes
+    over it; blocking, one step in H pays both; delayed by D steps, the D inner steps cover it."""
+    s_mb, alpha, beta, gamma = 8, 1e-4, 1 / 1.25e8, 1e-10
+    w = workload([(s_mb, BWD)])
+    s = s_mb * MB
+    pt = Point(2, 1, network(beta, alpha, gamma))
+    compute = FWD + BWD + OPT
+    ring = 2 * alpha + s * (beta + gamma / 2)  # p = 2: 2(p-1) alpha + 2(p-1)/p S (beta + gamma/2)
+    work = 5 * gamma * s
+    assert step_ms("outer@every=4", w, pt) == pytest.approx(compute + (ring + work) / 4, rel=1e-9)
+    # two fragments of S/2, each every 2 steps of the 4
+    half = 2 * alpha + s / 2 * (beta + gamma / 2)
+    got = step_ms("outer@every=4@fragments=2", w, pt)
+    assert got == pytest.approx(compute + 2 * (half + 5 * gamma * s / 2) / 4, rel=1e-9)
+    # delayed by one inner step: only what the step does not cover is exposed
+    delayed = step_ms("outer@every=4@delay=1", w, pt)
+    assert delayed == pytest.approx(compute + (max(ring - compute, 0.0) + work) / 4, rel=1e-9)
+    # onebit: one all-gather of the payloads over the 2 nodes, one encode, 2 decodes
+    payload = 8 + s / 32
+    gather = alpha * 1 + payload * beta  # log2(2) start-ups, (p - 1) payloads
+    coded = 2e-3 + 1e-9 * s + gather + 2 * 5e-4
+    rows = predict_point(w, pt, ["outer@every=4@codec=onebit"], quantizer_table(), Cpu())
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx(compute + (coded + work) / 4, rel=1e-9)
+    assert rows[0]["cable_mb"] == pytest.approx(payload / 4 / 1e6, rel=1e-9)
+    # one node: nothing crosses, only the outer step's work remains
+    assert step_ms("outer@every=4", w, Point(1, 2, network(beta, alpha, gamma))) > compute
+
+
+def test_outer_loop_inside_a_node_is_ddp_over_the_node():
+    """2 x 2: the inner step is DDP on the node's own links (intra), nothing crosses per step."""
+    w = workload([(4, BWD)])
+    intra_beta = 1 / 1e9
+    params = CostParams(Link(0.0, intra_beta), Link(0.0, 1 / 1.25e8), 0.0)
+    pt = Point(2, 2, Network(params, "test"))
+    s = 4 * MB
+    ring_in_node = 2 * (2 - 1) / 2 * s * intra_beta  # the node's ring of 2 ranks
+    got = step_ms("outer@every=1000", w, pt)
+    hier = 2 * (s * intra_beta) + s * (1 / 1.25e8)  # reduce + broadcast (1 tree step each) + ring of 2 nodes
+    assert got == pytest.approx(FWD + BWD + ring_in_node + OPT + hier / 1000, rel=1e-9)
+
+
+def test_self_syncing_optimizers_exchange_after_the_backward_pass():
+    """onebit-adam on 2 x 1: no overlap with the backward pass; after it the flags' all-reduce and
+    CaSync-PS with onebit over the 2 ranks: 2(N-1) sends of a partition's payload, K encodes of a
+    partition, N decodes (the HiPress paper's Table 3), K = N = 2."""
+    alpha, beta = 1e-4, 1 / 1.25e8
+    w = workload([(8, 0.0)])
+    s = 8 * MB
+    pt = Point(2, 1, network(beta, alpha))
+    flags = 2 * alpha + 4 * beta  # one float32 flag per tensor, ring of 2
+    part = s / 2
+    ps = 2 * (alpha + (8 + part / 32) * beta) + 2 * (2e-3 + 1e-9 * part) + 2 * 5e-4
+    for name in ("onebit-adam", "zeroone-adam@sync_growth=4", "onebit-lamb"):
+        rows = predict_point(w, pt, [name], quantizer_table(), Cpu())
+        assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + flags + ps + OPT, rel=1e-9), name
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("outer@every=0", "needs every >= 1"),
+        ("outer@every=4@delay=4", "0 <= delay < every"),
+        ("outer@codec=warp9", "unknown codec 'warp9'"),
+        ("outer@spin=1", "unknown option(s) spin; allowed: every, codec"),
+        ("onebit-adam@codec=powersgd", "is low-rank"),
+        ("zeroone-adam@sync_growth=x", "sync_growth takes a int, got 'x'"),
+        ("onebit-lamb@oops", "take KEY=VALUE"),
+    ],
+)
+def test_mode_contenders_are_checked(name, message):
+    from gradsync.whatif.contenders import check_contender
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_contender(name)

@@ -46,6 +46,14 @@ from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
+from gradsync.whatif.modes import (
+    is_outer,
+    is_self_syncing,
+    outer_codec_spec,
+    outer_options,
+    self_syncing_exchange,
+    self_syncing_options,
+)
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
 from gradsync.whatif.workload import Workload
 
@@ -96,9 +104,16 @@ def check_contender(name: str) -> str:
 
 
 def kind(name: str) -> str:
-    """``local``, ``ddp``, ``horovod``, ``paper02`` or ``gradsync``; validates the options."""
+    """``local``, ``ddp``, ``horovod``, ``paper02``, ``outer``, ``self-syncing`` or ``gradsync``;
+    validates the options."""
     if name in ("local", "horovod"):
         return name
+    if is_outer(name):
+        outer_options(name)
+        return "outer"
+    if is_self_syncing(name):
+        self_syncing_options(name)
+        return "self-syncing"
     if name in ("ddp", "ddp-fp16"):
         return "ddp"
     if name.startswith("ddp-powersgd"):
@@ -249,6 +264,10 @@ def build_program(
             prog.bucket_tasks.append([Task(f"fused {b}", b, comm_stages("allreduce", t, own, s))])
             prog.cable_bytes += cable
         return prog
+    if k == "outer":
+        raise ValueError(f"contender {name!r}: an outer loop is predicted by predict.simulate_contender")
+    if k == "self-syncing":
+        return _self_syncing_program(name, workload, model, host, bytes_model, costs)
     if k == "ddp":
         return _ddp_program(
             name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma, hook_rate
@@ -256,6 +275,38 @@ def build_program(
     return _gradsync_program(
         name, workload, order, cluster, model, bytes_model, host, costs, sync_options or {}
     )
+
+
+FLAG_BYTES = 4
+"""Per parameter tensor, the self-syncing optimizers' "had a gradient" flag (float32), all-reduced
+every step before the exchange."""
+
+
+def _self_syncing_program(
+    name: str, workload: Workload, model: CostModel, host: CostModel, bytes_model: CostModel,
+    costs: CodecCosts,
+) -> StepProgram:  # fmt: skip
+    """A self-syncing optimizer's compressed step (see :mod:`gradsync.whatif.modes`): nothing during
+    the backward pass; after it, the flags' all-reduce, then the momentum's encode, exchange and
+    decode on the training thread (the optimizer's step runs them)."""
+    scheme, spec = self_syncing_exchange(name)
+    scheme = scheme.resolve(model.m, model.n)
+    prog = StepProgram(name)
+    s = float(workload.nbytes)
+    c = costs(spec, [s])
+    enc, comm, dec = stage_times(scheme, model, s, c)
+    own = predict(scheme, host, s, _scaled(c, False, False))
+    flags = FLAG_BYTES * sum(1 for t in workload.tensors if t.ready is not None)
+    stages = [
+        *comm_stages("flags", model.flat(flags), host.flat(flags), flags),
+        Stage(MAIN, enc, "momentum encode"),
+        *comm_stages(f"momentum {scheme.name}", comm, own, s),
+        Stage(MAIN, dec, "momentum decode"),
+    ]
+    prog.end_tasks.append(Task("momentum exchange", -1, stages))
+    prog.cable_bytes = bytes_model.flat(flags) + predict(scheme, bytes_model, s, _scaled(c, False, False))
+    prog.notes.append(f"momentum as {spec} over {scheme.name}, after the backward pass")
+    return prog
 
 
 def _ddp_program(
@@ -419,6 +470,11 @@ def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list
     k = kind(name)
     if k == "ddp" and name.startswith("ddp-powersgd"):
         return [f"powersgd:rank={powersgd_rank(name)}"]
+    if k == "outer":
+        spec = outer_codec_spec(outer_options(name).get("codec"))
+        return [spec] if spec is not None else []
+    if k == "self-syncing":
+        return [self_syncing_exchange(name)[1]]
     if k != "gradsync":
         return []
     config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})

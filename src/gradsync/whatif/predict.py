@@ -31,6 +31,7 @@ from typing import Any
 
 from gradsync.units import parse_duration, parse_rate, rate_text
 from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
+from gradsync.whatif.modes import is_outer, outer_cost, scaled_codec_cost
 from gradsync.whatif.network import Network
 from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
 from gradsync.whatif.workload import Workload
@@ -133,14 +134,33 @@ def simulate_contender(
     sync_options: dict[str, str] | None = None, record: bool = False, ddp_bucket_bytes: int | None = None,
     hook_rate: float | None = None,
 ) -> tuple[StepResult, float, list[str]]:  # fmt: skip
-    """The simulated step of one contender, its cable bytes and the program's notes."""
+    """The simulated step of one contender, its cable bytes and the program's notes. An outer loop
+    (:mod:`gradsync.whatif.modes`): its inner step simulated as DDP on a one-node cluster of the
+    node's ranks, plus its exchanges and outer steps spread over the period."""
     cluster = Cluster(point.nodes, point.per_node, point.network.params)
     kw = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
-    program = build_program(name, workload, cluster, costs, sync_options, hook_rate=hook_rate, **kw)
+    inner = name
+    if is_outer(name):
+        inner = "ddp" if point.per_node > 1 else "local"
+        kw = {}  # DDP's default buckets inside the node
+    run_on = Cluster(1, point.per_node, point.network.params) if is_outer(name) else cluster
+    program = build_program(inner, workload, run_on, costs, sync_options, hook_rate=hook_rate, **kw)
     ready = [(i, t.ready) for i, t in enumerate(workload.tensors) if t.ready is not None]
     w = workload
     result = simulate(program, ready, w.data, w.forward, w.backward, w.optimizer, cpu, record)
-    return result, program.cable_bytes, program.notes
+    if not is_outer(name):
+        return result, program.cable_bytes, program.notes
+    slow = cpu.slowdown(1)  # every rank of the host in the exchange at once, one busy thread each
+    oc = outer_cost(
+        name, float(w.nbytes), cluster.model(), cluster.bytes_model(), cluster.params.gamma * slow,
+        result.step_s, lambda spec, sizes: scaled_codec_cost(costs(spec, sizes), slow),
+    )  # fmt: skip
+    notes = [
+        *program.notes,
+        f"inner step {result.step_s * 1e3:.1f} ms; one exchange {oc.exchange_s * 1e3:.1f} ms, "
+        f"{oc.exposed_s * 1e3:.1f} ms of it exposed",
+    ]
+    return replace(result, step_s=result.step_s + oc.per_step_s), oc.cable_bytes_per_step, notes
 
 
 def predict_point(

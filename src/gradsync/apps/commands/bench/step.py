@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import os
 import re
 import statistics
@@ -49,9 +48,15 @@ from gradsync.apps.models import build_model, build_model_for, models_for, param
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.observe.profiler import default_loss
-from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.sync import SyncConfig
 from gradsync.sync.config import parse_options
+from gradsync.whatif.modes import (
+    SELF_SYNCING,
+    is_outer,
+    is_self_syncing,
+    outer_options,
+    self_syncing_options,
+)
 
 DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
 
@@ -110,86 +115,6 @@ def contender_options(name: str) -> tuple[str, dict[str, str]]:
 
 def is_ddp(name: str) -> bool:
     return name == "ddp" or name.startswith("ddp-")
-
-
-OUTER_KEYS = {"every": int, "codec": str, "fragments": int, "delay": int, "mix": float, "outer_lr": float,
-              "outer_momentum": float}  # fmt: skip
-
-
-def is_outer(name: str) -> bool:
-    """``outer@every=H@codec=SPEC@...``: the DiLoCo-family outer loop, DDP inside each node."""
-    return name == "outer" or name.startswith("outer@")
-
-
-def outer_options(name: str) -> dict[str, Any]:
-    """An outer contender's :class:`gradsync.OuterLoop` keywords (``every`` defaults to 10),
-    checked: ``ValueError`` naming the contender and the allowed keys."""
-    _, items = contender_options(name)
-    unknown = sorted(set(items) - set(OUTER_KEYS))
-    if unknown:
-        raise ValueError(
-            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(OUTER_KEYS)}"
-        )
-    out: dict[str, Any] = {"every": 10}
-    for key, text in items.items():
-        try:
-            out[key] = OUTER_KEYS[key](text)
-        except ValueError:
-            raise ValueError(
-                f"contender {name!r}: {key} takes a {OUTER_KEYS[key].__name__}, got {text!r}"
-            ) from None
-    if out["every"] < 1 or out.get("fragments", 1) < 1 or not 0 <= out.get("delay", 0) < out["every"]:
-        raise ValueError(f"contender {name!r}: needs every >= 1, fragments >= 1 and 0 <= delay < every")
-    if "codec" in out:
-        gradsync.build_codec(out["codec"])  # ValueError naming the codecs
-    return out
-
-
-SELF_SYNCING: dict[str, Any] = {
-    "onebit-adam": OneBitAdam,
-    "zeroone-adam": ZeroOneAdam,
-    "onebit-lamb": OneBitLamb,
-}
-"""Contenders that are optimizers synchronizing the model themselves (gradsync.optim)."""
-
-SELF_SYNCING_LR = 1e-3
-
-
-def is_self_syncing(name: str) -> bool:
-    """``onebit-adam``, ``zeroone-adam``, ``onebit-lamb``, each optionally with constructor options
-    after ``@`` (``zeroone-adam@sync_growth=1``)."""
-    return name.split("@")[0] in SELF_SYNCING
-
-
-def self_syncing_options(name: str) -> dict[str, Any]:
-    """The constructor keywords of a self-syncing contender, checked (``ValueError`` naming the
-    contender and the allowed keys). The dense warm-up lasts one step (``freeze_step=1``, and
-    ``var_freeze_step=1`` for 0/1 Adam) unless given: the measured steps are the compressed ones."""
-    kind, items = contender_options(name)
-    cls = SELF_SYNCING[kind]
-    params = inspect.signature(cls.__init__).parameters
-    kinds = {
-        k: type(p.default)
-        for k, p in params.items()
-        if k not in ("self", "params", "topology") and isinstance(p.default, (bool, int, float, str))
-    }
-    unknown = sorted(set(items) - set(kinds))
-    if unknown:
-        raise ValueError(
-            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(kinds)}"
-        )
-    out: dict[str, Any] = {"lr": SELF_SYNCING_LR, "freeze_step": 1}
-    if "var_freeze_step" in kinds:
-        out["var_freeze_step"] = 1
-    for key, text in items.items():
-        want = kinds[key]
-        try:
-            out[key] = {"true": True, "false": False}[text.lower()] if want is bool else want(text)
-        except (KeyError, ValueError):
-            raise ValueError(f"contender {name!r}: {key} takes a {want.__name__}, got {text!r}") from None
-    if "var_freeze_step" in out and out["var_freeze_step"] < out["freeze_step"]:
-        out["var_freeze_step"] = out["freeze_step"]
-    return out
 
 
 INNER_OPTIMIZERS = ("sgd", "adamw")

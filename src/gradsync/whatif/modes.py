@@ -1,0 +1,217 @@
+"""Training modes that do not synchronize a gradient every step, as the simulator predicts them.
+
+Two kinds of contender share their names with ``bench train --contenders``:
+
+- the **outer loop** (``outer@every=H@codec=SPEC@fragments=F@delay=D``, :class:`gradsync.OuterLoop`):
+  each node trains alone, its ranks kept in sync by DDP over the node (a ring all-reduce on the
+  node's own links, simulated as DDP on a one-node cluster); every H steps the nodes average their
+  pseudo-gradients, F fragments of the model each every H / F steps (F = 1: the whole model at
+  once). A fragment's exchange is the same formula as a per-step scheme's (the planner's
+  :func:`~gradsync.planner.decide.predict`): the dense hierarchical all-reduce, or the codec on
+  the all-gather strategy with local aggregation (one copy per node crosses). Blocking (D = 0) it
+  adds its whole time to one step in H / F; delayed by D steps it runs on gradsync's task threads
+  while the next D inner steps compute, and only what D inner steps do not cover is exposed.
+  The mean step is the inner step plus the exposed exchanges and the outer optimizer's work
+  spread over the period.
+- the **self-syncing optimizers** (``onebit-adam``, ``zeroone-adam``, ``onebit-lamb``, with their
+  constructor options after ``@``): the model is not wrapped; after the backward pass the
+  optimizer exchanges its momentum, compressed (``codec``, error feedback included) over its
+  ``strategy`` (CaSync-PS by default), with a small agreement before it. Nothing overlaps the
+  backward pass. The prediction is the compressed phase with an exchange every step (the dense
+  warm-up is a DDP step; 0/1 Adam's later local steps divide the exchange by their interval:
+  :func:`self_syncing_run_mean` over a whole run).
+
+References:
+
+- DiLoCo: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+  arXiv:2311.08105; Streaming DiLoCo: Douillard et al., arXiv:2501.18512.
+- 1-bit Adam: Tang et al., arXiv:2102.02888; 0/1 Adam: Lu et al., arXiv:2202.06009.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gradsync.collectives.cost import CodecCost, CostModel, Linear
+from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+from gradsync.optim.compressed_momentum import build_exchange_codec
+from gradsync.planner.decide import predict
+from gradsync.sync.scheme import Scheme
+
+OUTER_KEYS: dict[str, type] = {
+    "every": int, "codec": str, "fragments": int, "delay": int, "mix": float, "outer_lr": float,
+    "outer_momentum": float,
+}  # fmt: skip
+"""An outer contender's options: :class:`gradsync.OuterLoop`'s keywords."""
+
+SELF_SYNCING: dict[str, Any] = {
+    "onebit-adam": OneBitAdam,
+    "zeroone-adam": ZeroOneAdam,
+    "onebit-lamb": OneBitLamb,
+}
+"""Contenders that are optimizers synchronizing the model themselves (gradsync.optim)."""
+
+SELF_SYNCING_LR = 1e-3
+
+OUTER_STEP_PASSES = 5
+"""Passes over a fragment's bytes of the outer step: the pseudo-gradient (anchor - params), the
+outer optimizer's update (momentum and anchor), the parameters set from the anchor."""
+
+
+def split_name(name: str) -> tuple[str, dict[str, str]]:
+    """``kind@key=value@...`` -> the kind and its options (``ValueError`` naming the contender)."""
+    kind, *items = name.split("@")
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"contender {name!r}: options after '@' take KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return kind, out
+
+
+def is_outer(name: str) -> bool:
+    """``outer@every=H@codec=SPEC@...``: the DiLoCo-family outer loop, DDP inside each node."""
+    return name == "outer" or name.startswith("outer@")
+
+
+def outer_options(name: str) -> dict[str, Any]:
+    """An outer contender's :class:`gradsync.OuterLoop` keywords (``every`` defaults to 10),
+    checked: ``ValueError`` naming the contender and the allowed keys."""
+    _, items = split_name(name)
+    unknown = sorted(set(items) - set(OUTER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(OUTER_KEYS)}"
+        )
+    out: dict[str, Any] = {"every": 10}
+    for key, text in items.items():
+        try:
+            out[key] = OUTER_KEYS[key](text)
+        except ValueError:
+            raise ValueError(
+                f"contender {name!r}: {key} takes a {OUTER_KEYS[key].__name__}, got {text!r}"
+            ) from None
+    if out["every"] < 1 or out.get("fragments", 1) < 1 or not 0 <= out.get("delay", 0) < out["every"]:
+        raise ValueError(f"contender {name!r}: needs every >= 1, fragments >= 1 and 0 <= delay < every")
+    if "codec" in out:
+        outer_scheme(out["codec"], 2, 2)  # ValueError naming the codecs
+    return out
+
+
+def is_self_syncing(name: str) -> bool:
+    """``onebit-adam``, ``zeroone-adam``, ``onebit-lamb``, each optionally with constructor options
+    after ``@`` (``zeroone-adam@sync_growth=1``)."""
+    return name.split("@")[0] in SELF_SYNCING
+
+
+def self_syncing_options(name: str) -> dict[str, Any]:
+    """The constructor keywords of a self-syncing contender, checked (``ValueError`` naming the
+    contender and the allowed keys). The dense warm-up lasts one step (``freeze_step=1``, and
+    ``var_freeze_step=1`` for 0/1 Adam) unless given: the measured steps are the compressed ones."""
+    kind, items = split_name(name)
+    params = inspect.signature(SELF_SYNCING[kind].__init__).parameters
+    kinds = {
+        k: type(p.default)
+        for k, p in params.items()
+        if k not in ("self", "params", "topology") and isinstance(p.default, (bool, int, float, str))
+    }
+    unknown = sorted(set(items) - set(kinds))
+    if unknown:
+        raise ValueError(
+            f"contender {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(kinds)}"
+        )
+    out: dict[str, Any] = {"lr": SELF_SYNCING_LR, "freeze_step": 1}
+    if "var_freeze_step" in kinds:
+        out["var_freeze_step"] = 1
+    for key, text in items.items():
+        want = kinds[key]
+        try:
+            out[key] = {"true": True, "false": False}[text.lower()] if want is bool else want(text)
+        except (KeyError, ValueError):
+            raise ValueError(f"contender {name!r}: {key} takes a {want.__name__}, got {text!r}") from None
+    if "var_freeze_step" in out and out["var_freeze_step"] < out["freeze_step"]:
+        out["var_freeze_step"] = out["freeze_step"]
+    build_exchange_codec(out.get("codec", params["codec"].default))  # ValueError naming the codec
+    return out
+
+
+def outer_scheme(codec: str | None, nodes: int, per_node: int) -> Scheme:
+    """The scheme an outer loop's exchange runs as: the dense hierarchical all-reduce (flat on
+    one rank per node), or ``codec`` on the all-gather strategy with local aggregation where
+    nodes have several ranks; error feedback added to biased codecs as the outer loop adds it."""
+    if codec is None:
+        return Scheme.parse("hierarchical" if per_node > 1 else "flat")
+    local = "+local" if nodes > 1 and per_node > 1 else ""
+    return Scheme.parse(f"allgather{local}/{codec}").resolve(nodes, per_node)
+
+
+def outer_codec_spec(codec: str | None) -> str | None:
+    """The codec spec as the outer loop runs it (``+ef`` on biased codecs), None when dense."""
+    if codec is None:
+        return None
+    built = Scheme.parse(f"allgather/{codec}").build()
+    assert built is not None  # a compressed scheme has a codec
+    return built.spec()
+
+
+def self_syncing_exchange(name: str) -> tuple[Scheme, str]:
+    """The scheme of a self-syncing contender's momentum exchange and its codec spec (error
+    feedback included, as the optimizer runs it)."""
+    kind = name.split("@")[0]
+    options = self_syncing_options(name)
+    params = inspect.signature(SELF_SYNCING[kind].__init__).parameters
+    codec = build_exchange_codec(options.get("codec", params["codec"].default))
+    strategy = options.get("strategy", params["strategy"].default)
+    return Scheme.parse(f"{strategy}/{codec.plain.spec()}"), codec.spec()
+
+
+def scaled_codec_cost(c: CodecCost, factor: float) -> CodecCost:
+    """``c`` with its encode and decode ``factor`` times slower (CPU contention)."""
+    if factor == 1.0:
+        return c
+    enc, dec = c.encode, c.decode
+    return replace(
+        c, encode=Linear(enc.a * factor, enc.b * factor), decode=Linear(dec.a * factor, dec.b * factor)
+    )
+
+
+@dataclass(frozen=True)
+class OuterCost:
+    """What the outer loop adds to its inner steps, per step on average."""
+
+    exchange_s: float  # one fragment's exchange
+    exposed_s: float  # of one fragment's exchange, what the delayed inner steps do not cover
+    step_work_s: float  # one fragment's outer step on the training thread
+    per_step_s: float  # (exposed + outer step) x fragments / every
+    cable_bytes_per_step: float
+
+
+def outer_cost(
+    name: str, nbytes: float, model: CostModel, bytes_model: CostModel, gamma: float, inner_step_s: float,
+    costs: Callable[[str, list[float]], CodecCost],
+) -> OuterCost:  # fmt: skip
+    """The outer loop ``name``'s cost over its inner steps of ``inner_step_s`` (see the module)."""
+    o = outer_options(name)
+    every, fragments, delay = o["every"], o.get("fragments", 1), o.get("delay", 0)
+    fragments = max(1, min(fragments, every))
+    part = nbytes / fragments
+    scheme = outer_scheme(o.get("codec"), model.m, model.n)
+    spec = outer_codec_spec(o.get("codec"))
+    codec = costs(spec, [part]) if spec is not None else None
+    if model.m <= 1:
+        exchange = cable = 0.0
+    else:
+        exchange = predict(scheme, model, part, codec)
+        if codec is None:
+            cable = predict(scheme, bytes_model, part, None)
+        else:
+            free = replace(codec, encode=Linear(0.0, 0.0), decode=Linear(0.0, 0.0))
+            cable = predict(scheme, bytes_model, part, free)
+    exposed = exchange if delay == 0 else max(exchange - delay * inner_step_s, 0.0)
+    work = OUTER_STEP_PASSES * gamma * part
+    per_step = (exposed + work) * fragments / every
+    return OuterCost(exchange, exposed, work, per_step, cable * fragments / every)
