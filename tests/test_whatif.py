@@ -507,3 +507,78 @@ def test_mode_contenders_are_checked(name, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         check_contender(name)
+
+
+# ------------------------------------------------------------------------------------ advise
+def _rows(steps):
+    return [{"contender": name, "step_ms": ms} for name, ms in steps.items()]
+
+
+def test_advise_says_dense_when_compression_does_not_pay():
+    """DDP within 5 % of the fastest mode: the advice is dense, whatever the fastest is."""
+    from gradsync.apps.commands.advise import advise_point
+
+    a = advise_point(_rows({"hitopk:density=0.01": 100.0, "ddp": 104.0, "onebit-adam": 150.0}), 0.05, 5.0)
+    assert a["kind"] == "dense" and a["choice"] == "ddp"
+    assert [r["contender"] for r in a["ranking"]] == ["hitopk:density=0.01", "ddp", "onebit-adam"]
+    assert a["ranking"][0]["speedup_vs_ddp"] == pytest.approx(1.04)
+    assert a["ranking"][1]["quality"] == "none (dense, lossless)"
+
+
+def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
+    """The fastest mode's family has cost 17 % perplexity in the project's tables: the advice
+    also names the fastest mode whose family stayed within the 5 % budget (0/1 Adam: 2.5 and
+    4.2 %), with the files the numbers come from."""
+    from gradsync.apps.commands.advise import advise_point
+    from gradsync.whatif.quality import QUALITY, family
+
+    steps = {"ddp": 1000.0, "hitopk:density=0.01": 100.0, "zeroone-adam": 150.0, "powersgd:rank=4": 120.0}
+    a = advise_point(_rows(steps), 0.05, 5.0)
+    assert a["kind"] == "compressed" and a["choice"] == "hitopk:density=0.01"
+    assert a["within_budget"] == "zeroone-adam"
+    assert "10.00x DDP" in a["advice"] and "bench-convergence-adam-family.json" in a["advice"]
+    assert family("zeroone-adam@sync_growth=4") == "zeroone-adam" and QUALITY["zeroone-adam"].worst == 4.2
+    # a looser budget takes the fastest as it is
+    assert "within_budget" not in advise_point(_rows(steps), 0.05, 20.0)
+    # every default mode has a family with a measured source (or is lossless)
+    from gradsync.apps.commands.advise import ADVISE_MODES
+
+    for name in ADVISE_MODES.split(","):
+        q = QUALITY[family(name)]
+        assert q.family == "dense" or q.source or q.family == "fp16", name
+    assert family("outer@every=10@codec=terngrad:bits=4") == "outer-int4"
+    assert family("outer@every=10@codec=onebit") == "outer-onebit"
+    assert family("hierarchical") == "dense" and family("ddp-powersgd:rank=1") == "powersgd"
+
+
+def test_advise_cli_ranks_every_mode_per_point(files):
+    out = files / "advise"
+    argv = ["advise", "--profile", str(files / "profile.json"), "--cluster", "2x4", "--step-time", "20ms",
+            "--codec-costs", str(files / "costs.json"), "--sweep", "nodes=1,4", "--json", f"{out}.json",
+            "--markdown", f"{out}.md"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((files / "advise.json").read_text())
+    assert [p["nodes"] for p in result["advice"]] == [1, 4]
+    from gradsync.apps.commands.advise import ADVISE_MODES
+
+    for p in result["advice"]:
+        assert {r["contender"] for r in p["ranking"]} == set(ADVISE_MODES.split(","))
+        steps = [r["step_ms"] for r in p["ranking"]]
+        assert steps == sorted(steps)
+    # one node: nothing crosses a cable, dense is the answer
+    assert result["advice"][0]["kind"] == "dense"
+    assert "advice per point" in (files / "advise.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dense-margin", "1.5"], "--dense-margin must be in [0, 1)"),
+        (["--quality-budget", "-1"], "--quality-budget must be a non-negative percentage"),
+        (["--scheme", "outer@every=0"], "needs every >= 1"),
+        (["--trace", "t.json"], "--trace and --png belong to gradsync whatif"),
+    ],
+)
+def test_advise_errors_name_the_option(files, extra, message, capsys):
+    assert main(["advise", "--profile", str(files / "profile.json"), *extra]) == 2
+    assert message in capsys.readouterr().err

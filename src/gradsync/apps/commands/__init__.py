@@ -86,6 +86,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("codecs", "codecs", "list the codecs and their options"),
     Command("profile", "profile", "each gradient's ready time in a training step, and the phases"),
     Command("whatif", "whatif", "predicted step time and scaling factor on any cluster and network"),
+    Command("advise", "advise", "every mode ranked by predicted speed with its measured quality cost"),
     Command("calibrate", "calibrate", "measure the running cluster's links for gradsync whatif --links"),
 )
 
