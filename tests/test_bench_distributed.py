@@ -71,7 +71,8 @@ def check_whatif_bench(tmp):
     """``bench whatif`` end to end on 2 ranks: its predictions, PyTorch's PowerSGD hook timed
     running and charged, and a replay of the stored result that predicts the same."""
     wj = os.path.join(tmp, "w.json")
-    names = ["local", "ddp", "ddp-powersgd:rank=1", "hitopk:density=0.1"]
+    names = ["local", "ddp", "ddp-powersgd:rank=1", "hitopk:density=0.1", "zeroone-adam",
+             "outer@every=2@codec=onebit"]  # fmt: skip
     argv = ["bench", "whatif", "--model", "vgg-small", "--batch-size", "4", "--contenders", ",".join(names),
             "--warmup", "2", "--steps", "2", "--rounds", "1", "--profile-steps", "2", "--nodes", "2",
             "--per-node", "1", "--json", wj]  # fmt: skip
@@ -88,6 +89,11 @@ def check_whatif_bench(tmp):
     # PyTorch's PowerSGD hook was timed running, and the prediction charges that work: without
     # the measured rate (gradsync's codec's timing instead) the hook's step is predicted otherwise
     assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1"} and w["hook_rates"]["ddp-powersgd:rank=1"] > 0
+    # the modes are predicted from the codecs they run (timed in the run) and say how
+    rows = {r["contender"]: r for r in w["rows"]}
+    assert "onebit+ef" in w["codecs"]["codecs"]
+    assert "one exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
+    assert "momentum as onebit+ef" in rows["zeroone-adam"]["predicted_plan"]
     codec_only = compare({**stored, "hook_rates": {}})
     hook = names.index("ddp-powersgd:rank=1")
     assert codec_only["rows"][hook]["predicted_ms"] != again["rows"][hook]["predicted_ms"]

@@ -322,7 +322,9 @@ def _topk_small_powersgd_large(params, codecs):
     against at least 0.1 s); dense would take 1 s and 0.26 s."""
     topk = replace(codecs[0], encode=Linear(0.0, 2e-7), decode=Linear(0.0, 0.0))
     psgd = replace(codecs[1], encode=Linear(0.1, 0.0), decode=Linear(0.0, 0.0))
-    return CostParams(Link(1e-6, 1e-12), Link(1e-6, 1e-6), 0.0), {0: topk, 1: psgd}
+    # auto's other strategies for the same codecs (ring/topk, ps/topk): 10 s an encode, never picked
+    others = {c: replace(v, encode=Linear(10.0, 0.0)) for c, v in codecs.items() if c > 1}
+    return CostParams(Link(1e-6, 1e-12), Link(1e-6, 1e-6), 0.0), {0: topk, 1: psgd, **others}
 
 
 CANDIDATES = "auto:candidates=allgather/topk:density=0.05|allgather/powersgd:rank=1"

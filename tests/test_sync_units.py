@@ -158,7 +158,18 @@ def test_candidates_parse_with_commas_or_bars_and_keep_their_own_strategies():
     assert t.codec == "topk:density=0.01,compile=false"
     assert t.candidates == ("ring/powersgd:rank=2", "ps/onebit")
     alts = t.resolve(2, 2).alternatives(2, 2)
-    assert [a.name for a in alts] == ["ring/powersgd:rank=2", "ps/onebit"]
+    assert [a.name for a in alts[:2]] == ["ring/powersgd:rank=2", "ps/onebit"]
+    # auto adds every other strategy of each candidate's codec, once per route (PowerSGD's rounds
+    # are the same under any strategy: only its local aggregation varies)
+    topk = "topk:density=0.01,compile=false"
+    assert [a.name for a in alts[2:]] == [
+        f"allgather/{topk}", f"ring/{topk}", f"ring+local/{topk}", f"ps/{topk}", f"ps+local/{topk}",
+        "allgather+local/powersgd:rank=2",
+        "allgather/onebit", "allgather+local/onebit", "ring/onebit", "ring+local/onebit", "ps+local/onebit",
+    ]  # fmt: skip
+    assert Scheme.parse("hitopk:density=0.01").alternatives(2, 2) == []  # not auto: nothing added
+    one_per_node = [a.name for a in Scheme.parse("auto").resolve(4, 1).alternatives(4, 1)]
+    assert one_per_node == ["ring/mstopk:density=0.01", "ps/mstopk:density=0.01"]
     # the canonical name parses back to the same scheme (it is what checkpoints record)
     r = t.resolve(2, 2)
     assert Scheme.parse(r.name).resolve(2, 2).name == r.name

@@ -582,3 +582,26 @@ def test_advise_cli_ranks_every_mode_per_point(files):
 def test_advise_errors_name_the_option(files, extra, message, capsys):
     assert main(["advise", "--profile", str(files / "profile.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_takes_the_cheapest_strategy_of_its_codec_per_bucket():
+    """``auto`` prices its codec on every strategy (all-gather, ring, PS, each with and without
+    local aggregation) and takes the cheapest per bucket: with every bucket compressed
+    (plan=compress), its predicted step is no slower than the best fixed strategy's, and faster
+    than the default one's where another strategy wins."""
+    w = workload([(8, 0.010), (8, 0.020), (8, 0.030), (8, BWD)])
+    opts = {"plan": "compress"}
+    fixed = [f"{s}{loc}/mstopk:density=0.01" for s in ("allgather", "ring", "ps") for loc in ("", "+local")]
+    default = {(2, 2): "allgather+local", (8, 1): "allgather", (4, 2): "allgather+local"}
+    # 2 x 2 at 100 Mbit/s: the default (hitopk) is the cheapest; on 8 x 1 and 4 x 2 the all-gather's
+    # (p - 1) payloads per rank cost more than CaSync's ring, which auto takes
+    for pt, better in (
+        (Point(2, 2, network(1 / 1.25e7, 1e-4)), False),
+        (Point(8, 1, network(1 / 1.25e7, 1e-5)), True),
+        (Point(4, 2, network(1 / 1.25e7, 1e-5)), True),
+    ):
+        steps = {name: step_ms(name, w, pt, options=opts) for name in fixed}
+        auto = step_ms("auto", w, pt, options=opts)
+        assert auto <= min(steps.values()) * (1 + 1e-6), (pt, auto, steps)
+        own = steps[f"{default[(pt.nodes, pt.per_node)]}/mstopk:density=0.01"]
+        assert (auto < 0.8 * own) == better, (pt, auto, own)

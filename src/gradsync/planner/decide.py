@@ -363,6 +363,7 @@ def time_codecs(
     copy, on the device and in the dtype of most of the gradients it compresses."""
     nbytes = [s.nbytes for s in slots]
     costs = {}
+    timed: dict[tuple[str, tuple[int, ...], torch.dtype, torch.device], CodecCost] = {}
     for cid, codec in enumerate(codecs):
         members = [m for m, c in groups if c == cid or (c >= 0 and cid in candidates)]
         if not members:
@@ -376,7 +377,10 @@ def time_codecs(
                 held[slots[i].group] = held.get(slots[i].group, 0) + nbytes[i]
         dtype, device = max(held, key=held.__getitem__)
         ends = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
-        costs[cid] = measure_codec(codec, ends, reps=3, device=device, dtype=dtype)
+        key = (codec.spec(), tuple(ends), dtype, device)  # candidates of one codec on other strategies
+        if key not in timed:
+            timed[key] = measure_codec(codec, ends, reps=3, device=device, dtype=dtype)
+        costs[cid] = timed[key]
     return costs
 
 

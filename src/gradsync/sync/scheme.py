@@ -134,8 +134,47 @@ class Scheme:
         return replace(parsed[0], text=text, candidates=tuple(names[1:]))
 
     def alternatives(self, nodes: int, per_node: int) -> list[Scheme]:
-        """The other candidates (``auto:candidates=...``), resolved for the topology."""
-        return [Scheme.parse(c).resolve(nodes, per_node) for c in self.candidates]
+        """The other candidates, resolved for the topology: those of ``auto:candidates=...``, and
+        for an ``auto`` scheme every other strategy the cost model prices for each candidate's
+        codec (:meth:`strategy_variants`: the same codec, so the same information dropped; the
+        planner picks per bucket by predicted time)."""
+        explicit = [Scheme.parse(c).resolve(nodes, per_node) for c in self.candidates]
+        if not self.text.strip().startswith("auto"):
+            return explicit
+        own = self.resolve(nodes, per_node)
+        seen = {own.route(), *(e.route() for e in explicit)}
+        out = list(explicit)
+        for base in (own, *explicit):
+            for variant in base.strategy_variants(nodes, per_node):
+                if variant.route() not in seen:
+                    seen.add(variant.route())
+                    out.append(variant)
+        return out
+
+    def route(self) -> tuple[str, str, bool]:
+        """What a compressed scheme runs: its codec, its strategy (none for a low-rank codec, whose
+        rounds are the same under any) and its local aggregation."""
+        spec = self.codec or DEFAULT_CODEC
+        strategy = "" if build_codec(spec).per_tensor else (self.strategy or "")
+        return spec, strategy, bool(self.local)
+
+    def strategy_variants(self, nodes: int, per_node: int) -> list[Scheme]:
+        """This scheme's codec on every compressed strategy (all-gather, ring, PS), with and
+        without local aggregation where nodes have several ranks; a low-rank codec's rounds only
+        with and without local aggregation (its strategy does not change them)."""
+        if self.kind == "dense":
+            return []
+        spec = self.codec or DEFAULT_CODEC
+        codec = build_codec(spec)
+        strategies = ("allgather",) if codec.per_tensor else compressed_strategy_names()
+        locals_ = (False, True) if nodes > 1 and per_node > 1 else (False,)
+        return [
+            Scheme(
+                f"{s}{'+local' if local else ''}/{spec}", "compressed", strategy=s, local=local, codec=spec
+            )
+            for s in strategies
+            for local in locals_
+        ]
 
     def resolve(self, nodes: int, per_node: int) -> Scheme:
         """Fill in the strategy and local aggregation that a shortcut leaves open."""
