@@ -94,6 +94,14 @@ def check_whatif_bench(tmp):
     assert "onebit+ef" in w["codecs"]["codecs"]
     assert "one exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
     assert "momentum as onebit+ef" in rows["zeroone-adam"]["predicted_plan"]
+    # the same contenders predicted again with the refitted costs of the engine that ran first
+    # (hitopk's closed loop settled before its measured steps): links, call, efficiencies, codecs
+    summary = w["summary"]
+    assert summary["refit_from"] == "hitopk:density=0.1"
+    assert all("refit_ms" in r and r["refit_ms"] > 0 for r in w["rows"])
+    assert summary["refit_median_abs_error"] >= 0 and set(summary["refit_efficiency"]) <= {
+        f"{k}/{c}" for k in ("allreduce", "allgather", "sendrecv") for c in ("small", "large")
+    }
     codec_only = compare({**stored, "hook_rates": {}})
     hook = names.index("ddp-powersgd:rank=1")
     assert codec_only["rows"][hook]["predicted_ms"] != again["rows"][hook]["predicted_ms"]

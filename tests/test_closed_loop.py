@@ -142,6 +142,68 @@ def test_the_refit_scales_codecs_and_fits_dense_packing():
     assert CALIBRATED.inter.alpha < fit.params.inter.alpha <= TRUE.inter.alpha
 
 
+def test_the_refit_learns_an_efficiency_per_kind_of_collective_and_size():
+    """2 x 1, allgather top-k: the compressed buckets' small all-gathers took 1.6x what the links
+    explain, the dense rings what they explain. One set of links cannot explain both (fitted alone
+    they miss by 8 %); with an efficiency per kind and size class as unknowns of the same fit,
+    every bucket is explained within 1 %, and all-gathers come out 1.6x the all-reduces. The
+    planner's prediction of a compressed bucket then charges the efficiency on the communication
+    only: alpha + call + (p - 1) B beta for an all-gather of B bytes over 2 ranks."""
+    from gradsync.collectives.cost import efficiency_key
+    from gradsync.planner.decide import predict
+
+    scheme = Scheme.parse("allgather/topk:density=0.01").resolve(2, 1)
+    samples = [
+        replace(m, comm_s=m.comm_s * (1.6 if m.compressed else 1.0)) for m in _samples(scheme, TRUE, 2, 1)
+    ]
+    payloads = [CODEC.payload(m.nbytes / m.parts) for m in samples if m.compressed]
+    assert {efficiency_key("allgather", b) for b in payloads} == {"allgather/small"}  # 5 to 320 kB
+    _, _, alone = refit_links(samples, scheme, TRUE, 2, 1, {0: CODEC})
+    fit = refit(samples, scheme, TRUE, 2, 1, {0: CODEC})
+    assert alone > 0.05 and fit.comm_error_after < 0.01
+    model = CostModel(fit.params, 2, 1)
+    for m in samples:
+        got = comm_seconds(scheme, model, m, CODEC if m.compressed else None)
+        assert got == pytest.approx(m.comm_s, rel=0.01), m
+    eff = dict(fit.params.efficiency)
+    assert set(eff) == {"allgather/small", "allreduce/small", "allreduce/large"}
+    assert eff["allgather/small"] / eff["allreduce/large"] == pytest.approx(1.6, rel=0.03)
+    assert "allgather/small x" in fit.describe()
+    # the prediction: the codec's compute as it is, the all-gather times its efficiency
+    f, p = eff["allgather/small"], fit.params
+    nbytes = 4e6
+    gather = p.inter.alpha * 1 + p.call + (2 - 1) * CODEC.payload(nbytes) * p.inter.beta
+    expect = CODEC.encode(nbytes) + f * gather + 2 * CODEC.decode(nbytes)
+    assert predict(scheme, model, nbytes, CODEC) == pytest.approx(expect, rel=1e-9)
+    plain = CostModel(replace(p, efficiency=()), 2, 1)  # without: the formula alone
+    assert predict(scheme, plain, nbytes, CODEC) == pytest.approx(expect - (f - 1) * gather, rel=1e-9)
+
+
+def test_engine_costs_keep_the_efficiencies(tmp_path):
+    from gradsync.planner.engine_costs import EngineCosts
+
+    params = replace(TRUE, efficiency=(("allgather/small", 1.4), ("sendrecv/large", 0.9)))
+    costs = EngineCosts(params, {"topk:density=0.01+ef": CODEC}, None, 2, 2, "test")
+    path = tmp_path / "costs.json"
+    costs.save(str(path))
+    again = EngineCosts.load(str(path))
+    assert again.params.efficiency == params.efficiency
+    assert again.params.efficiency_of("allgather", 1000) == 1.4
+    assert again.params.efficiency_of("allgather", 2 << 20) == 1.0
+    doc = costs.to_dict()
+    bad_values = [
+        (["x"], "must be an object"),
+        ({"gather/small": 1.0}, "unknown class 'gather/small'"),
+        ({"allgather/small": 0}, "must be positive"),
+    ]
+    for bad, message in bad_values:
+        with pytest.raises(ValueError, match=message):
+            EngineCosts.from_dict({**doc, "efficiency": bad}, "x")
+    # documents written before the efficiencies load with none
+    old = {k: v for k, v in doc.items() if k != "efficiency"}
+    assert EngineCosts.from_dict(old, "x").params.efficiency == ()
+
+
 def test_the_streams_a_switch_keeps_and_ends():
     """A bucket's streams (``key/role``, ``key#part/role``) stay only when the new plan compresses
     the same slots under the same key, codec and number of parts; PowerSGD's per-tensor streams

@@ -85,6 +85,31 @@ class CostParams:
     # engine's threads handing steps over, Python, staging) and the peers' scheduling on a busy
     # host. A step of many small collectives pays it once per call (see :func:`calibrate`).
     call: float = 0.0
+    efficiency: tuple[tuple[str, float], ...] = ()
+    """Measured over modelled communication time of a synchronization, by the kind of its
+    collective across nodes and its size class (``"allgather/small"``: see
+    :func:`efficiency_key`), as the closed loop refits them from the running engine's buckets; a
+    kind and class not listed is 1. The planner's :func:`~gradsync.planner.decide.predict`
+    multiplies a synchronization's communication (not its codec's compute) by it."""
+
+    def efficiency_of(self, kind: str, nbytes: float) -> float:
+        key = efficiency_key(kind, nbytes)
+        return next((v for k, v in self.efficiency if k == key), 1.0)
+
+
+COLLECTIVE_KINDS = ("allreduce", "allgather", "sendrecv")
+"""What crosses the nodes in a synchronization: a ring all-reduce (dense algorithms, PowerSGD's
+factor rounds), an all-gather of payloads, or CaSync's point-to-point steps (ring and PS)."""
+
+SMALL_COLLECTIVE_BYTES = 1 << 20
+"""Below this many bytes a collective is ``small`` (start-ups weigh), at or above ``large``."""
+
+
+def efficiency_key(kind: str, nbytes: float) -> str:
+    """``allgather/small``: the efficiency class of a ``kind`` collective moving ``nbytes``."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"collective kind must be one of {', '.join(COLLECTIVE_KINDS)}, got {kind!r}")
+    return f"{kind}/{'small' if nbytes < SMALL_COLLECTIVE_BYTES else 'large'}"
 
 
 @dataclass(frozen=True)

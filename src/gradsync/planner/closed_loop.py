@@ -46,9 +46,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link, efficiency_key
 from gradsync.collectives.topology import Topology
-from gradsync.planner.decide import FirstStep, best_partitions, encode_sizes, predict, scheme_for
+from gradsync.planner.decide import (
+    FirstStep,
+    best_partitions,
+    collective_of,
+    encode_sizes,
+    no_compute,
+    predict,
+    scheme_for,
+)
 from gradsync.planner.plan import Plan
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
@@ -92,17 +100,13 @@ class Refit:
         p = self.params
         parts = [level("intra", p.intra), level("inter", p.inter), f"{p.call * 1e3:.2f} ms per call"]
         parts += [f"codec {c} encode x{k:.2f}" for c, k in sorted(self.encode_scale.items())]
+        parts += [f"{key} x{f:.2f}" for key, f in p.efficiency]
         before, after = 100 * self.comm_error_before, 100 * self.comm_error_after
         parts.append(f"communication error {before:.0f} % -> {after:.0f} %")
         return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------- the formulas
-def _no_compute(c: CodecCost) -> CodecCost:
-    zero = Linear(0.0, 0.0)
-    return replace(c, encode=zero, decode=zero)
-
-
 def comm_seconds(
     scheme: Scheme,
     model: CostModel,
@@ -118,21 +122,33 @@ def comm_seconds(
         return predict(dense, model, s.nbytes, None)
     assert codec is not None
     mine = scheme_for(scheme, schemes, s.codec_id)
-    return s.parts * predict(mine, model, s.nbytes / s.parts, _no_compute(codec))
+    return s.parts * predict(mine, model, s.nbytes / s.parts, no_compute(codec))
 
 
 CALL_UNIT = 1e-4
+CALL_INDEX = 4
 """The per-call cost's unknown counts in these seconds (it may be calibrated as zero, so it is
 not a multiplier of the calibrated value like the links' unknowns)."""
 
 
-def _params(base: CostParams, u: list[float]) -> CostParams:
+def _params(base: CostParams, u: list[float], classes: Sequence[str] = ()) -> CostParams:
+    """The links of unknowns ``u``; with ``classes``, ``u[5:]`` are their efficiencies."""
     return replace(
         base,
         intra=Link(base.intra.alpha * u[0], base.intra.beta * u[1]),
         inter=Link(base.inter.alpha * u[2], base.inter.beta * u[3]),
         call=u[4] * CALL_UNIT,
+        efficiency=tuple(zip(classes, u[5:], strict=True)) if classes else base.efficiency,
     )
+
+
+def sample_class(
+    s: Sample, scheme: Scheme, codec: CodecCost | None, schemes: Sequence[Scheme] | None = None
+) -> str:
+    """The efficiency class (:func:`~gradsync.collectives.cost.efficiency_key`) of a bucket."""
+    mine = scheme_for(scheme, schemes, s.codec_id) if s.compressed else Scheme("", "dense", s.algorithm)
+    kind, moved = collective_of(mine, s.nbytes / s.parts, codec if s.compressed else None)
+    return efficiency_key(kind, moved)
 
 
 def refit_links(
@@ -145,6 +161,7 @@ def refit_links(
     prior: float = 1e-3,
     iterations: int = 8,
     schemes: Sequence[Scheme] | None = None,
+    efficiency: bool = False,
 ) -> tuple[CostParams, float, float]:
     """alpha and beta of both levels and the cost of one collective call that best explain the
     measured communication times, and the model's error before and after: sqrt(sum (predicted -
@@ -161,18 +178,28 @@ def refit_links(
     move the links by orders of magnitude (the default was chosen after loopback runs with 3-4
     buckets fitted an intra-node alpha of 28 ms). Each Gauss-Newton round linearizes every
     bucket's formula around the current u (the formulas are piecewise linear in the unknowns);
-    a round is taken only as far as it lowers the objective."""
-    data = [s for s in samples if s.comm_s > 0]
+    a round is taken only as far as it lowers the objective.
+
+    ``efficiency``: also fit, as unknowns of the same objective with the same prior towards 1,
+    a factor per efficiency class the buckets fall in (:func:`sample_class`: the kind of
+    collective crossing the nodes and its size), multiplying that class's communication: one
+    set of links cannot describe both a ring's large transfers and many small all-gathers."""
+    data = [s for s in samples if s.comm_s > 0 and (not s.compressed or s.codec_id in codecs)]
     if not data:
         return params, 0.0, 0.0
+    classes: list[str] = []
+    if efficiency and nodes * per_node > 1:
+        params = replace(params, efficiency=())
+        classes = sorted({sample_class(s, scheme, codecs.get(s.codec_id), schemes) for s in data})
     base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta, CALL_UNIT]
-    start = [1.0, 1.0, 1.0, 1.0, params.call / CALL_UNIT]
-    low = [1e-2, 1e-2, 1e-2, 1e-2, 0.0]
+    base += [1.0] * len(classes)
+    start = [1.0, 1.0, 1.0, 1.0, params.call / CALL_UNIT] + [1.0] * len(classes)
+    low = [1e-2, 1e-2, 1e-2, 1e-2, 0.0] + [EFFICIENCY_BOUNDS[0]] * len(classes)
     unknowns = len(start)
     total = sum(s.comm_s for s in data)
 
     def predictions(u: list[float]) -> list[float]:
-        model = CostModel(_params(params, u), nodes, per_node)
+        model = CostModel(_params(params, u, classes), nodes, per_node)
         return [comm_seconds(scheme, model, s, codecs.get(s.codec_id), schemes) for s in data]
 
     def objective(u: list[float]) -> float:
@@ -193,7 +220,7 @@ def refit_links(
             if base[k] <= 0:
                 cols.append([0.0] * len(data))
                 continue
-            h = 1e-3 * max(u[k], 1.0 if k == unknowns - 1 else 0.0)
+            h = 1e-3 * max(u[k], 1.0 if k == CALL_INDEX else 0.0)  # the call cost may be 0
             bumped = list(u)
             bumped[k] += h
             cols.append([(fb - fa) / h for fa, fb in zip(f0, predictions(bumped), strict=True)])
@@ -210,7 +237,8 @@ def refit_links(
             a[len(data) + k, k] = w
             b[len(data) + k] = w * start[k]
         solved = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
-        v = [min(max(x, lo), 1e3) for x, lo in zip(solved, low, strict=True)]
+        high = [1e3] * 5 + [EFFICIENCY_BOUNDS[1]] * len(classes)
+        v = [min(max(x, lo), hi) for x, lo, hi in zip(solved, low, high, strict=True)]
         step = 1.0
         while step > 1e-3:  # backtrack until the objective goes down
             trial = [x + step * (y - x) for x, y in zip(u, v, strict=True)]
@@ -224,7 +252,7 @@ def refit_links(
         u, best = trial, value
         if moved < 1e-9:
             break
-    return _params(params, u), mispredicted(start), mispredicted(u)
+    return _params(params, u, classes), mispredicted(start), mispredicted(u)
 
 
 def refit(
@@ -236,11 +264,14 @@ def refit(
     codecs: dict[int, CodecCost],
     schemes: Sequence[Scheme] | None = None,
 ) -> Refit:
-    """The links, the codecs and the dense buckets' packing, refitted on ``samples``.
+    """The links with their efficiencies per class of collective (:func:`refit_links`), the
+    codecs and the dense buckets' packing, refitted on ``samples``.
 
     A codec no bucket ran in these samples (a candidate not chosen) keeps its timed cost,
     scaled as the measured codecs were on average: both ran next to the same backward pass."""
-    fitted, before, after = refit_links(samples, scheme, params, nodes, per_node, codecs, schemes=schemes)
+    fitted, before, after = refit_links(
+        samples, scheme, params, nodes, per_node, codecs, schemes=schemes, efficiency=True
+    )
     scaled: dict[int, CodecCost] = dict(codecs)
     enc_scale: dict[int, float] = {}
     for cid, c in codecs.items():
@@ -267,6 +298,10 @@ def refit(
         ys = [s.compute_s + s.decode_s for s in dense]
         pack = Linear.fit(xs, ys) if len(set(xs)) > 1 else Linear(0.0, sum(ys) / max(sum(xs), 1.0))
     return Refit(fitted, scaled, pack, before, after, enc_scale)
+
+
+EFFICIENCY_BOUNDS = (0.25, 4.0)
+"""The range of a refitted efficiency (measured over modelled communication of a class)."""
 
 
 def _scaled(c: CodecCost, encode: float, decode: float) -> CodecCost:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from gradsync.codecs import Compressor
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link, calibrate, measure_codec
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link, calibrate, measure_codec
 from gradsync.collectives.dense import dense_algorithm, dense_algorithm_names
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks
 from gradsync.collectives.strategies import compressed_strategy
@@ -50,7 +50,40 @@ COMPRESS_MARGIN = 0.5
 
 # ---------------------------------------------------------------------------------- predictions
 def predict(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
-    """Predicted seconds of one synchronization of ``nbytes`` (float32 bytes) with ``scheme``."""
+    """Predicted seconds of one synchronization of ``nbytes`` (float32 bytes) with ``scheme``: the
+    formula, its communication (the formula without the codec's compute) times the efficiency
+    the closed loop measured for its kind and size (:attr:`CostParams.efficiency`; 1 until then)."""
+    t = formula(scheme, model, nbytes, codec)
+    if not model.params.efficiency or model.p <= 1:
+        return t
+    kind, moved = collective_of(scheme, nbytes, codec)
+    factor = model.params.efficiency_of(kind, moved)
+    if factor == 1.0:
+        return t
+    comm = t if codec is None else formula(scheme, model, nbytes, no_compute(codec))
+    return t + (factor - 1.0) * comm
+
+
+def no_compute(c: CodecCost) -> CodecCost:
+    """``c`` with free encode and decode: what the formulas give for its collectives alone."""
+    zero = Linear(0.0, 0.0)
+    return replace(c, encode=zero, decode=zero)
+
+
+def collective_of(scheme: Scheme, nbytes: float, codec: CodecCost | None) -> tuple[str, float]:
+    """The kind of collective a synchronization sends across nodes and the bytes one call moves
+    (its efficiency class, :func:`~gradsync.collectives.cost.efficiency_key`)."""
+    if scheme.kind == "dense" or codec is None:
+        return "allreduce", nbytes / 2 if scheme.comm_dtype else nbytes
+    if codec.lowrank:
+        return "allreduce", codec.payload(nbytes)
+    if (scheme.strategy or "allgather") == "allgather":
+        return "allgather", codec.payload(nbytes)
+    return "sendrecv", codec.payload(nbytes)
+
+
+def formula(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
+    """The cost model's formula for one synchronization of ``nbytes`` with ``scheme``."""
     if scheme.kind == "dense":
         return dense_algorithm(scheme.algorithm).cost(model, nbytes // 2 if scheme.comm_dtype else nbytes)
     if codec is None:

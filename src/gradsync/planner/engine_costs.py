@@ -3,11 +3,13 @@ document that ``gradsync whatif --costs`` reads, so the simulator predicts with 
 engine measured on a real step instead of those of the links and codecs measured alone.
 
 The document (``gradsync.engine-costs/1``, JSON) holds the refitted links (alpha and beta of
-both levels, the add rate and the cost of one collective call), each codec's encode and decode
-as they ran next to the backward pass (by codec spec), and the dense buckets' packing and
-unpacking. The per-call cost and the codecs' costs belong to the host and the engine, not to the
-network, so they carry over to another cluster shape or rate (``whatif --inter``, ``--sweep``);
-the links' alpha and beta are those of the cluster the engine ran on.
+both levels, the add rate and the cost of one collective call), the measured efficiency per kind
+of collective and size class (``allgather/small``: measured over modelled communication), each
+codec's encode and decode as they ran next to the backward pass (by codec spec), and the dense
+buckets' packing and unpacking. The per-call cost and the codecs' costs belong to the host and
+the engine, not to the network, so they carry over to another cluster shape or rate (``whatif
+--inter``, ``--sweep``); the links' alpha and beta, and the efficiencies, are those of the
+cluster the engine ran on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradsync.collectives.cost import CodecCost, CostParams, Linear, Link
+from gradsync.collectives.cost import COLLECTIVE_KINDS, CodecCost, CostParams, Linear, Link
 from gradsync.planner.closed_loop import Refit
 
 ENGINE_COSTS_FORMAT = "gradsync.engine-costs/1"
@@ -58,6 +60,7 @@ class EngineCosts:
                 "gamma": p.gamma,
                 "call": p.call,
             },
+            "efficiency": dict(p.efficiency),
             "codecs": {spec: c.to_dict() for spec, c in sorted(self.codecs.items())},
             "pack": None if self.pack is None else [self.pack.a, self.pack.b],
         }
@@ -87,6 +90,7 @@ class EngineCosts:
         params = CostParams(
             intra, inter, _number(links.get("gamma"), f"{where}: links.gamma"),
             call=_number(links.get("call"), f"{where}: links.call"),
+            efficiency=_efficiency(doc.get("efficiency", {}), f"{where}: efficiency"),
         )  # fmt: skip
         codecs = {}
         table = doc.get("codecs")
@@ -103,6 +107,22 @@ class EngineCosts:
             params, codecs, None if pack is None else Linear(*_pair(pack, f"{where}: pack")), nodes, per_node,
             str(doc.get("source", "")),
         )  # fmt: skip
+
+
+def _efficiency(v: Any, where: str) -> tuple[tuple[str, float], ...]:
+    """``{"allgather/small": 1.3, ...}`` (missing in documents written before it: none)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"{where} must be an object of KIND/CLASS -> factor, got {v!r}")
+    kinds = [f"{k}/{c}" for k in COLLECTIVE_KINDS for c in ("small", "large")]
+    out = []
+    for key, factor in sorted(v.items()):
+        if key not in kinds:
+            raise ValueError(f"{where}: unknown class {key!r}; allowed: {', '.join(kinds)}")
+        f = _number(factor, f"{where}[{key!r}]")
+        if f <= 0:
+            raise ValueError(f"{where}[{key!r}] must be positive, got {factor!r}")
+        out.append((key, f))
+    return tuple(out)
 
 
 def _positive_int(v: Any) -> bool:

@@ -207,6 +207,15 @@ def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[St
     return out
 
 
+FLAT = Scheme("", "dense", "flat")
+
+
+def ring(model: CostModel, nbytes: float) -> float:
+    """One flat ring all-reduce of ``nbytes`` over the world, with the efficiency the engine
+    measured for all-reduces of that size (:attr:`CostParams.efficiency`)."""
+    return predict(FLAT, model, nbytes, None)
+
+
 def _meta_slots(workload: Workload) -> list[Slot]:
     dtypes = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
     slots = []
@@ -257,7 +266,7 @@ def build_program(
                 )
             else:  # Horovod copies into and out of its fusion buffer around the ring
                 t, own, cable = (
-                    model.flat(s) + 2 * gamma * s,
+                    ring(model, s) + 2 * gamma * s,
                     host.flat(s) + 2 * gamma * s,
                     bytes_model.flat(s),
                 )
@@ -298,7 +307,7 @@ def _self_syncing_program(
     own = predict(scheme, host, s, _scaled(c, False, False))
     flags = FLAG_BYTES * sum(1 for t in workload.tensors if t.ready is not None)
     stages = [
-        *comm_stages("flags", model.flat(flags), host.flat(flags), flags),
+        *comm_stages("flags", ring(model, flags), host.flat(flags), flags),
         Stage(MAIN, enc, "momentum encode"),
         *comm_stages(f"momentum {scheme.name}", comm, own, s),
         Stage(MAIN, dec, "momentum decode"),
@@ -322,12 +331,12 @@ def _ddp_program(
         total += s
         copy_in = Stage(MAIN, gamma * s, "copy into bucket")  # gradient_as_bucket_view=False
         if name == "ddp":
-            stages = [copy_in, *comm_stages("allreduce", model.flat(s), host.flat(s), s)]
+            stages = [copy_in, *comm_stages("allreduce", ring(model, s), host.flat(s), s)]
             prog.cable_bytes += bytes_model.flat(s)
         elif name == "ddp-fp16":
             stages = [
                 copy_in, Stage(MAIN, gamma * s, "fp16 compress"),
-                *comm_stages("allreduce", model.flat(s / 2), host.flat(s / 2), s / 2),
+                *comm_stages("allreduce", ring(model, s / 2), host.flat(s / 2), s / 2),
                 Stage(COMM, gamma * s, "fp16 decompress"),
             ]  # fmt: skip
             prog.cable_bytes += bytes_model.flat(s / 2)
@@ -362,12 +371,12 @@ def _powersgd_hook(
         encode, decode = total * encode / (encode + decode), total * decode / (encode + decode)
     stages = [Stage(MAIN, encode / 2, "compute P")]
     if vec:
-        stages += comm_stages("allreduce vectors", model.flat(vec), host.flat(vec), vec)
+        stages += comm_stages("allreduce vectors", ring(model, vec), host.flat(vec), vec)
         prog.cable_bytes += bytes_model.flat(vec)
     stages += [
-        *comm_stages("allreduce P", model.flat(factor), host.flat(factor), factor),
+        *comm_stages("allreduce P", ring(model, factor), host.flat(factor), factor),
         Stage(COMM, encode / 2, "orthogonalize, compute Q"),
-        *comm_stages("allreduce Q", model.flat(factor), host.flat(factor), factor),
+        *comm_stages("allreduce Q", ring(model, factor), host.flat(factor), factor),
         Stage(COMM, decode, "decompress"),
     ]
     prog.cable_bytes += 2 * bytes_model.flat(factor)

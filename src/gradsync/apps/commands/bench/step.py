@@ -325,6 +325,9 @@ def measure_contender(
             "last_step": st.to_dict(),
             "closed_loop": {**synced.engine.loop.state_dict(), "rounds": synced.engine.loop.history},
         }
+        costs = synced.engine.costs()  # the closed loop's refit (rank 0; None before a round)
+        if costs is not None:
+            extra["engine_costs"] = costs.to_dict()
         if carry is not None:
             carry.engine_state = synced.engine.state_dict()
         synced.close()

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "batch_size": args.batch_size,
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
-                  "call": params.call},
+                  "call": params.call, "efficiency": dict(params.efficiency)},
         "contention": {**cont, "ranks_per_host": ranks_per_host},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
@@ -223,9 +223,11 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
 
     workload = Workload.from_profile(Profile.from_dict(result["profile"]))
     links = result["links"]
+    efficiency = tuple((str(k), float(v)) for k, v in (links.get("efficiency") or {}).items())
     params = CostParams(
-        Link(**links["intra"]), Link(**links["inter"]), links["gamma"], call=links.get("call", 0.0)
-    )
+        Link(**links["intra"]), Link(**links["inter"]), links["gamma"], call=links.get("call", 0.0),
+        efficiency=efficiency,
+    )  # fmt: skip
     costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
     cont = result["contention"]
     rows = result["measured"]
@@ -252,29 +254,77 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
         })  # fmt: skip
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention"}
-    return {
-        **result, "rows": table, "predicted": predicted, "contention_used": used,
-        "summary": {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)},
-    }  # fmt: skip
+    summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
+    # again with what one engine of this run measured: its closed loop's refitted links, call
+    # cost, efficiencies per class of collective and codecs (as gradsync whatif --costs would)
+    source = next(
+        (c for c in contenders if (result.get("details") or {}).get(c, {}).get("engine_costs")), None
+    )
+    if source is not None:
+        from gradsync.planner.engine_costs import EngineCosts
+
+        engine = EngineCosts.from_dict(result["details"][source]["engine_costs"], f"{source}'s engine costs")
+        refit_costs = CodecTable.from_dict(result["codecs"], "the result's codecs")
+        refit_costs.entries.update(engine.codecs)
+        refit_point = Point(result["nodes"], result["per_node"], Network(engine.params, f"{source}'s refit"))
+        again = predict_point(
+            workload,
+            refit_point,
+            contenders,
+            refit_costs,
+            cpu,
+            result.get("sync_options"),
+            ddp_buckets,
+            hooks,
+        )
+        for row, pred in zip(table, again, strict=True):
+            row["refit_ms"] = pred["step_ms"]
+            row["refit_error"] = pred["step_ms"] / row["measured_ms"] - 1
+        refit_errors = [abs(r["refit_error"]) for r in table if r["contender"] != "local"]
+        summary.update(
+            refit_from=source, refit_efficiency=dict(engine.params.efficiency),
+            refit_max_abs_error=max(refit_errors), refit_median_abs_error=statistics.median(refit_errors),
+        )  # fmt: skip
+    return {**result, "rows": table, "predicted": predicted, "contention_used": used, "summary": summary}
 
 
 COLUMNS = ("contender", "measured ms", "predicted ms", "error", "measured exposed ms", "predicted exposed ms",
            "compressed buckets (measured)", "plan (predicted)")  # fmt: skip
 
 
+REFIT_COLUMNS = ("predicted with the refit ms", "error (refit)")
+
+
+def columns(result: dict[str, Any]) -> tuple[str, ...]:
+    return COLUMNS + REFIT_COLUMNS if "refit_from" in result["summary"] else COLUMNS
+
+
 def cells(r: dict[str, Any]) -> list[str]:
     exp = r["measured_exposed_ms"]
-    return [
+    out = [
         r["contender"], f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}", f"{100 * r['error']:+.1f}%",
         "" if exp is None else f"{exp:.1f}", f"{r['predicted_exposed_ms']:.1f}", r["measured_plan"],
         r["predicted_plan"],
     ]  # fmt: skip
+    if "refit_ms" in r:
+        out += [f"{r['refit_ms']:.1f}", f"{100 * r['refit_error']:+.1f}%"]
+    return out
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    lines = [f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
+    if "refit_from" in s:
+        eff = ", ".join(f"{k} x{v:.2f}" for k, v in s["refit_efficiency"].items()) or "none"
+        lines.append(
+            f"with {s['refit_from']}'s refitted costs (efficiencies: {eff}): largest error "
+            f"{100 * s['refit_max_abs_error']:.1f}%, median {100 * s['refit_median_abs_error']:.1f}%"
+        )
+    return lines
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [markdown_table(COLUMNS, [cells(r) for r in result["rows"]])]
-    s = result["summary"]
-    lines += [f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
+    lines = [markdown_table(columns(result), [cells(r) for r in result["rows"]])]
+    lines += summary_lines(result["summary"])
     return "\n".join(lines) + "\n"
 
 
@@ -298,13 +348,13 @@ def main(args: argparse.Namespace) -> int:
 
         table = Table(title=f"predicted vs measured step, {result['model']}, {result['nodes']} x "
                       f"{result['per_node']} ranks, link {result['link']}")  # fmt: skip
-        for col in COLUMNS:
+        for col in columns(result):
             table.add_column(col, justify="left" if col == "contender" or "plan" in col else "right")
         for r in result["rows"]:
             table.add_row(*cells(r))
         (Console() if sys.stdout.isatty() else Console(width=220)).print(table)
-        s = result["summary"]
-        print(f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%")
+        for line in summary_lines(result["summary"]):
+            print(line)
         save_result(result, args.json, args.markdown, markdown(result))
     if owned and dist.is_initialized():
         dist.destroy_process_group()
