@@ -17,9 +17,9 @@ Two kinds of contender share their names with ``bench train --contenders``:
   constructor options after ``@``): the model is not wrapped; after the backward pass the
   optimizer exchanges its momentum, compressed (``codec``, error feedback included) over its
   ``strategy`` (CaSync-PS by default), with a small agreement before it. Nothing overlaps the
-  backward pass. The prediction is the compressed phase with an exchange every step (the dense
-  warm-up is a DDP step; 0/1 Adam's later local steps divide the exchange by their interval:
-  :func:`self_syncing_run_mean` over a whole run).
+  backward pass. The prediction is the compressed phase with an exchange every step, what
+  ``bench train`` measures (the dense warm-up is a DDP step; 0/1 Adam's later local steps, which
+  exchange every 2 to ``max_sync_interval`` steps, are not modelled).
 
 References:
 
@@ -197,8 +197,7 @@ def outer_cost(
     """The outer loop ``name``'s cost over its inner steps of ``inner_step_s`` (see the module)."""
     o = outer_options(name)
     every, fragments, delay = o["every"], o.get("fragments", 1), o.get("delay", 0)
-    fragments = max(1, min(fragments, every))
-    part = nbytes / fragments
+    part = nbytes / fragments  # each fragment meets once per period
     scheme = outer_scheme(o.get("codec"), model.m, model.n)
     spec = outer_codec_spec(o.get("codec"))
     codec = costs(spec, [part]) if spec is not None else None
