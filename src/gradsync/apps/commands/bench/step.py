@@ -156,6 +156,7 @@ class Carry:
     error feedback: the hook's dense start is not repeated)."""
 
     engine_state: dict[str, Any] | None = None
+    engine_costs: dict[str, Any] | None = None  # the closed loop's refit, as engine.costs() gave it
     hook_state: Any = None
     rounds: int = 0
 
@@ -325,9 +326,15 @@ def measure_contender(
             "last_step": st.to_dict(),
             "closed_loop": {**synced.engine.loop.state_dict(), "rounds": synced.engine.loop.history},
         }
-        costs = synced.engine.costs()  # the closed loop's refit (rank 0; None before a round)
-        if costs is not None:
-            extra["engine_costs"] = costs.to_dict()
+        # the closed loop's last refit (rank 0; None before a round, and in a later round's new
+        # engine, which goes on from the carried plan: the first round's refit is kept)
+        costs = synced.engine.costs()
+        refitted = costs.to_dict() if costs is not None else None
+        if carry is not None:
+            refitted = refitted or carry.engine_costs
+            carry.engine_costs = refitted
+        if refitted is not None:
+            extra["engine_costs"] = refitted
         if carry is not None:
             carry.engine_state = synced.engine.state_dict()
         synced.close()
