@@ -88,12 +88,15 @@ def check_whatif_bench(tmp):
     assert [r["predicted_ms"] for r in again["rows"]] == pytest.approx([r["predicted_ms"] for r in w["rows"]])
     # PyTorch's PowerSGD hook was timed running, and the prediction charges that work: without
     # the measured rate (gradsync's codec's timing instead) the hook's step is predicted otherwise
-    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1"} and w["hook_rates"]["ddp-powersgd:rank=1"] > 0
+    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1", "zeroone-adam"}
+    assert w["hook_rates"]["ddp-powersgd:rank=1"] > 0
     # the modes are predicted from the codecs they run (timed in the run) and say how
     rows = {r["contender"]: r for r in w["rows"]}
     assert "onebit+ef" in w["codecs"]["codecs"]
     assert "one exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
     assert "momentum as onebit+ef" in rows["zeroone-adam"]["predicted_plan"]
+    # 0/1 Adam's own step, measured in a process of its own: more work than SGD's step
+    assert w["hook_rates"]["zeroone-adam"] > 0
     # the same contenders predicted again with the refitted costs of the engine that ran first
     # (hitopk's closed loop settled before its measured steps): links, call, efficiencies, codecs
     summary = w["summary"]

@@ -488,6 +488,9 @@ def test_self_syncing_optimizers_exchange_after_the_backward_pass():
     for name in ("onebit-adam", "zeroone-adam@sync_growth=4", "onebit-lamb"):
         rows = predict_point(w, pt, [name], quantizer_table(), Cpu())
         assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + flags + ps + OPT, rel=1e-9), name
+    # the optimizer's own step, measured alone (seconds per gradient byte), on the training thread
+    rows = predict_point(w, pt, ["zeroone-adam"], quantizer_table(), Cpu(), hook_rates={"zeroone-adam": 2e-9})
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + 2e-9 * s + flags + ps + OPT, rel=1e-9)
 
 
 @pytest.mark.parametrize(

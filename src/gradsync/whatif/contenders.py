@@ -240,7 +240,9 @@ def build_program(
 ) -> StepProgram:
     """The simulated step of contender ``name`` (see the module docstring). ``hook_rate``: for
     PyTorch's PowerSGD hook, its work as measured running (seconds per byte of a bucket,
-    :func:`gradsync.observe.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing."""
+    :func:`gradsync.observe.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing;
+    for a self-syncing optimizer, its own step's work beyond the profiled optimizer's (seconds per
+    gradient byte)."""
     k = kind(name)
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
@@ -276,7 +278,7 @@ def build_program(
     if k == "outer":
         raise ValueError(f"contender {name!r}: an outer loop is predicted by predict.simulate_contender")
     if k == "self-syncing":
-        return _self_syncing_program(name, workload, model, host, bytes_model, costs)
+        return _self_syncing_program(name, workload, model, host, bytes_model, costs, hook_rate)
     if k == "ddp":
         return _ddp_program(
             name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma, hook_rate
@@ -293,20 +295,24 @@ every step before the exchange."""
 
 def _self_syncing_program(
     name: str, workload: Workload, model: CostModel, host: CostModel, bytes_model: CostModel,
-    costs: CodecCosts,
+    costs: CodecCosts, work_rate: float | None = None,
 ) -> StepProgram:  # fmt: skip
     """A self-syncing optimizer's compressed step (see :mod:`gradsync.whatif.modes`): nothing during
     the backward pass; after it, the flags' all-reduce, then the momentum's encode, exchange and
-    decode on the training thread (the optimizer's step runs them)."""
+    decode on the training thread (the optimizer's step runs them). ``work_rate``: the optimizer's
+    own step beyond the profiled optimizer's, measured running alone (seconds per gradient byte:
+    its moments, its flat buffers' copies), charged on the training thread before the exchange."""
     scheme, spec = self_syncing_exchange(name)
     scheme = scheme.resolve(model.m, model.n)
     prog = StepProgram(name)
     s = float(workload.nbytes)
+    own_work = [Stage(MAIN, work_rate * s, "optimizer's own step")] if work_rate else []
     c = costs(spec, [s])
     enc, comm, dec = stage_times(scheme, model, s, c)
     own = predict(scheme, host, s, _scaled(c, False, False))
     flags = FLAG_BYTES * sum(1 for t in workload.tensors if t.ready is not None)
     stages = [
+        *own_work,
         *comm_stages("flags", ring(model, flags), host.flat(flags), flags),
         Stage(MAIN, enc, "momentum encode"),
         *comm_stages(f"momentum {scheme.name}", comm, own, s),

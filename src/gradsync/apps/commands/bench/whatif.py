@@ -36,10 +36,12 @@ from torch import nn
 
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench import train as bench_train
+from gradsync.apps.commands.bench.optimizer_work import measure_in_subprocess
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.world import run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.observe.profiler import default_loss
+from gradsync.whatif.modes import is_self_syncing
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -163,6 +165,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
             say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
+        own = [c for c in contenders if is_self_syncing(c)]
+        if own:  # their own step's work, in a process of its own (a world of one rank)
+            keys = ("model", "batch_size", "image_size", "classes", "seq_len", "vocab", "dim", "layers",
+                    "optimizer", "threads")  # fmt: skip
+            work = measure_in_subprocess({k: getattr(args, k, None) for k in keys}, own)
+            for c, rate in work.items():
+                say(f"  {c}: its step adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step alone")
+            hook_rates.update(work)
     dist.barrier()
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
