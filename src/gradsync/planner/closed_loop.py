@@ -285,12 +285,12 @@ def refit(
         ke = _ratio(sum(s.compute_s for s in mine), pred_e)
         kd = _ratio(sum(s.decode_s for s in mine), pred_d)
         enc_scale[cid] = ke
-        scaled[cid] = _scaled(c, ke, kd)
+        scaled[cid] = scaled_codec(c, ke, kd)
     if enc_scale:
         k = math.exp(statistics.fmean(math.log(v) for v in enc_scale.values()))
         for cid, c in codecs.items():
             if cid not in enc_scale:
-                scaled[cid] = _scaled(c, k, k)
+                scaled[cid] = scaled_codec(c, k, k)
     dense = [s for s in samples if not s.compressed]
     pack = None
     if dense:
@@ -304,7 +304,8 @@ EFFICIENCY_BOUNDS = (0.25, 4.0)
 """The range of a refitted efficiency (measured over modelled communication of a class)."""
 
 
-def _scaled(c: CodecCost, encode: float, decode: float) -> CodecCost:
+def scaled_codec(c: CodecCost, encode: float, decode: float) -> CodecCost:
+    """``c`` with its encode ``encode`` times and its decode ``decode`` times as slow."""
     return replace(
         c,
         encode=Linear(c.encode.a * encode, c.encode.b * encode),

@@ -41,7 +41,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
-from gradsync.planner.decide import FirstStep, first_step_groups, launch_ready, make_plan, predict
+from gradsync.planner.decide import (
+    FirstStep,
+    first_step_groups,
+    launch_ready,
+    make_plan,
+    no_compute,
+    predict,
+)
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
@@ -309,7 +316,7 @@ def _self_syncing_program(
     own_work = [Stage(MAIN, work_rate * s, "optimizer's own step")] if work_rate else []
     c = costs(spec, [s])
     enc, comm, dec = stage_times(scheme, model, s, c)
-    own = predict(scheme, host, s, _scaled(c, False, False))
+    own = predict(scheme, host, s, no_compute(c))
     flags = FLAG_BYTES * sum(1 for t in workload.tensors if t.ready is not None)
     stages = [
         *own_work,
@@ -319,7 +326,7 @@ def _self_syncing_program(
         Stage(MAIN, dec, "momentum decode"),
     ]
     prog.end_tasks.append(Task("momentum exchange", -1, stages))
-    prog.cable_bytes = bytes_model.flat(flags) + predict(scheme, bytes_model, s, _scaled(c, False, False))
+    prog.cable_bytes = bytes_model.flat(flags) + predict(scheme, bytes_model, s, no_compute(c))
     prog.notes.append(f"momentum as {spec} over {scheme.name}, after the backward pass")
     return prog
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from gradsync.collectives.cost import CodecCost, CostModel, Linear
+from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
-from gradsync.planner.decide import predict
+from gradsync.planner.decide import no_compute, predict
 from gradsync.sync.scheme import Scheme
 
 OUTER_KEYS: dict[str, type] = {
@@ -169,16 +169,6 @@ def self_syncing_exchange(name: str) -> tuple[Scheme, str]:
     return Scheme.parse(f"{strategy}/{codec.plain.spec()}"), codec.spec()
 
 
-def scaled_codec_cost(c: CodecCost, factor: float) -> CodecCost:
-    """``c`` with its encode and decode ``factor`` times slower (CPU contention)."""
-    if factor == 1.0:
-        return c
-    enc, dec = c.encode, c.decode
-    return replace(
-        c, encode=Linear(enc.a * factor, enc.b * factor), decode=Linear(dec.a * factor, dec.b * factor)
-    )
-
-
 @dataclass(frozen=True)
 class OuterCost:
     """What the outer loop adds to its inner steps, per step on average."""
@@ -208,8 +198,7 @@ def outer_cost(
         if codec is None:
             cable = predict(scheme, bytes_model, part, None)
         else:
-            free = replace(codec, encode=Linear(0.0, 0.0), decode=Linear(0.0, 0.0))
-            cable = predict(scheme, bytes_model, part, free)
+            cable = predict(scheme, bytes_model, part, no_compute(codec))
     exposed = exchange if delay == 0 else max(exchange - delay * inner_step_s, 0.0)
     work = OUTER_STEP_PASSES * gamma * part
     per_step = (exposed + work) * fragments / every

@@ -29,9 +29,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gradsync.planner.closed_loop import scaled_codec
 from gradsync.units import parse_duration, parse_rate, rate_text
 from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
-from gradsync.whatif.modes import is_outer, outer_cost, scaled_codec_cost
+from gradsync.whatif.modes import is_outer, outer_cost
 from gradsync.whatif.network import Network
 from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
 from gradsync.whatif.workload import Workload
@@ -153,7 +154,7 @@ def simulate_contender(
     slow = cpu.slowdown(1)  # every rank of the host in the exchange at once, one busy thread each
     oc = outer_cost(
         name, float(w.nbytes), cluster.model(), cluster.bytes_model(), cluster.params.gamma * slow,
-        result.step_s, lambda spec, sizes: scaled_codec_cost(costs(spec, sizes), slow),
+        result.step_s, lambda spec, sizes: scaled_codec(costs(spec, sizes), slow, slow),
     )  # fmt: skip
     notes = [
         *program.notes,

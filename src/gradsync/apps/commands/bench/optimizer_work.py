@@ -57,13 +57,7 @@ def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
     torch.manual_seed(0)
     base = bench_step.bench_model(args)
     nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    g = torch.Generator().manual_seed(0)
-    if bench_step.is_language_model(args.model):
-        tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    else:
-        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
-        y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
+    x, y = bench_step.bench_batch(args, torch.Generator().manual_seed(0))
     out: dict[str, float] = {}
     with one_rank_world():
         topo = Topology()

@@ -226,13 +226,14 @@ def measure_contender(
     model: nn.Module = copy.deepcopy(base)
     synced = None
     outer = None
+    self_syncing = is_self_syncing(name)
     if is_ddp(name):
         model = _ddp(name, model, args.warmup, carry)
     elif is_outer(name):  # each node alone (DDP inside it), the nodes meet every H steps
         outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
         if outer.inner_group is not None:
             model = DDP(model, process_group=outer.inner_group)
-    elif name != "local" and not is_self_syncing(name):
+    elif name != "local" and not self_syncing:
         scheme, own = contender_options(name)
         options = dict(
             SyncConfig.from_options(
@@ -247,7 +248,7 @@ def measure_contender(
         if later and carry is not None and carry.engine_state is not None:
             synced.engine.load_state_dict(carry.engine_state)
         model = synced
-    if is_self_syncing(name):  # the optimizer synchronizes the (unwrapped) model itself
+    if self_syncing:  # the optimizer synchronizes the (unwrapped) model itself
         kind = name.split("@")[0]
         opt = SELF_SYNCING[kind](model.parameters(), topology=topo, **self_syncing_options(name))
     else:
@@ -289,11 +290,11 @@ def measure_contender(
                 sent.append(st.sent_bytes)
             elif outer is not None:
                 sent.append(outer.traffic.take())
-            elif is_self_syncing(name):
+            elif self_syncing:
                 sent.append(opt.traffic.take())
         elif outer is not None:
             outer.traffic.take()
-        elif is_self_syncing(name):
+        elif self_syncing:
             opt.traffic.take()
         step += 1
     if outer is not None:
@@ -302,7 +303,7 @@ def measure_contender(
     nic_row, nic_details = probe.finish()
     # an outer contender's steps differ (most compute alone, one in H meets), as 0/1 Adam's do
     # (it skips synchronizations): their mean
-    middle = statistics.mean if outer is not None or is_self_syncing(name) else statistics.median
+    middle = statistics.mean if outer is not None or self_syncing else statistics.median
     med = [middle(col) * 1e3 for col in zip(*samples, strict=True)]
     levels = sorted({k for s in sent for k in s})
     result = StepRow(
@@ -356,13 +357,19 @@ def join_with_batch(args: argparse.Namespace) -> tuple[Topology, nn.Module, torc
     topo = join_world(args.timeout, args.nodes, args.per_node)
     torch.manual_seed(0)
     base = bench_model(args)
-    g = torch.Generator().manual_seed(topo.rank)
-    if is_language_model(args.model):  # random token ids; each position's label is the next one
+    x, y = bench_batch(args, torch.Generator().manual_seed(topo.rank))
+    return topo, base, x, y
+
+
+def bench_batch(args: argparse.Namespace, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One worker's batch for the benchmark's model: random images and labels, or random token
+    ids with each position's label the next one."""
+    if is_language_model(args.model):
         tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
-        return topo, base, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, args.classes, (args.batch_size,), generator=g)
-    return topo, base, x, y
+    return x, y
 
 
 def is_language_model(name: str) -> bool:
