@@ -40,3 +40,22 @@ def test_compiled_onebit_matches_up_to_summation_order():
     assert torch.equal(pc.data[codes], pe.data[codes])
     assert pc.header.s0 == pytest.approx(pe.header.s0, rel=1e-5)
     assert pc.header.s1 == pytest.approx(pe.header.s1, rel=1e-5)
+
+
+def test_versions_of_one_operator_keep_their_constants_static():
+    """Versions of one compiled operator that differ in a constant (here the bit width of a lookup
+    decode) compile one graph each with the constant baked in: no version recompiles when another
+    runs first (torch 2.11 failed on the symbolic bit width a shared compile cache produced). The
+    decoded codes equal a plain unpacking written out here."""
+    from gradsync.codecs.ops.bits import lut_decode
+
+    torch._dynamo.reset()
+    packed = torch.arange(64, dtype=torch.uint8)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True), backend("compiled"):
+        for bits in (2, 4, 8):
+            table = torch.arange(1 << bits, dtype=torch.float32)
+            numel = 64 * 8 // bits
+            got = lut_decode(packed, bits, table, torch.empty(numel))
+            per = 8 // bits
+            want = [float((int(packed[i // per]) >> ((i % per) * bits)) & ((1 << bits) - 1)) for i in range(numel)]
+            assert got.tolist() == want, bits

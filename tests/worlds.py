@@ -318,7 +318,7 @@ def expect_all() -> Iterator[Expectations]:
 
 def same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
     """Assert that ``tensors`` are identical on every rank (rank 0's, broadcast, is the reference)."""
-    flat = torch.cat([t.detach().double().reshape(-1) for t in tensors]).to(comm_device())
+    flat = torch.cat([t.detach().to(comm_device(), torch.float64).reshape(-1) for t in tensors])
     ref = flat.clone()
     dist.broadcast(ref, 0)
     assert torch.equal(flat, ref), f"{what}: ranks differ by up to {float((flat - ref).abs().max())}"

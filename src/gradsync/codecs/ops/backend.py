@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
@@ -71,6 +72,11 @@ def compilable(fn: F) -> F:
     the generated code. torch.compile specializes on the first shape and recompiles with dynamic
     shapes when a second one comes; static code is several times faster on the CPU, so fixed-size
     buckets pay off.
+
+    Dynamo keeps its compiled versions on the function's code object, so versions of one function
+    would share them, and a constant that differs between them (the bit width) would turn into a
+    symbolic integer on the second one (where torch 2.11 fails on ``1 << bits``). Each version
+    therefore compiles its own copy of the function, with a code object of its own.
     """
     versions: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
@@ -81,7 +87,14 @@ def compilable(fn: F) -> F:
         key = tuple(a for a in args if not isinstance(a, torch.Tensor))
         compiled = versions.get(key)
         if compiled is None:
-            compiled = versions[key] = torch.compile(fn)
+            compiled = versions[key] = torch.compile(_own_code(fn))
         return compiled(*args)
 
     return cast(F, run)  # functools.wraps keeps fn's signature, which the checker cannot see
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own (dynamo's compiled versions live there)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)

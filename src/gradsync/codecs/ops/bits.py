@@ -192,10 +192,11 @@ def stochastic_pack(
         native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), out.nbytes)
         return
     dev = x.device
-    # made on the device from scalars (fill kernels): a tensor built on the host and copied over
-    # would make the host wait for the device
+    # made on the device from scalars (fill kernels): a tensor built on the host and copied over,
+    # or an item assignment (which copies a host scalar), would make the host wait for the device
     keys = torch.empty(2, dtype=torch.int64, device=dev)
-    keys[0], keys[1] = k1, k2
+    keys[0].fill_(k1)
+    keys[1].fill_(k2)
     m = (
         mult.float()
         if isinstance(mult, torch.Tensor)
