@@ -43,19 +43,42 @@ def test_compiled_onebit_matches_up_to_summation_order():
 
 
 def test_versions_of_one_operator_keep_their_constants_static():
-    """Versions of one compiled operator that differ in a constant (here the bit width of a lookup
-    decode) compile one graph each with the constant baked in: no version recompiles when another
-    runs first (torch 2.11 failed on the symbolic bit width a shared compile cache produced). The
-    decoded codes equal a plain unpacking written out here."""
+    """Versions of one compiled operator that differ in a constant (the bit width and the count of
+    a lookup decode) compile one graph each with the constants baked in: no version recompiles when
+    another ran first, and no constant becomes a symbolic integer (torch 2.11 fails on
+    ``1 << bits`` when the bit width is symbolic). The decoded codes equal a plain unpacking
+    written out here."""
+    import logging
+
     from gradsync.codecs.ops.bits import lut_decode
 
+    symbols: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "create_symbol" in record.getMessage():
+                symbols.append(record.getMessage())
+
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    handler = Collect()
+    log.addHandler(handler)
+    torch._logging.set_logs(dynamic=logging.INFO)
     torch._dynamo.reset()
-    packed = torch.arange(64, dtype=torch.uint8)
-    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True), backend("compiled"):
-        for bits in (2, 4, 8):
-            table = torch.arange(1 << bits, dtype=torch.float32)
-            numel = 64 * 8 // bits
-            got = lut_decode(packed, bits, table, torch.empty(numel))
-            per = 8 // bits
-            want = [float((int(packed[i // per]) >> ((i % per) * bits)) & ((1 << bits) - 1)) for i in range(numel)]
-            assert got.tolist() == want, bits
+    try:
+        limit = torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True)
+        with limit, backend("compiled"):
+            for bits in (2, 4, 8, 2, 4):
+                for nbytes in (64, 96):
+                    packed = torch.arange(nbytes, dtype=torch.uint8)
+                    table = torch.arange(1 << bits, dtype=torch.float32)
+                    numel = nbytes * 8 // bits
+                    got = lut_decode(packed, bits, table, torch.empty(numel))
+                    per = 8 // bits
+                    mask = (1 << bits) - 1
+                    want = [float((int(packed[i // per]) >> ((i % per) * bits)) & mask) for i in range(numel)]
+                    assert got.tolist() == want, bits
+    finally:
+        torch._logging.set_logs()
+        log.removeHandler(handler)
+    constants = [m for m in symbols if ".size()" not in m]
+    assert not constants, constants

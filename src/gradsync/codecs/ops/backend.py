@@ -73,10 +73,12 @@ def compilable(fn: F) -> F:
     shapes when a second one comes; static code is several times faster on the CPU, so fixed-size
     buckets pay off.
 
-    Dynamo keeps its compiled versions on the function's code object, so versions of one function
-    would share them, and a constant that differs between them (the bit width) would turn into a
-    symbolic integer on the second one (where torch 2.11 fails on ``1 << bits``). Each version
-    therefore compiles its own copy of the function, with a code object of its own.
+    Each version is a function of its own, compiled once: a copy of :func:`_with_constants`, with
+    its own code object (where dynamo keeps compiled versions and counts recompilations) and its
+    own globals holding ``fn`` and the constants. Dynamo takes integers read from globals as
+    constants; passed as arguments, they would turn symbolic as soon as one version's value
+    differed from another's (its profile of which inputs change is kept per source location,
+    shared by every copy), and torch 2.11 fails on a symbolic shift such as ``1 << bits``.
     """
     versions: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
@@ -84,17 +86,38 @@ def compilable(fn: F) -> F:
     def run(*args: Any) -> Any:
         if _mode.get() != "compiled" or torch.compiler.is_compiling():
             return fn(*args)
-        key = tuple(a for a in args if not isinstance(a, torch.Tensor))
-        compiled = versions.get(key)
+        slots = tuple(None if isinstance(a, torch.Tensor) else (a,) for a in args)
+        compiled = versions.get(slots)
         if compiled is None:
-            compiled = versions[key] = torch.compile(_own_code(fn))
-        return compiled(*args)
+            compiled = versions[slots] = torch.compile(_version(fn, slots))
+        return compiled(*(a for a in args if isinstance(a, torch.Tensor)))
 
     return cast(F, run)  # functools.wraps keeps fn's signature, which the checker cannot see
 
 
-def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A copy of ``fn`` with a code object of its own (dynamo's compiled versions live there)."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(copy, fn)
+def _with_constants(*tensors: torch.Tensor) -> Any:
+    """The template of a compiled version: ``_FN`` called with ``tensors`` in the slots that are
+    None in ``_SLOTS`` and the constants of the others (both globals of each copy)."""
+    args = []
+    i = 0
+    for slot in _SLOTS:
+        if slot is None:
+            args.append(tensors[i])
+            i += 1
+        else:
+            args.append(slot[0])
+    return _FN(*args)
+
+
+_SLOTS: tuple[tuple[Any] | None, ...] = ()
+_FN: Callable[..., Any] = _with_constants
+
+
+def _version(fn: Callable[..., Any], slots: tuple[tuple[Any] | None, ...]) -> Callable[..., Any]:
+    """A copy of :func:`_with_constants` with a code object of its own and ``fn`` and ``slots``
+    in its own globals."""
+    template = _with_constants
+    scope = {**template.__globals__, "_FN": fn, "_SLOTS": slots}
+    version = types.FunctionType(template.__code__.replace(), scope, fn.__name__)
+    version.__qualname__ = f"{fn.__qualname__}[compiled]"
+    return version
