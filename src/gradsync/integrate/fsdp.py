@@ -84,7 +84,8 @@ from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import nonfinite_flag
 from gradsync.sync.carry import Layouts, Piece
 from gradsync.sync.checkpoint import front_state, must_reset
-from gradsync.sync.codec_set import resident_on, sync_momentum
+from gradsync.sync.codec_set import resident_on
+from gradsync.sync.fsdp_scheme import parse_fsdp_scheme
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.scheme import Scheme
 
@@ -633,46 +634,6 @@ class FsdpCompression:
         self.ledger.load_state_dict(state)
         self.layouts = {str(k): _StreamLayout.from_state(v) for k, v in (state.get("layouts") or {}).items()}
         self._round = set()
-
-
-def parse_fsdp_scheme(scheme: str) -> Scheme:
-    parsed = Scheme.parse(scheme)
-    if parsed.kind == "dense" and parsed.comm_dtype is not None and "/" not in parsed.text:
-        # plain fp16 / bf16: under FSDP, the codec (16-bit payloads in the reduce-scatter and
-        # the replicate all-reduce); FSDP has no dense algorithms of its own to pick from
-        parsed = Scheme(parsed.text, "compressed", codec=parsed.text)
-    if parsed.kind == "dense":
-        if parsed.algorithm != "flat":
-            raise ValueError(
-                f"compress_fsdp: scheme {scheme!r}: the dense schemes FSDP takes are 'none' (PyTorch's own "
-                "collectives); 16-bit communication is spelled 'fp16' or 'bf16' (or "
-                "'allgather/fp16', 'ring/bf16', 'ps/fp16'), not a dense algorithm such as hybrid/fp16"
-            )
-        return parsed
-    if parsed.candidates or parsed.text.strip().startswith("auto"):
-        raise ValueError(
-            f"compress_fsdp: scheme {scheme!r}: 'auto' plans DDP buckets; give one compressed scheme"
-        )
-    if parsed.local:
-        raise ValueError(
-            f"compress_fsdp: scheme {scheme!r}: hierarchical schemes (hitopk, STRATEGY+local) are not for "
-            "FSDP, whose hierarchy is the mesh; use a codec such as topk:density=0.01 or onebit"
-        )
-    codec = parsed.build()
-    assert codec is not None
-    if codec.per_tensor:
-        raise ValueError(
-            f"compress_fsdp: scheme {scheme!r}: low-rank codecs (powersgd) need whole matrices; FSDP "
-            "reduces flat shards of several parameters. Use a sparsifying or quantizing codec"
-        )
-    if sync_momentum([codec]) is not None:
-        raise ValueError(
-            f"compress_fsdp: scheme {scheme!r}: ef momentum (momentum correction) is not supported "
-            "under FSDP: it moves the optimizer's momentum into the synchronization, and FSDP's "
-            "hooks cannot give it to the reductions that go dense; use ef without momentum (e.g. "
-            "topk:density=0.01+ef) and the optimizer's momentum, or gradsync.wrap"
-        )
-    return parsed.resolve(1, 1)
 
 
 def keep_alive_on_this_stream(buffer: torch.Tensor) -> None:

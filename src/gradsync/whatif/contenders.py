@@ -61,6 +61,7 @@ from gradsync.whatif.modes import (
     self_syncing_exchange,
     self_syncing_options,
 )
+from gradsync.whatif.sharded import is_sharded, sharded_codec_spec, sharded_contender
 from gradsync.whatif.simulate import COMM, COMPUTE, MAIN, Stage, StepProgram, Task
 from gradsync.whatif.workload import Workload
 
@@ -111,8 +112,8 @@ def check_contender(name: str) -> str:
 
 
 def kind(name: str) -> str:
-    """``local``, ``ddp``, ``horovod``, ``paper02``, ``outer``, ``self-syncing`` or ``gradsync``;
-    validates the options."""
+    """``local``, ``ddp``, ``horovod``, ``paper02``, ``outer``, ``self-syncing``, ``sharded`` or
+    ``gradsync``; validates the options."""
     if name in ("local", "horovod"):
         return name
     if is_outer(name):
@@ -121,6 +122,9 @@ def kind(name: str) -> str:
     if is_self_syncing(name):
         self_syncing_options(name)
         return "self-syncing"
+    if is_sharded(name):
+        sharded_contender(name)
+        return "sharded"
     if name in ("ddp", "ddp-fp16"):
         return "ddp"
     if name.startswith("ddp-powersgd"):
@@ -282,8 +286,8 @@ def build_program(
             prog.bucket_tasks.append([Task(f"fused {b}", b, comm_stages("allreduce", t, own, s))])
             prog.cable_bytes += cable
         return prog
-    if k == "outer":
-        raise ValueError(f"contender {name!r}: an outer loop is predicted by predict.simulate_contender")
+    if k in ("outer", "sharded"):
+        raise ValueError(f"contender {name!r}: predicted by predict.simulate_contender, not as buckets")
     if k == "self-syncing":
         return _self_syncing_program(name, workload, model, host, bytes_model, costs, hook_rate)
     if k == "ddp":
@@ -497,6 +501,9 @@ def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list
         return [spec] if spec is not None else []
     if k == "self-syncing":
         return [self_syncing_exchange(name)[1]]
+    if k == "sharded":
+        spec = sharded_codec_spec(name)
+        return [spec] if spec is not None else []
     if k != "gradsync":
         return []
     config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})

@@ -34,6 +34,7 @@ from gradsync.units import parse_duration, parse_rate, rate_text
 from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
 from gradsync.whatif.modes import is_outer, outer_cost
 from gradsync.whatif.network import Network
+from gradsync.whatif.sharded import is_sharded, sharded_step
 from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
 from gradsync.whatif.workload import Workload
 
@@ -137,8 +138,26 @@ def simulate_contender(
 ) -> tuple[StepResult, float, list[str]]:  # fmt: skip
     """The simulated step of one contender, its cable bytes and the program's notes. An outer loop
     (:mod:`gradsync.whatif.modes`): its inner step simulated as DDP on a one-node cluster of the
-    node's ranks, plus its exchanges and outer steps spread over the period."""
+    node's ranks, plus its exchanges and outer steps spread over the period. FSDP2, HSDP and
+    ``replicate`` (:mod:`gradsync.whatif.sharded`): their own unit-by-unit step."""
     cluster = Cluster(point.nodes, point.per_node, point.network.params)
+    if is_sharded(name):
+        w = workload
+        sh = sharded_step(
+            name,
+            w,
+            cluster.params,
+            point.nodes,
+            point.per_node,
+            costs,
+            cpu.slowdown(1),
+            math.isinf(cpu.cores),
+        )
+        result = StepResult(
+            step_s=sh.step_s, backward_end_s=math.nan, sync_end_s=sh.step_s, wait_s=sh.exposed_s,
+            comm_busy_s=sh.comm_s, compute_busy_s=0.0, spans=[], launches=[],
+        )  # fmt: skip
+        return result, sh.cable_bytes, sh.notes
     kw = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
     inner = name
     if is_outer(name):
