@@ -72,7 +72,7 @@ def check_whatif_bench(tmp):
     running and charged, and a replay of the stored result that predicts the same."""
     wj = os.path.join(tmp, "w.json")
     names = ["local", "ddp", "ddp-powersgd:rank=1", "hitopk:density=0.1", "zeroone-adam",
-             "outer@every=2@codec=onebit"]  # fmt: skip
+             "outer@every=2@codec=onebit", "fsdp", "hsdp/topk:density=0.1", "replicate"]  # fmt: skip
     argv = ["bench", "whatif", "--model", "vgg-small", "--batch-size", "4", "--contenders", ",".join(names),
             "--warmup", "2", "--steps", "2", "--rounds", "1", "--profile-steps", "2", "--nodes", "2",
             "--per-node", "1", "--json", wj]  # fmt: skip
@@ -95,6 +95,12 @@ def check_whatif_bench(tmp):
     assert "onebit+ef" in w["codecs"]["codecs"]
     assert "one exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
     assert "momentum as onebit+ef" in rows["zeroone-adam"]["predicted_plan"]
+    # FSDP2, HSDP (its all-reduce across nodes compressed) and replicate trained unit by unit and
+    # predicted so: serial on the CPU
+    assert "topk:density=0.1+ef" in w["codecs"]["codecs"]
+    for name in ("fsdp", "hsdp/topk:density=0.1", "replicate"):
+        assert rows[name]["measured_ms"] > 0 and rows[name]["predicted_ms"] > 0, name
+        assert "units (serial)" in rows[name]["predicted_plan"], name
     # 0/1 Adam's own step, measured in a process of its own: more work than SGD's step
     assert w["hook_rates"]["zeroone-adam"] > 0
     # the same contenders predicted again with the refitted costs of the engine that ran first
@@ -386,6 +392,8 @@ def test_collectives_and_step_benchmarks_on_two_ranks(tmp_path):
         (["bench", "train", "--rounds", "0"], "--rounds must be at least 1"),
         (["bench", "train", "--contenders", "ddp,auto@replan=-1"], "replan"),
         (["bench", "train", "--contenders", "ddp,auto@oops"], "KEY=VALUE"),
+        (["bench", "train", "--contenders", "ddp,fsdp/auto"], "'auto' plans DDP buckets"),
+        (["bench", "whatif", "--contenders", "hsdp/powersgd:rank=2"], "low-rank codecs"),
         (["bench", "fsdp", "--contenders", "zero3"], "the kind must be one of hsdp, fsdp, replicate, ddp"),
         (["bench", "fsdp", "--contenders", "ddp/topk"], "ddp takes no scheme"),
         (["bench", "fsdp", "--contenders", "hsdp/"], "give a scheme after the slash"),

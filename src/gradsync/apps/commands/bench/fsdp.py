@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.apps.commands.bench.output import markdown_table, save_result
+from gradsync.apps.commands.bench.sharding import shard_model
 from gradsync.apps.commands.bench.train import check_world_options, round_order
 from gradsync.apps.commands.bench.world import (
     CableMeter,
@@ -42,6 +43,7 @@ from gradsync.apps.models import parameter_count
 from gradsync.apps.models.text import TransformerLanguageModel
 from gradsync.collectives import Topology
 from gradsync.collectives.topology import default_device
+from gradsync.whatif.sharded import sharded_contender
 
 KINDS = ("hsdp", "fsdp", "replicate", "ddp")
 DEFAULT_CONTENDERS = "hsdp,hsdp/topk:density=0.01,hsdp/onebit,fsdp,fsdp/topk:density=0.01"
@@ -83,9 +85,10 @@ def parse_contender(text: str) -> tuple[str, str | None]:
             f"--contenders: {text!r}: ddp takes no scheme (see gradsync bench train for DDP hooks)"
         )
     if slash:
-        from gradsync.integrate.fsdp import parse_fsdp_scheme
-
-        parse_fsdp_scheme(scheme.strip())  # the same checks compress_fsdp makes
+        try:
+            sharded_contender(text.strip())  # the same checks compress_fsdp makes
+        except ValueError as e:
+            raise ValueError(f"--contenders: {e}") from None
     return kind, scheme.strip() or None
 
 
@@ -117,38 +120,12 @@ def _wrapped(
     kind: str, scheme: str | None, args: argparse.Namespace, topo: Topology
 ) -> tuple[nn.Module, Any]:
     """The model as the contender trains it, and gradsync's compression object (or None)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from gradsync.fsdp import compress_fsdp, replicate
-
-    where = default_device()  # the rank's GPU under NCCL (join_world made it current), else the CPU
-    device = where.type
-    model = _model(args).to(where)
+    model = _model(args).to(default_device())  # the rank's GPU under NCCL (join_world made it current)
     if kind == "ddp":
         return DistributedDataParallel(model), None
-    if kind == "replicate":
-        if scheme is not None:
-            return model, replicate(model, scheme, blocks=list(model.blocks))
-        for block in model.blocks:
-            torch_replicate(block)
-        torch_replicate(model)
-        return model, None
-    if kind == "fsdp":
-        mesh = init_device_mesh(device, (topo.world,))
-        group = None
-    else:
-        mesh2 = init_device_mesh(device, (topo.nodes, topo.per_node), mesh_dim_names=("replicate", "shard"))
-        mesh = mesh2 if scheme is None else mesh2["shard"]
-        group = mesh2["replicate"].get_group()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if scheme is None:
-        return model, None
-    return model, compress_fsdp(model, scheme, replicate_group=group)
+    return shard_model(model, kind if scheme is None else f"{kind}/{scheme}", topo)
 
 
 def measure(

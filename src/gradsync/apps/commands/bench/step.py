@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsync
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench.output import markdown_table, save_result
+from gradsync.apps.commands.bench.sharding import shard_model
 from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
 from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
 from gradsync.collectives import Topology
@@ -57,6 +58,7 @@ from gradsync.whatif.modes import (
     outer_options,
     self_syncing_options,
 )
+from gradsync.whatif.sharded import is_sharded, sharded_contender
 
 DEFAULT_CONTENDERS = "local,ddp,hierarchical,hitopk:density=0.01,powersgd:rank=4"
 
@@ -98,6 +100,9 @@ def check_contender(name: str) -> str:
         return name
     if is_self_syncing(name):
         self_syncing_options(name)
+        return name
+    if is_sharded(name):
+        sharded_contender(name)
         return name
     scheme, options = contender_options(name)
     SyncConfig.from_options({"scheme": scheme, **options})  # validates both
@@ -233,6 +238,8 @@ def measure_contender(
         outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
         if outer.inner_group is not None:
             model = DDP(model, process_group=outer.inner_group)
+    elif is_sharded(name):  # FSDP2, HSDP or replicate, unit by unit
+        model, _compression = shard_model(model, name, topo)
     elif name != "local" and not self_syncing:
         scheme, own = contender_options(name)
         options = dict(
