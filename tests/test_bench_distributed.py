@@ -88,7 +88,8 @@ def check_whatif_bench(tmp):
     assert [r["predicted_ms"] for r in again["rows"]] == pytest.approx([r["predicted_ms"] for r in w["rows"]])
     # PyTorch's PowerSGD hook was timed running, and the prediction charges that work: without
     # the measured rate (gradsync's codec's timing instead) the hook's step is predicted otherwise
-    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1", "zeroone-adam"}
+    sharded = {"fsdp", "hsdp/topk:density=0.1", "replicate"}  # FSDP2's own work, measured on one rank
+    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1", "zeroone-adam"} | sharded
     assert w["hook_rates"]["ddp-powersgd:rank=1"] > 0
     # the modes are predicted from the codecs they run (timed in the run) and say how
     rows = {r["contender"]: r for r in w["rows"]}
@@ -106,6 +107,21 @@ def check_whatif_bench(tmp):
     # the same contenders predicted again with the refitted costs of the engine that ran first
     # (hitopk's closed loop settled before its measured steps): links, call, efficiencies, codecs
     summary = w["summary"]
+    # the largest error against any single round, and what advise would choose against the
+    # measured fastest mode (local is no mode)
+    worst = max(
+        (abs(r["predicted_ms"] / m - 1), r["contender"]) for r in w["rows"] if r["contender"] != "local"
+        for m in next(x for x in w["measured"] if x["contender"] == r["contender"])["round_step_ms"]
+    )  # fmt: skip
+    assert (
+        abs(summary["worst_round_error"]) == pytest.approx(worst[0])
+        and summary["worst_round_contender"] == worst[1]
+    )
+    measured = {r["contender"]: r["measured_ms"] for r in w["rows"] if r["contender"] != "local"}
+    assert summary["measured_fastest"] == min(measured, key=lambda c: measured[c])
+    assert summary["advise_choice"] in measured and summary["advise_choice_over_fastest"] == pytest.approx(
+        measured[summary["advise_choice"]] / measured[summary["measured_fastest"]]
+    )
     assert summary["refit_from"] == "hitopk:density=0.1"
     assert all("refit_ms" in r and r["refit_ms"] > 0 for r in w["rows"])
     assert summary["refit_median_abs_error"] >= 0 and set(summary["refit_efficiency"]) <= {

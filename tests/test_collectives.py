@@ -401,6 +401,30 @@ def check_calibration(topo):
     for link in (params.intra, params.inter):
         assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
     assert torch.equal(mine, same)  # every rank got the same numbers
+    # world all-gathers against the all-gather formula on these links: one entry per size class,
+    # the same on every rank, and the ratio the planner's predict then applies to an all-gather
+    from dataclasses import replace
+
+    from gradsync.collectives.cost import CostModel, measure_efficiency
+    from gradsync.planner.decide import predict
+    from gradsync.sync.scheme import Scheme
+
+    eff = dict(measure_efficiency(topo, params, reps=1))
+    assert set(eff) == {"allgather/small", "allgather/large"}
+    assert all(0.1 <= v <= 100 for v in eff.values())
+    theirs = torch.tensor([eff["allgather/small"], eff["allgather/large"]], dtype=torch.float64)
+    dist.broadcast(theirs, 0)
+    assert theirs.tolist() == [eff["allgather/small"], eff["allgather/large"]]
+    from gradsync.collectives.cost import CodecCost, Linear
+
+    plain = CodecCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 1.0))  # sends its input, free to run
+    scheme = Scheme.parse("allgather/topk:density=0.5")
+    size = 4 << 20  # a 4 MiB payload per rank: the large class
+    base = CostModel(params, 2, 2)
+    corrected = CostModel(replace(params, efficiency=tuple(eff.items())), 2, 2)
+    assert predict(scheme, corrected, size, plain) == pytest.approx(
+        eff["allgather/large"] * predict(scheme, base, size, plain), rel=1e-9
+    )
 
 
 def check_gathers_between_two_ranks_in_slices(topo):

@@ -552,6 +552,10 @@ def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
     assert family("outer@every=10@codec=terngrad:bits=4") == "outer-int4"
     assert family("outer@every=10@codec=onebit") == "outer-onebit"
     assert family("hierarchical") == "dense" and family("ddp-powersgd:rank=1") == "powersgd"
+    # FSDP2's own reductions are exact; compressed, the codec's family
+    assert family("fsdp") == family("hsdp") == family("replicate") == "dense"
+    assert family("hsdp/topk:density=0.01") == "sparse" and family("replicate/onebit") == "onebit"
+    assert family("fsdp/fp16") == "fp16"
 
 
 def test_advise_cli_ranks_every_mode_per_point(files):

@@ -48,8 +48,9 @@ def test_units_follow_numbered_containers():
 
 
 def test_fsdp_on_a_cpu_is_compute_plus_every_collective():
-    """4 ranks on 2 nodes, serial (CPU): forward all-gathers of every unit, backward all-gathers
-    of the two blocks (the root stays gathered), a reduce-scatter per unit, optimizer on 1/4."""
+    """4 ranks on 2 nodes, serial (CPU, gloo): forward all-gathers of every unit, backward
+    all-gathers of the two blocks (the root stays gathered), a reduce-scatter per unit (gloo's:
+    a ring all-reduce), optimizer on 1/4."""
     beta, alpha, gamma = 1 / 1.25e8, 1e-4, 1e-10
     p = 4
     sizes = {"root": 2 * MB, "b0": 4 * MB, "b1": 4 * MB}
@@ -59,13 +60,15 @@ def test_fsdp_on_a_cpu_is_compute_plus_every_collective():
 
     gathers = sum(ring(s) + 2 * gamma * s for s in sizes.values())
     back_gathers = sum(ring(s) + 2 * gamma * s for k, s in sizes.items() if k != "root")
-    reduces = sum(ring(s) + (p - 1) / p * s * gamma + 2 * gamma * s for s in sizes.values())
+    reduces = sum(
+        2 * (p - 1) * alpha + 2 * (p - 1) / p * s * (beta + gamma / 2) + 2 * gamma * s for s in sizes.values()
+    )
     want = FWD + BWD + OPT / p + gathers + back_gathers + reduces
     got = sharded_step(
-        "fsdp", lm_workload(), params(beta, 0.0, alpha, gamma), 2, 2, onebit_table(), overlap=False
+        "fsdp", lm_workload(), params(beta, 0.0, alpha, gamma), 2, 2, onebit_table(), backend="gloo"
     )
     assert got.step_s == pytest.approx(want, rel=1e-9)
-    cable = (p - 1) / p * (10 + 8 + 10) * MB  # forward gathers, backward gathers, reduce-scatters
+    cable = (p - 1) / p * (10 + 8 + 2 * 10) * MB  # forward gathers, backward gathers, all-reduces
     assert got.cable_bytes == pytest.approx(cable, rel=1e-9)
 
 
@@ -78,10 +81,10 @@ def test_hsdp_gathers_inside_the_node_and_all_reduces_the_shard_across():
     s_all = 10 * MB
     in_node = (2 - 1) / 2  # a ring step of the node's 2 ranks
     gathers = in_node * s_all * intra + in_node * 8 * MB * intra  # forward all, backward the blocks
-    reduces = in_node * s_all * intra
+    reduces = 2 * in_node * s_all * intra  # gloo's reduce-scatter: an all-reduce
     across = sum(2 * (2 - 1) / 2 * (s / 2) * (inter * 2) for s in (2 * MB, 4 * MB, 4 * MB))
     want = FWD + BWD + OPT / 2 + gathers + reduces + across
-    got = sharded_step("hsdp", w, params(inter, intra), 2, 2, onebit_table(), overlap=False)
+    got = sharded_step("hsdp", w, params(inter, intra), 2, 2, onebit_table(), backend="gloo")
     assert got.step_s == pytest.approx(want, rel=1e-9)
     assert got.cable_bytes == pytest.approx(s_all, rel=1e-9)  # 2 (m-1)/m S = S across the 2 nodes
 
@@ -92,8 +95,8 @@ def test_compressed_hsdp_runs_the_codec_on_the_shard_across_nodes():
     encodes and N decodes of a partition (the HiPress paper's Table 3), N = K = 2."""
     inter = 1 / 1.25e8
     w = lm_workload()
-    dense = sharded_step("hsdp", w, params(inter), 2, 2, onebit_table(), overlap=False)
-    got = sharded_step("hsdp/onebit", w, params(inter), 2, 2, onebit_table(), overlap=False)
+    dense = sharded_step("hsdp", w, params(inter), 2, 2, onebit_table(), backend="gloo")
+    got = sharded_step("hsdp/onebit", w, params(inter), 2, 2, onebit_table(), backend="gloo")
     across_dense = sum(2 * (2 - 1) / 2 * (s / 2) * (inter * 2) for s in (2 * MB, 4 * MB, 4 * MB))
     coded = sum(
         2 * (8 + s / 4 / 32) * inter * 2 + 2 * (2e-3 + 1e-9 * s / 4) + 2 * 5e-4
@@ -107,10 +110,10 @@ def test_compressed_fsdp_is_an_all_to_all_of_encoded_shards():
     half (one piece), decodes the one it got and sums; no reduce-scatter of dense bytes."""
     beta = 1 / 1.25e8
     w = lm_workload()
-    dense = sharded_step("fsdp", w, params(beta), 2, 1, onebit_table(), overlap=False)
-    got = sharded_step("fsdp/onebit", w, params(beta), 2, 1, onebit_table(), overlap=False)
+    dense = sharded_step("fsdp", w, params(beta), 2, 1, onebit_table(), backend="gloo")
+    got = sharded_step("fsdp/onebit", w, params(beta), 2, 1, onebit_table(), backend="gloo")
     sizes = (2 * MB, 4 * MB, 4 * MB)
-    dense_rs = sum(s / 2 * beta for s in sizes)
+    dense_rs = sum(s * beta for s in sizes)  # gloo's reduce-scatter: an all-reduce, 2 (p - 1) / p S
     coded = sum(2e-3 + 1e-9 * s + (8 + s / 2 / 32) * beta + 5e-4 for s in sizes)
     assert got.step_s == pytest.approx(dense.step_s - dense_rs + coded, rel=1e-9)
 
@@ -118,18 +121,36 @@ def test_compressed_fsdp_is_an_all_to_all_of_encoded_shards():
 def test_replicate_all_reduces_each_unit_and_keeps_the_optimizer_whole():
     beta = 1 / 1.25e8
     w = lm_workload()
-    got = sharded_step("replicate", w, params(beta), 2, 1, onebit_table(), overlap=False)
+    got = sharded_step("replicate", w, params(beta), 2, 1, onebit_table(), backend="gloo")
     assert got.step_s == pytest.approx(FWD + BWD + OPT + 10 * MB * beta, rel=1e-9)  # 2(p-1)/p S, p = 2
 
 
-def test_overlap_hides_collectives_behind_compute_but_not_below_either():
+def test_nccl_overlaps_and_reduce_scatters_in_a_ring():
+    """On GPUs (nccl) with no compute, the step is the channel's work: the ring all-gathers and
+    ring reduce-scatters one after another, then the optimizer on the shard; with compute, the
+    collectives hide behind it in part but the step never beats either."""
     beta = 1 / 1.25e9
+    ts = lm_workload().tensors
+    idle = Workload("lm", 8, ts, 0.0, 0.0, 0.0, OPT, "test")
+    sizes = (2 * MB, 4 * MB, 4 * MB)
+    gathers = sum(s / 2 * beta for s in sizes) + sum(s / 2 * beta for s in sizes[1:])
+    reduces = sum(s / 2 * beta for s in sizes)
+    got = sharded_step("fsdp", idle, params(beta), 2, 1, onebit_table(), backend="nccl")
+    assert got.step_s == pytest.approx(gathers + reduces + OPT / 2, rel=1e-9)
+    busy = sharded_step("fsdp", lm_workload(), params(beta), 2, 1, onebit_table(), backend="nccl")
+    assert max(FWD + BWD + OPT / 2, busy.comm_s) - 1e-12 <= busy.step_s < FWD + BWD + OPT / 2 + busy.comm_s
+
+
+def test_fsdp_own_work_stretches_the_compute():
+    """FSDP2's hooks and copies, measured on one rank: on the training thread, serial on a CPU."""
     w = lm_workload()
-    serial = sharded_step("fsdp", w, params(beta), 2, 1, onebit_table(), overlap=False)
-    overlapped = sharded_step("fsdp", w, params(beta), 2, 1, onebit_table(), overlap=True)
-    assert overlapped.step_s < serial.step_s
-    assert overlapped.step_s >= max(FWD + BWD + OPT / 2, serial.comm_s) - 1e-12
-    assert overlapped.comm_s == pytest.approx(serial.comm_s, rel=1e-12)
+    plain = sharded_step("hsdp", w, params(1 / 1.25e8), 2, 2, onebit_table(), backend="gloo")
+    more = sharded_step("hsdp", w, params(1 / 1.25e8), 2, 2, onebit_table(), 1.5, "gloo", own_work_s=0.012)
+    slow = sharded_step("hsdp", w, params(1 / 1.25e8), 2, 2, onebit_table(), 1.5, "gloo")
+    assert more.step_s == pytest.approx(slow.step_s + 1.5 * 0.012, rel=1e-9)
+    assert slow.step_s > plain.step_s
+    with pytest.raises(ValueError, match="backend must be one of nccl, gloo"):
+        sharded_step("hsdp", w, params(1 / 1.25e8), 2, 2, onebit_table(), backend="mpi")
 
 
 def test_predict_point_takes_sharded_contenders_and_one_node_sends_nothing_across():

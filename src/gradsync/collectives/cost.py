@@ -453,6 +453,37 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     return CostParams(intra or inter or fallback, inter or intra or fallback, float(g), gather)
 
 
+EFFICIENCY_PROBES = (256 << 10, 2 << 20)
+"""Per-rank payloads of the all-gathers :func:`measure_efficiency` times: one of each size class."""
+
+
+def measure_efficiency(topo: Topology, params: CostParams, reps: int = 3) -> tuple[tuple[str, float], ...]:
+    """Measured over modelled time of world all-gathers, one per size class
+    (:data:`EFFICIENCY_PROBES`), as :attr:`CostParams.efficiency` entries (``allgather/small``,
+    ``allgather/large``). The links are fitted from ring all-reduces (:func:`calibrate`); an
+    all-gather of the same bytes can run at another rate (gloo's all-gather is a ring of its
+    own, and on nodes of several ranks their streams share the cable, which the all-gather
+    formula does not charge): the ratio corrects the compressed schemes' all-gathers where the
+    simulator predicts them, before any of them ran. The same on every rank."""
+    if topo.world <= 1:
+        return ()
+    model = CostModel(params, topo.nodes, topo.per_node)
+    out = []
+    for nbytes in EFFICIENCY_PROBES:
+        mine = torch.zeros(nbytes // 4, device=topo.comm_device)
+        gathered = torch.zeros(topo.world * (nbytes // 4), device=topo.comm_device)
+        P.all_gather(gathered, mine, topo.world_group, "world")  # connections set up, not timed
+
+        def gather(m: torch.Tensor = mine, g: torch.Tensor = gathered) -> None:
+            P.all_gather(g, m, topo.world_group, "world")
+
+        measured = time_slowest(topo, gather, reps)
+        modelled = model.allgather(float(nbytes), topo.world, model.world_link)
+        if modelled > 0:
+            out.append((efficiency_key("allgather", nbytes), min(max(measured / modelled, 0.1), 100.0)))
+    return tuple(out)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a GPU runs kernels asynchronously: a timer read
     without this measures the launch, not the work)."""

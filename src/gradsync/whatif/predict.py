@@ -143,16 +143,11 @@ def simulate_contender(
     cluster = Cluster(point.nodes, point.per_node, point.network.params)
     if is_sharded(name):
         w = workload
+        own = (hook_rate or 0.0) * w.nbytes  # FSDP2's own work per step, measured on one rank
         sh = sharded_step(
-            name,
-            w,
-            cluster.params,
-            point.nodes,
-            point.per_node,
-            costs,
-            cpu.slowdown(1),
-            math.isinf(cpu.cores),
-        )
+            name, w, cluster.params, point.nodes, point.per_node, costs, cpu.slowdown(1),
+            "nccl" if math.isinf(cpu.cores) else "gloo", own,
+        )  # fmt: skip
         result = StepResult(
             step_s=sh.step_s, backward_end_s=math.nan, sync_end_s=sh.step_s, wait_s=sh.exposed_s,
             comm_busy_s=sh.comm_s, compute_busy_s=0.0, spans=[], launches=[],

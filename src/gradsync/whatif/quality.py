@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.modes import is_outer, is_self_syncing, outer_options
+from gradsync.whatif.sharded import is_sharded, sharded_contender
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ def family(name: str) -> str:
         return "outer-onebit" if inner in ("onebit", "terngrad") else "outer-sparse"
     if is_self_syncing(name):
         return name.split("@")[0]
+    if is_sharded(name):  # FSDP2's own reductions are exact; compressed, the codec's family
+        compressed = sharded_contender(name)[1]
+        return "dense" if compressed is None else family(compressed)
     if name in ("local", "ddp", "horovod"):
         return "dense"
     if name == "ddp-fp16":

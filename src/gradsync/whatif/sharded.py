@@ -17,14 +17,20 @@ root unit. A step, per unit, in the forward order:
 - backward, in reverse: all-gathered again (FSDP2 frees them after the forward, except the
   root's), the unit's backward compute, then its gradient reduce-scattered over the shard group
   and, across nodes, all-reduced over the replicate group;
-- the optimizer on the rank's shard only (1 / the shard group's size of the parameters).
+- the optimizer on the rank's shard only (1 / the shard group's size of the parameters);
+- FSDP2's own work (its hooks, its copies into and out of flat buffers), where measured
+  (``bench whatif`` times the sharded model's step on a world of one rank against the plain
+  model's), stretches every unit's compute in proportion.
 
 The unit's compute is cut from the profile: its backward share is the time between its last
 gradient's ready offset and the previous unit's; its forward share is the forward pass in the
 same proportion. Collectives run one after another on one channel (the node's links). Where
 the compute is on a GPU, FSDP2 overlaps them: the next unit's all-gather is issued when a
 unit's compute starts, and the reductions run while the backward pass goes on. On a CPU (the
-emulated cluster, gloo) the training thread waits for every collective: nothing overlaps. The
+emulated cluster, gloo) the training thread waits for every collective: nothing overlaps, and
+gloo's reduce-scatter is an all-reduce of which each rank keeps its shard (measured on the
+emulated 2 x 2 cluster: 37.5 MB per step left each node under ``fsdp`` where a ring
+reduce-scatter would send 28.8 MB and an all-reduce 38.7 MB). The
 simulator takes the compute to be on GPUs unless the host's cores are given (a finite
 :class:`~gradsync.whatif.simulate.Cpu`, as ``bench whatif`` measures on the emulated cluster).
 
@@ -48,6 +54,7 @@ from gradsync.sync.scheme import Scheme
 from gradsync.whatif.workload import Workload
 
 SHARDED_KINDS = ("fsdp", "hsdp", "replicate")
+BACKENDS = ("nccl", "gloo")
 
 COPY_PASSES = 2
 """FSDP2's copies around each all-gather and reduce-scatter (into the flat buffer, out of it),
@@ -192,7 +199,7 @@ class _Collectives:
 
 def _unit_collectives(
     kind: str, scheme: Scheme | None, codec: CodecCost | None, u: _Unit, model: CostModel,
-    bytes_model: CostModel, gamma: float,
+    bytes_model: CostModel, gamma: float, backend: str,
 ) -> _Collectives:  # fmt: skip
     m, n, p = model.m, model.n, model.p
     s = u.nbytes
@@ -221,6 +228,9 @@ def _unit_collectives(
                 + gamma * s + COPY_PASSES * gamma * s
             )  # fmt: skip
             c.reduce_cable = _all_to_all(bytes_model, piece)
+        elif backend == "gloo":  # gloo's reduce-scatter: an all-reduce, each rank keeping its shard
+            c.reduce_s = model.ring_allreduce(s, g, link) + COPY_PASSES * gamma * s
+            c.reduce_cable = bytes_model.ring_allreduce(s, g, blink)
         else:
             rs = ring_shard_step(model, s, g, link) + (g - 1) / g * s * gamma
             c.reduce_s = rs + COPY_PASSES * gamma * s
@@ -250,12 +260,19 @@ def sharded_codec_spec(name: str) -> str | None:
 
 def sharded_step(
     name: str, workload: Workload, params: CostParams, nodes: int, per_node: int,
-    costs: Callable[[str, list[float]], CodecCost], slowdown: float = 1.0, overlap: bool = True,
+    costs: Callable[[str, list[float]], CodecCost], slowdown: float = 1.0, backend: str = "nccl",
+    own_work_s: float = 0.0,
 ) -> ShardedStep:  # fmt: skip
     """One step of the sharded contender ``name`` (see the module docstring). ``slowdown``: the
-    compute's contention factor (every rank of a host busy at once); ``overlap``: whether FSDP2
-    overlaps collectives with compute (on GPUs; not on CPUs)."""
+    compute's contention factor (every rank of a host busy at once); ``backend``: ``nccl``
+    (GPUs: FSDP2 overlaps collectives with compute) or ``gloo`` (CPUs: nothing overlaps, and the
+    reduce-scatter is an all-reduce); ``own_work_s``: FSDP2's own work
+    per step on the training thread (its hooks and copies, as measured on a world of one rank by
+    ``bench whatif``), spread over the units' compute in proportion."""
     kind, scheme_text = sharded_contender(name)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    overlap = backend == "nccl"
     model = CostModel(params, nodes, per_node)
     bytes_model = CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 1.0), 0.0), nodes, per_node)
     scheme = parse_fsdp_scheme(scheme_text).resolve(nodes, per_node) if scheme_text else None
@@ -266,7 +283,9 @@ def sharded_step(
     if codec is not None:
         codec = scaled_codec(codec, slowdown, slowdown)
     gamma = params.gamma * slowdown
-    coll = [_unit_collectives(kind, scheme, codec, u, model, bytes_model, gamma) for u in units]
+    coll = [_unit_collectives(kind, scheme, codec, u, model, bytes_model, gamma, backend) for u in units]
+    # FSDP2's own work (hooks, copies) stretches every unit's compute in proportion
+    stretch = 1.0 + own_work_s / max(workload.forward + workload.backward, 1e-12)
     channel = 0.0  # when the links are next free
     comm_busy = 0.0
 
@@ -287,7 +306,7 @@ def sharded_step(
         t = max(t, ready)
         if overlap and i + 1 < len(units):
             issued[i + 1] = run_collective(t, coll[i + 1].gather_s)
-        t += u.forward_s * slowdown
+        t += u.forward_s * stretch * slowdown
     # backward, in reverse; the root's parameters stay gathered after the forward
     back = list(reversed(range(len(units))))
     gathered: dict[int, float] = {}
@@ -303,7 +322,7 @@ def sharded_step(
         t = max(t, ready)
         if overlap and k + 1 < len(back):
             gathered[back[k + 1]] = gather(back[k + 1], t)
-        t += units[i].backward_s * slowdown
+        t += units[i].backward_s * stretch * slowdown
         done = run_collective(t, coll[i].reduce_s)
         reductions_done = max(reductions_done, done)
         if not overlap:
@@ -312,7 +331,7 @@ def sharded_step(
     t = max(t, reductions_done)
     shard_group = {"fsdp": nodes * per_node, "hsdp": per_node, "replicate": 1}[kind]
     t += workload.optimizer * slowdown / shard_group
-    compute = workload.step * slowdown - workload.optimizer * slowdown * (1 - 1 / shard_group)
+    compute = (workload.step + own_work_s - workload.optimizer * (1 - 1 / shard_group)) * slowdown
     gather_cable = sum(c.gather_cable for c in coll)
     gather_cable += sum(c.gather_cable for c, u in zip(coll, units, strict=True) if not u.root)
     cable = gather_cable + sum(c.reduce_cable for c in coll)

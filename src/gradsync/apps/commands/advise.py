@@ -32,14 +32,18 @@ from gradsync.apps.commands import whatif
 ADVISE_MODES = ",".join((
     "ddp", "ddp-fp16", "ddp-powersgd:rank=4", "hierarchical", "hitopk:density=0.01", "powersgd:rank=4",
     "auto", "onebit-adam", "zeroone-adam", "outer@every=10", "outer@every=10@codec=terngrad:bits=4",
-    "outer@every=10@codec=terngrad:bits=4@fragments=4@delay=2",
+    "outer@every=10@codec=terngrad:bits=4@fragments=4@delay=2", "fsdp", "hsdp", "hsdp/topk:density=0.01",
 ))  # fmt: skip
+
+
+DENSE_MARGIN = 0.05
+"""Dense synchronization is advised when its step is within this fraction of the fastest mode's."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     whatif.add_arguments(p)
     p.set_defaults(scheme=ADVISE_MODES)
-    p.add_argument("--dense-margin", type=float, default=0.05,
+    p.add_argument("--dense-margin", type=float, default=DENSE_MARGIN,
                    help="advise dense synchronization when it is within this fraction of the fastest "
                         "mode (default 0.05)")  # fmt: skip
     p.add_argument("--quality-budget", type=float, default=5.0,

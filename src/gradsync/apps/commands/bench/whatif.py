@@ -6,7 +6,8 @@ Everything the prediction uses is measured in the same run, before the contender
 none of it is a contender's own step time:
 
 1. the links: :func:`gradsync.collectives.cost.calibrate` (alpha, beta per level, the add rate),
-   the engine's own calibration;
+   the engine's own calibration, and how world all-gathers run against that model, small and
+   large (:func:`gradsync.collectives.cost.measure_efficiency`);
 2. the model: ``gradsync profile`` of one worker training alone (the other ranks wait), each
    gradient's ready time and the phases;
 3. CPU contention (the emulated nodes share this machine's cores): one worker's training step
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -36,12 +38,13 @@ from torch import nn
 
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench import train as bench_train
-from gradsync.apps.commands.bench.optimizer_work import measure_in_subprocess
 from gradsync.apps.commands.bench.output import markdown_table, save_result
+from gradsync.apps.commands.bench.own_work import measure_in_subprocess
 from gradsync.apps.commands.bench.world import run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.observe.profiler import default_loss
 from gradsync.whatif.modes import is_self_syncing
+from gradsync.whatif.sharded import is_sharded
 
 DEFAULT_CONTENDERS = (
     "local,ddp,ddp-fp16,ddp-powersgd:rank=1,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -127,7 +130,7 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    from gradsync.collectives.cost import calibrate
+    from gradsync.collectives.cost import calibrate, measure_efficiency
     from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, powersgd_hook_rate
     from gradsync.observe.profiler import profile_step
     from gradsync.planner.engine_costs import EngineCosts
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         say(f"  links and codecs from the engine's refitted costs {args.costs}: {params}")
     else:
         params = calibrate(topo, reps=5)
+        params = replace(params, efficiency=measure_efficiency(topo, params))
         say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
     profile, hook_rates = None, {}
     if rank0:
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
             say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
-        own = [c for c in contenders if is_self_syncing(c)]
+        own = [c for c in contenders if is_self_syncing(c) or is_sharded(c)]
         if own:  # their own step's work, in a process of its own (a world of one rank)
             keys = ("model", "batch_size", "image_size", "classes", "seq_len", "vocab", "dim", "layers",
                     "optimizer", "threads")  # fmt: skip
@@ -265,6 +269,8 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention"}
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
+    summary.update(worst_round(rows, predicted))
+    summary.update(advise_check(rows, predicted))
     # again with what one engine of this run measured: its closed loop's refitted links, call
     # cost, efficiencies per class of collective and codecs (as gradsync whatif --costs would)
     source = next(
@@ -298,6 +304,40 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     return {**result, "rows": table, "predicted": predicted, "contention_used": used, "summary": summary}
 
 
+def worst_round(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> dict[str, Any]:
+    """The prediction's largest error against any single round's measured step (``local`` aside)."""
+    worst: dict[str, Any] = {}
+    for meas, pred in zip(rows, predicted, strict=True):
+        if meas["contender"] == "local":
+            continue
+        for i, step in enumerate(meas.get("round_step_ms") or [meas["step_ms"]]):
+            err = pred["step_ms"] / step - 1
+            if not worst or abs(err) > abs(worst["worst_round_error"]):
+                worst = {
+                    "worst_round_error": err,
+                    "worst_round_contender": meas["contender"],
+                    "worst_round": i + 1,
+                }
+    return worst
+
+
+def advise_check(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``gradsync advise`` would choose from these predictions (speed alone: dense when within
+    its margin of the fastest), against the measured fastest mode (``local`` is not a mode)."""
+    from gradsync.apps.commands.advise import DENSE_MARGIN, advise_point
+
+    modes = [p for p in predicted if p["contender"] != "local"]
+    measured = {r["contender"]: r["step_ms"] for r in rows if r["contender"] != "local"}
+    if not modes:
+        return {}
+    choice = advise_point(modes, DENSE_MARGIN, math.inf)["choice"]
+    fastest = min(measured, key=lambda c: measured[c])
+    return {
+        "advise_choice": choice, "measured_fastest": fastest,
+        "advise_choice_over_fastest": measured[choice] / measured[fastest],
+    }  # fmt: skip
+
+
 COLUMNS = ("contender", "measured ms", "predicted ms", "error", "measured exposed ms", "predicted exposed ms",
            "compressed buckets (measured)", "plan (predicted)")  # fmt: skip
 
@@ -323,6 +363,17 @@ def cells(r: dict[str, Any]) -> list[str]:
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [f"largest error {100 * s['max_abs_error']:.1f}%, median {100 * s['median_abs_error']:.1f}%"]
+    if "worst_round_error" in s:
+        lines.append(
+            f"largest error against a single round: {100 * s['worst_round_error']:+.1f}% "
+            f"({s['worst_round_contender']}, round {s['worst_round']})"
+        )
+    if "advise_choice" in s:
+        lines.append(
+            f"advise's first choice from these predictions: {s['advise_choice']}, measured "
+            f"{s['advise_choice_over_fastest']:.2f}x the step of the measured fastest mode "
+            f"({s['measured_fastest']})"
+        )
     if "refit_from" in s:
         eff = ", ".join(f"{k} x{v:.2f}" for k, v in s["refit_efficiency"].items()) or "none"
         lines.append(
