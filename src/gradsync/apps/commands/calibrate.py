@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench.world import add_world_arguments, check_world_options, run_emulated
 
 
@@ -43,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     topo = join_world(args.timeout, args.nodes, args.per_node)
     params = calibrate(topo, reps=args.reps)
     if topo.rank == 0:
-        doc = links_document(params, topo.nodes, topo.per_node, "gradsync " + " ".join(args.argv or []))
+        doc = links_document(params, topo.nodes, topo.per_node, command_line(args))
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)
 

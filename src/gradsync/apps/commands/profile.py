@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.models import build_model, model_names, models_for
 from gradsync.observe.profile_format import Profile
 from gradsync.observe.profiler import BatchOrLossFn, profile_step
@@ -323,7 +324,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
-    meta: dict[str, Any] = {"command": "gradsync " + " ".join(getattr(args, "argv", None) or sys.argv[1:])}
+    meta: dict[str, Any] = {"command": command_line(args)}
     optimizer = None
     if _is_factory(args.model):
         model, source, optimizer = from_factory(args.model)

@@ -20,6 +20,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gradsync.apps.command_line import command_line
 from gradsync.units import parse_duration, parse_rate
 from gradsync.whatif.network import DEFAULT_INTER_LATENCY, DEFAULT_INTRA, DEFAULT_INTRA_LATENCY
 
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         + f", one worker's step {workload.step * 1e3:.1f} ms"
     )
     result: dict[str, Any] = {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "command": command_line(args),
         "title": title,
         "profile": args.profile,
         "model": workload.model,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from gradsync.apps.command_line import command_line
 from gradsync.apps.data import DataBundle, PrefetchLoader, ShardedSampler, build_data
 from gradsync.apps.data.cache.partition import PartitionSampler
 from gradsync.apps.data.loader import load_batch
@@ -398,7 +399,7 @@ class Trainer:
         a = self.args
         last = self.history[-1] if self.history else {}
         return {
-            "command": "gradsync " + " ".join(getattr(a, "argv", []) or []),
+            "command": command_line(a),
             "data": self.data.name,
             "data_source": self.data.source,
             "task": self.data.task,

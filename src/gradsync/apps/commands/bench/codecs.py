@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.timing import paired
 from gradsync.codecs import build_codec, codec_class, codec_names
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rows += bench_feedback(name, x, density, args.budget)
                 progress.advance(task)
     return {
-        "command": "gradsync " + " ".join(sys.argv[1:]) if sys.argv else "",
+        "command": command_line(),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.world import CableMeter, join_world, link_bytes_per_s
 from gradsync.codecs import build_codec
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             if rank0:
                 print(f"  {named.name:32s} {mb:6.1f} MB  {t * 1e3:10.2f} ms", file=sys.stderr, flush=True)
     result = {
-        "command": "gradsync " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "nodes": topo.nodes,
         "per_node": topo.per_node,
         "link": os.environ.get("TB_RATE"),

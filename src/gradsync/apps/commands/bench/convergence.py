@@ -27,6 +27,7 @@ import sys
 import tempfile
 from typing import Any, NoReturn
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands import train
 from gradsync.apps.commands.bench.output import pick_names, save_result
 from gradsync.sync import Scheme
@@ -331,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif dense is not None and r["perplexity"] is not None:
             r["gap"] = 100 * (r["perplexity"] / dense["perplexity"] - 1)  # percent
     return {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "command": command_line(args),
         "nodes": args.nodes,
         "per_node": args.per_node,
         "rows": rows,

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
 
 CONTENDERS: dict[str, list[str]] = {
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "command": command_line(args),
         "folder_bytes": folder_bytes,
         "rows": rows,
         "runs": runs,

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands import train
 from gradsync.apps.commands.bench.convergence import RunFailed, train_args
 from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
@@ -160,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         base = next((b for b in rows if b["dataset"] == r["dataset"] and b["run"] == "sgd small"), None)
         r["gap_pp"] = None if base is None else 100 * (r["accuracy"] - base["accuracy"])
-    result = {"command": "gradsync " + " ".join(getattr(args, "argv", []) or []), "rows": rows}
+    result = {"command": command_line(args), "rows": rows}
     cols = ["dataset", "run", "global batch", "steps", "epochs", "val accuracy %", "vs sgd small"]
     table = [
         [r["dataset"], r["run"], str(r["global_batch"]), str(r["steps"]), str(r["epochs"]),

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench.output import save_result
 from gradsync.apps.commands.bench.world import add_world_arguments, join_world, max_over_ranks
 from gradsync.apps.models import build_model_for, models_for
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     off = statistics.median(row["off"]["step_s"] for row in rows)
     book = statistics.median(row["off"]["bookkeeping_s"] for row in rows)
     result = {
-        "command": "gradsync " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "model": args.model,
         "scheme": args.scheme,
         "nodes": topo.nodes,

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.sharding import shard_model
@@ -427,7 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         if rank0:
             print(f"  {name:36s} step {row.step_ms:9.1f} ms", file=sys.stderr, flush=True)
     result = {
-        "command": "gradsync " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "model": model_label(args),
         "parameters": parameter_count(base),
         "batch_size": args.batch_size,

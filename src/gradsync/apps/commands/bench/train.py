@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench.output import markdown_table, save_result
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if not rank0:
         return None
     result = {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "command": command_line(args),
         "model": bench_step.model_label(args),
         "parameters": parameter_count(base),
         "batch_size": args.batch_size,

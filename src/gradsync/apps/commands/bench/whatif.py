@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench import train as bench_train
 from gradsync.apps.commands.bench.output import markdown_table, save_result
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     assert profile is not None
     result = {
-        "command": "gradsync " + " ".join(getattr(args, "argv", []) or []),
+        "command": command_line(args),
         "model": bench_step.model_label(args), "parameters": parameter_count(base),
         "batch_size": args.batch_size,
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,

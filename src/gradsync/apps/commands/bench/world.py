@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from gradsync.apps.command_line import passed_down
 from gradsync.collectives import Topology
 from gradsync.units import parse_rate
 
@@ -124,9 +125,11 @@ def run_emulated(args: argparse.Namespace, command: str) -> int | None:
     from gradsync.apps.cluster.netns import ClusterError
 
     nodes, per_node = emulated_shape(args.emulate)
-    argv = without_emulation(list(getattr(args, "argv", None) or sys.argv[1:]))
+    full = list(getattr(args, "argv", None) or sys.argv[1:])
+    argv = without_emulation(full)
     try:
-        return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
+        with passed_down(full):  # the nodes' processes record the command as typed, --emulate included
+            return run_on_cluster(nodes, per_node, args.link, argv, args.timeout, 29500)
     except ClusterError as e:
         print(f"gradsync {command}: cannot emulate a cluster here: {e}", file=sys.stderr)
         return 1
