@@ -144,18 +144,16 @@ def _units(workload: Workload) -> tuple[list[_Unit], float]:
         share[u] = max(last[u] - at, 0.0)
         at = max(at, last[u])
     tail = max(workload.backward - at, 0.0)
-    total = sum(share.values()) or 1.0
-    units = [_Unit(u, size[u], workload.forward * share[u] / total, share[u], u == "") for u in have]
-    if not any(u.forward_s for u in units) and units:  # no ready offsets: by size
-        nb = sum(u.nbytes for u in units)
-        units = [
-            _Unit(
-                u.name, u.nbytes, workload.forward * u.nbytes / nb, workload.backward * u.nbytes / nb, u.root
-            )
-            for u in units
-        ]
-        tail = 0.0
-    return units, tail
+    total = sum(share.values())
+    if total > 0:
+        units = [_Unit(u, size[u], workload.forward * share[u] / total, share[u], u == "") for u in have]
+        return units, tail
+    nb = sum(size[u] for u in have) or 1.0  # no ready offsets to cut at: by size
+    units = [
+        _Unit(u, size[u], workload.forward * size[u] / nb, workload.backward * size[u] / nb, u == "")
+        for u in have
+    ]
+    return units, 0.0
 
 
 def ring_shard_step(model: CostModel, nbytes: float, p: int, link: Link) -> float:
