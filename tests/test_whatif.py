@@ -583,6 +583,8 @@ def test_advise_cli_ranks_every_mode_per_point(files):
         (["--dense-margin", "1.5"], "--dense-margin must be in [0, 1)"),
         (["--quality-budget", "-1"], "--quality-budget must be a non-negative percentage"),
         (["--scheme", "outer@every=0"], "needs every >= 1"),
+        (["--scheme", "ddp,hsdp/hitopk:density=0.01"], "hsdp/hitopk:density=0.01"),
+        (["--scheme", "fsdp/powersgd:rank=4"], "low-rank codecs (powersgd) need whole matrices"),
         (["--trace", "t.json"], "--trace and --png belong to gradsync whatif"),
     ],
 )
