@@ -410,11 +410,12 @@ def check_calibration(topo):
     from gradsync.sync.scheme import Scheme
 
     eff = dict(measure_efficiency(topo, params, reps=1))
-    assert set(eff) == {"allgather/small", "allgather/large"}
+    keys = [f"{k}/{c}" for k in ("allgather", "sendrecv") for c in ("small", "large")]
+    assert sorted(eff) == sorted(keys)
     assert all(0.1 <= v <= 100 for v in eff.values())
-    theirs = torch.tensor([eff["allgather/small"], eff["allgather/large"]], dtype=torch.float64)
+    theirs = torch.tensor([eff[k] for k in keys], dtype=torch.float64)
     dist.broadcast(theirs, 0)
-    assert theirs.tolist() == [eff["allgather/small"], eff["allgather/large"]]
+    assert theirs.tolist() == [eff[k] for k in keys]
     from gradsync.collectives.cost import CodecCost, Linear
 
     plain = CodecCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 1.0))  # sends its input, free to run

@@ -458,29 +458,45 @@ EFFICIENCY_PROBES = (256 << 10, 2 << 20)
 
 
 def measure_efficiency(topo: Topology, params: CostParams, reps: int = 3) -> tuple[tuple[str, float], ...]:
-    """Measured over modelled time of world all-gathers, one per size class
-    (:data:`EFFICIENCY_PROBES`), as :attr:`CostParams.efficiency` entries (``allgather/small``,
-    ``allgather/large``). The links are fitted from ring all-reduces (:func:`calibrate`); an
-    all-gather of the same bytes can run at another rate (gloo's all-gather is a ring of its
-    own, and on nodes of several ranks their streams share the cable, which the all-gather
-    formula does not charge): the ratio corrects the compressed schemes' all-gathers where the
-    simulator predicts them, before any of them ran. The same on every rank."""
+    """Measured over modelled time of two collectives, one probe per size class
+    (:data:`EFFICIENCY_PROBES`), as :attr:`CostParams.efficiency` entries:
+
+    - ``allgather/small``, ``allgather/large``: a world all-gather of a payload per rank, against
+      the all-gather formula;
+    - ``sendrecv/small``, ``sendrecv/large``: a world all-to-all of one piece per peer (CaSync-PS's
+      first phase, the exchange the PS strategy and the self-syncing optimizers run), against
+      p - 1 sends of a piece.
+
+    The links are fitted from ring all-reduces (:func:`calibrate`); these collectives can run at
+    other rates (gloo's all-gather is a ring of its own, its all-to-all pairs of sockets, and on
+    nodes of several ranks their streams share the cable, which the formulas do not charge): the
+    ratios correct the compressed schemes' collectives where the simulator predicts them, before
+    any of them ran. The same on every rank."""
     if topo.world <= 1:
         return ()
     model = CostModel(params, topo.nodes, topo.per_node)
+    link, p = model.world_link, topo.world
     out = []
     for nbytes in EFFICIENCY_PROBES:
         mine = torch.zeros(nbytes // 4, device=topo.comm_device)
-        gathered = torch.zeros(topo.world * (nbytes // 4), device=topo.comm_device)
-        P.all_gather(gathered, mine, topo.world_group, "world")  # connections set up, not timed
+        gathered = torch.zeros(p * (nbytes // 4), device=topo.comm_device)
+        pieces = [torch.zeros(nbytes, dtype=torch.uint8, device=topo.comm_device) for _ in range(p)]
 
         def gather(m: torch.Tensor = mine, g: torch.Tensor = gathered) -> None:
             P.all_gather(g, m, topo.world_group, "world")
 
-        measured = time_slowest(topo, gather, reps)
-        modelled = model.allgather(float(nbytes), topo.world, model.world_link)
-        if modelled > 0:
-            out.append((efficiency_key("allgather", nbytes), min(max(measured / modelled, 0.1), 100.0)))
+        def exchange(chunks: list[torch.Tensor] = pieces, size: int = nbytes) -> None:
+            P.all_to_all_fixed(chunks, [size] * p, topo.world_group, "world")
+
+        probes = (
+            ("allgather", gather, model.allgather(float(nbytes), p, link)),
+            ("sendrecv", exchange, (p - 1) * (link.alpha + params.call + nbytes * link.beta)),
+        )
+        for kind, run, modelled in probes:
+            run()  # connections set up, not timed
+            measured = time_slowest(topo, run, reps)
+            if modelled > 0:
+                out.append((efficiency_key(kind, nbytes), min(max(measured / modelled, 0.1), 100.0)))
     return tuple(out)
 
 
