@@ -476,15 +476,15 @@ def test_outer_loop_inside_a_node_is_ddp_over_the_node():
 
 def test_self_syncing_optimizers_exchange_after_the_backward_pass():
     """onebit-adam on 2 x 1: no overlap with the backward pass; after it the flags' all-reduce and
-    CaSync-PS with onebit over the 2 ranks: 2(N-1) sends of a partition's payload, K encodes of a
-    partition, N decodes (the HiPress paper's Table 3), K = N = 2."""
+    CaSync-PS with onebit over the 2 ranks: 2(N-1) sends of a partition's payload, K + 1 encodes
+    of a partition, N + 1 decodes (the HiPress paper's Table 3), K = N = 2."""
     alpha, beta = 1e-4, 1 / 1.25e8
     w = workload([(8, 0.0)])
     s = 8 * MB
     pt = Point(2, 1, network(beta, alpha))
     flags = 2 * alpha + 4 * beta  # one float32 flag per tensor, ring of 2
     part = s / 2
-    ps = 2 * (alpha + (8 + part / 32) * beta) + 2 * (2e-3 + 1e-9 * part) + 2 * 5e-4
+    ps = 2 * (alpha + (8 + part / 32) * beta) + 3 * (2e-3 + 1e-9 * part) + 3 * 5e-4
     for name in ("onebit-adam", "zeroone-adam@sync_growth=4", "onebit-lamb"):
         rows = predict_point(w, pt, [name], quantizer_table(), Cpu())
         assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + flags + ps + OPT, rel=1e-9), name

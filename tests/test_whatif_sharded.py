@@ -93,15 +93,15 @@ def test_hsdp_gathers_inside_the_node_and_all_reduces_the_shard_across():
 
 def test_compressed_hsdp_runs_the_codec_on_the_shard_across_nodes():
     """hsdp/onebit on 2 x 2: the reduced half-shard through onebit's strategy, CaSync-PS, over the
-    2 nodes (the ranks' streams share the cable): 2 (N - 1) sends of a partition's payload, K
-    encodes and N decodes of a partition (the HiPress paper's Table 3), N = K = 2."""
+    2 nodes (the ranks' streams share the cable): 2 (N - 1) sends of a partition's payload, K + 1
+    encodes and N + 1 decodes of a partition (the HiPress paper's Table 3), N = K = 2."""
     inter = 1 / 1.25e8
     w = lm_workload()
     dense = sharded_step("hsdp", w, params(inter), 2, 2, onebit_table(), backend="gloo")
     got = sharded_step("hsdp/onebit", w, params(inter), 2, 2, onebit_table(), backend="gloo")
     across_dense = sum(2 * (2 - 1) / 2 * (s / 2) * (inter * 2) for s in (2 * MB, 4 * MB, 4 * MB))
     coded = sum(
-        2 * (8 + s / 4 / 32) * inter * 2 + 2 * (2e-3 + 1e-9 * s / 4) + 2 * 5e-4
+        2 * (8 + s / 4 / 32) * inter * 2 + 3 * (2e-3 + 1e-9 * s / 4) + 3 * 5e-4
         for s in (2 * MB, 4 * MB, 4 * MB)
     )  # each rank's shard is s / 2, a partition s / 4
     assert got.step_s == pytest.approx(dense.step_s - across_dense + coded, rel=1e-9)

@@ -289,12 +289,18 @@ class CostModel:
 
     # ------------------------------------------------------------------ CaSync (HiPress paper)
     def casync_steps(self, strategy: str, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
-        """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path."""
+        """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path.
+
+        PS with a sparsifier or quantizer: K + 1 encodes (the K partitions, then the owner's
+        aggregate) and N + 1 decodes (the owner's N, then the last piece the others' transfers do
+        not hide), as Table 3 gives them. Steps: 2 (N - 1) for both strategies, since gradsync's
+        aggregators are its workers and a rank sends nothing to itself (the paper's separate
+        servers take 2N)."""
         if c.lowrank or c.summable:
             return 2 * (n - 1), 1, 1
         if strategy == "ring":
             return 2 * (n - 1), n, n
-        return 2 * (n - 1), k, n
+        return 2 * (n - 1), k + 1, n + 1
 
     def casync(self, strategy: str, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
                link: Link | None = None, messages: int = 1) -> float:  # fmt: skip
