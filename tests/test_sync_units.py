@@ -365,6 +365,42 @@ def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_lau
     assert by_hand < 40 * c(64 << 10, 5e-3)
 
 
+def test_the_re_cut_merges_buckets_whose_candidates_differ():
+    """auto with a candidate: a 64 kB bucket picks the class codec (no fixed cost, 1 % payload),
+    a 4 MiB bucket ready 1 ms later the candidate (3 ms to encode, 0.1 % payload), on 4 x 1 at
+    100 Mbit/s with 5 ms start-ups. By hand: apart the second waits for the first,
+    ``c0(64 kB) + c1(4 MiB)`` = 24.2 ms; merged, one bucket at 1 ms, ``1 ms + c1(4.06 MiB)`` =
+    15.0 ms: merged, and the merged bucket decided afresh takes the candidate."""
+    scheme = Scheme.parse("allgather/topk")
+    beta, alpha = 8 / 100e6, 5e-3
+    plain = CodecCost(Linear(0.0, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.01))
+    heavy = CodecCost(Linear(3e-3, 0.0), Linear(0.0, 0.0), Linear(0.0, 0.001))
+    model = CostModel(CostParams(Link(0.0, 1e-10), Link(alpha, beta), 0.0), 4, 1)
+    small, large = 64 << 10, 4 << 20
+    groups = [([0], 0), ([1], 0)]
+
+    def c0(size):
+        return 2 * alpha + 3 * 0.01 * size * beta
+
+    def c1(size):
+        return 3e-3 + 2 * alpha + 3 * 0.001 * size * beta
+
+    def plan(ready):
+        costs = {0: plain, 1: heavy}
+        return make_plan(
+            groups, [small, large], scheme, model, costs, "compress", "auto", 1,
+            fuse_bytes=64 << 20, ready=ready, schemes=[scheme, scheme], candidates=[1],
+        )  # fmt: skip
+
+    apart = plan(None)  # no ready times: no re-cut; each bucket its cheapest codec
+    assert [(b.slots, b.codec_id) for b in apart.buckets] == [([0], 0), ([1], 1)]
+    assert c0(small) < c1(small) and c1(large) < c0(large)
+    merged = plan([0.0, 1e-3])
+    assert [(b.slots, b.codec_id) for b in merged.buckets] == [([0, 1], 1)]
+    assert merged.buckets[0].compressed_ms == pytest.approx(c1(small + large) * 1e3)
+    assert 1e-3 + c1(small + large) < c0(small) + c1(large)
+
+
 def test_plan_round_trips_through_a_tensor_and_a_state():
     scheme = Scheme.parse("hitopk:density=0.01")
     plan = make_plan([([2, 0], 0), ([1], -1)], [4096, 4, 4096], scheme, _model(1e9, 12.5e6),

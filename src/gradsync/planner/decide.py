@@ -190,7 +190,8 @@ def make_plan(
     when it can); such a bucket stays dense with ``dense_reason="codec"``, in every mode.
 
     With ``ready`` (each slot's ready time, seconds after the step's first gradient) and
-    ``fuse_bytes``, compressed buckets of one codec are merged where the saved fixed costs
+    ``fuse_bytes``, compressed buckets of one codec class (their chosen candidates may differ) are
+    merged where the saved fixed costs
     outweigh the later launch (:func:`gradsync.planner.recut.merge_compressed`), before the dense
     buckets are fused."""
 

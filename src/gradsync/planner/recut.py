@@ -8,15 +8,17 @@ start-up whatever it carries. A 4 x 1 run of vgg-small at 100 Mbit/s measured 7-
 collective in the engine, for 2 to 15 kB of payload, while its whole backward pass took 12-33 ms.
 
 So once the planner has decided each bucket, it merges two compressed buckets of the same codec
-(the later one taking the earlier one's gradients) when the merged plan is predicted to finish
-sooner. The prediction runs the plan through the engine's order of work: a bucket launches when
-its last gradient is ready and not before the bucket ahead of it, and the communication thread
-takes the buckets one after another, each for the time the cost model predicts for it. A merge
-launches the earlier bucket's gradients later and saves one bucket's fixed costs; it is made
-only where it saves at least ``MIN_GAIN`` of what the earlier bucket was predicted to take, so
-that a few microseconds of jitter in the measured ready times do not flip the plan from one
-re-plan to the next. Passes over the plan, each merging where it pays, keep the work near
-quadratic in the number of buckets (a best-merge-first search is cubic).
+class (the later one taking the earlier one's gradients) when the merged plan is predicted to
+finish sooner. Their chosen codecs may differ where the planner has candidates (``auto``): the
+merged bucket is decided afresh, among the same candidates. The prediction runs the plan through
+the engine's order of work: a bucket launches when its last gradient is ready and not before the
+bucket ahead of it, and the communication thread takes the buckets one after another, each for the
+time the cost model predicts for it. A merge launches the earlier bucket's gradients later and
+saves one bucket's fixed costs; it is made only where it saves at least ``MIN_GAIN`` of what the
+earlier bucket was predicted to take, so that a few microseconds of jitter in the measured ready
+times do not flip the plan from one re-plan to the next. Passes over the plan, each merging where
+it pays, keep the work near quadratic in the number of buckets (a best-merge-first search is
+cubic).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def merge_compressed(
     ``buckets`` in launch order, ``classes`` each one's codec class (what ``decide`` takes),
     ``ready`` each slot's ready time (seconds after the step's first gradient). ``decide(slots,
     cls)`` plans a bucket of those slots afresh (codec, parts, predictions). A compressed bucket
-    may merge into the next compressed bucket of the same codec and class, when their slots
+    may merge into the next compressed bucket of the same class (whatever candidate codec each
+    chose: the merged one chooses again), when their slots
     share a ``kinds`` entry and hold at most ``max_bytes`` together; the merged bucket takes the
     later one's place, and may merge on in turn. A merge is made when it saves at least
     ``min_gain`` of the earlier bucket's predicted time; passes over the plan repeat until none
@@ -90,7 +93,7 @@ def merge_compressed(
         i = 0
         while i < len(buckets):
             a = buckets[i]
-            j = _next_of_its_codec(buckets, classes, i) if a.compress else None
+            j = _next_of_its_class(buckets, classes, i) if a.compress else None
             if j is not None and kinds[buckets[j].slots[0]] == kinds[a.slots[0]]:
                 slots = a.slots + buckets[j].slots
                 m = merged(slots, classes[i]) if sum(nbytes[s] for s in slots) <= max_bytes else None
@@ -105,10 +108,8 @@ def merge_compressed(
     return buckets
 
 
-def _next_of_its_codec(buckets: Sequence[BucketPlan], classes: Sequence[int], i: int) -> int | None:
-    a = buckets[i]
+def _next_of_its_class(buckets: Sequence[BucketPlan], classes: Sequence[int], i: int) -> int | None:
     for j in range(i + 1, len(buckets)):
-        b = buckets[j]
-        if b.compress and b.codec_id == a.codec_id and classes[j] == classes[i]:
+        if buckets[j].compress and classes[j] == classes[i]:
             return j
     return None
