@@ -244,10 +244,14 @@ class CostModel:
 
     def intra_shard_step(self, nbytes: float) -> float:
         """One intra-node reduce-scatter (or all-gather) of S bytes: one call."""
-        i = self.params.intra
-        if self.n <= 1:
+        return self.shard_step(nbytes, self.n, self.params.intra)
+
+    def shard_step(self, nbytes: float, p: int, link: Link) -> float:
+        """One ring reduce-scatter (without its sums) or all-gather of S bytes in all over ``p``
+        ranks on ``link``: p - 1 steps of an S/p piece, one call."""
+        if p <= 1:
             return 0.0
-        return (self.n - 1) * i.alpha + (self.n - 1) / self.n * nbytes * i.beta + self.calls(1)
+        return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta + self.calls(1)
 
     # ------------------------------------------------------------------ sparse (MSTopK, RedSync papers)
     def allgather(

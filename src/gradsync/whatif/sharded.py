@@ -156,14 +156,6 @@ def _units(workload: Workload) -> tuple[list[_Unit], float]:
     return units, 0.0
 
 
-def ring_shard_step(model: CostModel, nbytes: float, p: int, link: Link) -> float:
-    """One ring all-gather (or reduce-scatter, without its sums) of ``nbytes`` in all over ``p``
-    ranks: p - 1 steps of a 1/p piece."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta + model.calls(1)
-
-
 def _all_to_all(model: CostModel, piece_bytes: float) -> float:
     """Every rank sends a ``piece_bytes`` piece to every other rank (the world): p - 1 start-ups;
     across nodes each cable carries its ranks' pieces to the other nodes' ranks."""
@@ -216,8 +208,8 @@ def _unit_collectives(
     link = model.world_link if kind == "fsdp" else model.params.intra
     blink = bytes_model.world_link if kind == "fsdp" else bytes_model.params.intra
     if g > 1:
-        c.gather_s = ring_shard_step(model, s, g, link) + COPY_PASSES * gamma * s
-        c.gather_cable = ring_shard_step(bytes_model, s, g, blink)
+        c.gather_s = model.shard_step(s, g, link) + COPY_PASSES * gamma * s
+        c.gather_cable = bytes_model.shard_step(s, g, blink)
         if kind == "fsdp" and scheme is not None:
             assert codec is not None
             piece = codec.payload(s / p)
@@ -230,9 +222,9 @@ def _unit_collectives(
             c.reduce_s = model.ring_allreduce(s, g, link) + COPY_PASSES * gamma * s
             c.reduce_cable = bytes_model.ring_allreduce(s, g, blink)
         else:
-            rs = ring_shard_step(model, s, g, link) + (g - 1) / g * s * gamma
+            rs = model.shard_step(s, g, link) + (g - 1) / g * s * gamma
             c.reduce_s = rs + COPY_PASSES * gamma * s
-            c.reduce_cable = ring_shard_step(bytes_model, s, g, blink)
+            c.reduce_cable = bytes_model.shard_step(s, g, blink)
     if kind == "hsdp" and m > 1:
         shard = s / n
         across, across_bytes = _across(model), _across(bytes_model)

@@ -39,32 +39,21 @@ from gradsync.whatif.sharded import is_sharded, sharded_contender
 STEPS = 5
 
 
-def _step_seconds(opt: Any, model: Any, x: Any, y: Any, warmup: int) -> float:
+def _step_seconds(opt: Any, model: Any, x: Any, y: Any, warmup: int = 2, whole: bool = False) -> float:
+    """Median seconds of ``opt.step()`` alone, or with ``whole`` of the whole training step."""
     from gradsync.observe.profiler import default_loss
 
     times = []
     for i in range(warmup + STEPS):
-        default_loss(model(x), y).backward()
         t0 = time.perf_counter()
+        default_loss(model(x), y).backward()
+        if not whole:
+            t0 = time.perf_counter()
         opt.step()
         dt = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(dt)
-    return statistics.median(times)
-
-
-def _whole_step_seconds(model: Any, opt: Any, x: Any, y: Any, warmup: int = 2) -> float:
-    from gradsync.observe.profiler import default_loss
-
-    times = []
-    for i in range(warmup + STEPS):
-        t0 = time.perf_counter()
-        default_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -99,14 +88,16 @@ def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
         fresh = copy.deepcopy(base)  # every measurement starts from the untrained model
         reference = _step_seconds(bench_step.inner_optimizer(fresh, args), fresh, x, y, 2)
         fresh = copy.deepcopy(base)
-        plain = _whole_step_seconds(fresh, bench_step.inner_optimizer(fresh, args), x, y)
+        plain = _step_seconds(bench_step.inner_optimizer(fresh, args), fresh, x, y, whole=True)
         measured: dict[str, float] = {}
         for name in contenders:
             if is_sharded(name):
                 how = plumbing(name)
                 if how not in measured:
                     model, _ = shard_model(copy.deepcopy(base), how, topo)
-                    measured[how] = _whole_step_seconds(model, bench_step.inner_optimizer(model, args), x, y)
+                    measured[how] = _step_seconds(
+                        bench_step.inner_optimizer(model, args), model, x, y, whole=True
+                    )
                 out[name] = max(measured[how] - plain, 0.0) / max(nbytes, 1)
                 continue
             options_ = self_syncing_options(name)
