@@ -94,7 +94,7 @@ def check_whatif_bench(tmp):
     # the modes are predicted from the codecs they run (timed in the run) and say how
     rows = {r["contender"]: r for r in w["rows"]}
     assert "onebit+ef" in w["codecs"]["codecs"]
-    assert "one exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
+    assert "largest exchange" in rows["outer@every=2@codec=onebit"]["predicted_plan"]
     assert "momentum as onebit+ef" in rows["zeroone-adam"]["predicted_plan"]
     # FSDP2, HSDP (its all-reduce across nodes compressed) and replicate trained unit by unit and
     # predicted so: serial on the CPU
@@ -489,3 +489,17 @@ def test_a_contender_carries_its_own_sync_options():
         bench_step.check_contender("hierarchical@no_such_option=1")
     with pytest.raises(ValueError, match="replan"):
         bench_step.check_contender("auto@replan=-1")
+
+
+def test_a_self_syncing_optimizer_warms_up_afresh_every_round():
+    """Round after round the engine's state is carried (one unmeasured step), but a self-syncing
+    optimizer is made afresh: every round skips its dense warm-up and its first compressed step
+    (which allocates its buffers), so the measured steps are its steady state in every round."""
+    from gradsync.apps.commands.bench.step import ROUND_WARMUP, unmeasured_steps
+
+    assert unmeasured_steps("hitopk:density=0.01", 2, later=False) == 2
+    assert unmeasured_steps("hitopk:density=0.01", 2, later=True) == ROUND_WARMUP == 1
+    assert unmeasured_steps("zeroone-adam", 2, later=True) == 2  # steps 1 (dense) and 2
+    assert unmeasured_steps("onebit-adam@freeze_step=5", 2, later=False) == 6
+    assert unmeasured_steps("zeroone-adam@var_freeze_step=8", 2, later=True) == 9
+    assert unmeasured_steps("onebit-lamb", 4, later=True) == 4

@@ -443,9 +443,10 @@ def test_outer_loop_is_its_inner_steps_plus_the_exchange_spread_over_the_period(
     ring = 2 * alpha + s * (beta + gamma / 2)  # p = 2: 2(p-1) alpha + 2(p-1)/p S (beta + gamma/2)
     work = 5 * gamma * s
     assert step_ms("outer@every=4", w, pt) == pytest.approx(compute + (ring + work) / 4, rel=1e-9)
-    # two fragments of S/2, each every 2 steps of the 4
+    # two fragments of S/2 (two tensors of S/2), each every 2 steps of the 4
+    halves = workload([(s_mb / 2, BWD), (s_mb / 2, BWD)])
     half = 2 * alpha + s / 2 * (beta + gamma / 2)
-    got = step_ms("outer@every=4@fragments=2", w, pt)
+    got = step_ms("outer@every=4@fragments=2", halves, pt)
     assert got == pytest.approx(compute + 2 * (half + 5 * gamma * s / 2) / 4, rel=1e-9)
     # delayed by one inner step: only what the step does not cover is exposed
     delayed = step_ms("outer@every=4@delay=1", w, pt)
@@ -459,6 +460,34 @@ def test_outer_loop_is_its_inner_steps_plus_the_exchange_spread_over_the_period(
     assert rows[0]["cable_mb"] == pytest.approx(payload / 4 / 1e6, rel=1e-9)
     # one node: nothing crosses, only the outer step's work remains
     assert step_ms("outer@every=4", w, Point(1, 2, network(beta, alpha, gamma))) > compute
+
+
+def test_streamed_outer_loop_cuts_fragments_by_whole_tensors_as_the_loop_does():
+    """Streaming with 2 fragments over a model of one 12 MB tensor and one 2 MB one (as VGG's
+    64 MB classifier layer): the loop cuts whole tensors, so fragment 0 carries 12 MB and
+    fragment 1 2 MB, not 7 and 7. every=4, delay=1 on 2 x 1: fragment 0 starts after step 2 and
+    is applied after step 3, fragment 1 starts after step 4, applied after step 5 (the next
+    period's first). Each waits for what one inner step does not cover; the outer steps add
+    5 passes each."""
+    alpha, beta, gamma = 1e-4, 1 / 1.25e8, 1e-10
+    w = workload([(12, BWD), (2, BWD)])
+    pt = Point(2, 1, network(beta, alpha, gamma))
+    inner = FWD + BWD + OPT
+
+    def ring(nbytes):  # two nodes, one rank each: 2(p-1) = 2 start-ups, the bytes once
+        return 2 * alpha + nbytes * (beta + gamma / 2)
+
+    big, small = 12 * MB, 2 * MB
+    assert ring(big) > inner > ring(small)  # only the big fragment's exchange shows
+    period = max(ring(big) - inner, 0.0) + max(ring(small) - inner, 0.0) + 5 * gamma * (big + small)
+    got = step_ms("outer@every=4@fragments=2@delay=1", w, pt)
+    assert got == pytest.approx(inner + period / 4, rel=1e-9)
+    # an even split (7 MB each) would predict less: most of each exchange hidden
+    even = 2 * max(ring(7 * MB) - inner, 0.0) + 5 * gamma * (big + small)
+    assert got > inner + even / 4 + 0.5 * (ring(big) - ring(7 * MB)) / 4
+    # more fragments than tensors: refused by name, as the loop refuses it
+    with pytest.raises(ValueError, match="fragments must be between 1 and the number of trained"):
+        step_ms("outer@every=4@fragments=3", w, pt)
 
 
 def test_outer_loop_inside_a_node_is_ddp_over_the_node():

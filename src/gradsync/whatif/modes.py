@@ -6,13 +6,15 @@ Two kinds of contender share their names with ``bench train --contenders``:
   each node trains alone, its ranks kept in sync by DDP over the node (a ring all-reduce on the
   node's own links, simulated as DDP on a one-node cluster); every H steps the nodes average their
   pseudo-gradients, F fragments of the model each every H / F steps (F = 1: the whole model at
-  once). A fragment's exchange is the same formula as a per-step scheme's (the planner's
+  once), cut by whole tensors as the loop cuts them (one huge tensor makes one huge fragment).
+  A fragment's exchange is the same formula as a per-step scheme's (the planner's
   :func:`~gradsync.planner.decide.predict`): the dense hierarchical all-reduce, or the codec on
-  the all-gather strategy with local aggregation (one copy per node crosses). Blocking (D = 0) it
-  adds its whole time to one step in H / F; delayed by D steps it runs on gradsync's task threads
-  while the next D inner steps compute, and only what D inner steps do not cover is exposed.
-  The mean step is the inner step plus the exposed exchanges and the outer optimizer's work
-  spread over the period.
+  the all-gather strategy with local aggregation (one copy per node crosses). A timeline of the
+  loop's schedule (:func:`outer_period`) places them: blocking (D = 0) the step that starts one
+  waits for all of it; delayed by D steps it runs on gradsync's task threads while the next D
+  inner steps compute, one exchange at a time on the link, and only what those steps do not
+  cover is exposed. The mean step is the inner step plus the exposed waits and the outer
+  optimizer's work spread over the period.
 - the **self-syncing optimizers** (``onebit-adam``, ``zeroone-adam``, ``onebit-lamb``, with their
   constructor options after ``@``): the model is not wrapped; after the backward pass the
   optimizer exchanges its momentum, compressed (``codec``, error feedback included) over its
@@ -31,13 +33,14 @@ References:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
+from gradsync.outer.loop import split_fragments
 from gradsync.planner.decide import no_compute, predict
 from gradsync.sync.scheme import Scheme
 
@@ -171,35 +174,78 @@ def self_syncing_exchange(name: str) -> tuple[Scheme, str]:
 
 @dataclass(frozen=True)
 class OuterCost:
-    """What the outer loop adds to its inner steps, per step on average."""
+    """What the outer loop adds to its inner steps."""
 
-    exchange_s: float  # one fragment's exchange
-    exposed_s: float  # of one fragment's exchange, what the delayed inner steps do not cover
-    step_work_s: float  # one fragment's outer step on the training thread
-    per_step_s: float  # (exposed + outer step) x fragments / every
+    exchange_s: float  # the largest fragment's exchange
+    exposed_s: float  # per period, the waits for exchanges the inner steps did not cover
+    step_work_s: float  # per period, the outer steps on the training thread
+    per_step_s: float  # (exposed + outer steps) / every
     cable_bytes_per_step: float
 
 
+PERIODS = 4
+"""Periods of the outer schedule the timeline of :func:`outer_period` runs; the last one is the
+steady state (a backlog on the link settles within a few)."""
+
+
+def outer_period(
+    exchanges: Sequence[float], works: Sequence[float], every: int, delay: int, inner_s: float
+) -> float:
+    """The time the outer loop adds to one period of ``every`` inner steps of ``inner_s`` each,
+    as :meth:`gradsync.OuterLoop.step` schedules it: fragment ``f`` starts its exchange (of
+    ``exchanges[f]`` seconds) after inner step ``(f + 1) * every // F`` and every ``every`` steps
+    after; the link carries one exchange at a time (a later one waits for it); blocking
+    (``delay`` 0) the training thread waits for it at once, else ``delay`` inner steps later; then
+    it runs the fragment's outer step (``works[f]``)."""
+    n = len(exchanges)
+    offsets = [(f + 1) * every // n for f in range(n)]
+    clock = link = 0.0
+    landing: dict[int, list[int]] = {}
+    finish = [0.0] * n
+    begin = 0.0
+    for t in range(1, PERIODS * every + 1):
+        if t == (PERIODS - 1) * every + 1:
+            begin = clock
+        clock += inner_s
+        for f in landing.pop(t, []):
+            clock = max(clock, finish[f]) + works[f]
+        for f, offset in enumerate(offsets):
+            if t >= offset and (t - offset) % every == 0:
+                finish[f] = link = max(clock, link) + exchanges[f]
+                if delay == 0:
+                    clock = finish[f] + works[f]
+                else:
+                    landing.setdefault(t + delay, []).append(f)
+    return clock - begin - every * inner_s
+
+
+def outer_fragment_bytes(numels: Sequence[int], fragments: int) -> list[float]:
+    """The bytes of each fragment's pseudo-gradient (float32, whatever the parameters' dtype), cut
+    by whole tensors as :class:`gradsync.OuterLoop` cuts them (:func:`gradsync.outer.loop.split_fragments`:
+    a model with one huge tensor has one huge fragment)."""
+    return [4.0 * sum(numels[i] for i in group) for group in split_fragments(numels, fragments)]
+
+
 def outer_cost(
-    name: str, nbytes: float, model: CostModel, bytes_model: CostModel, gamma: float, inner_step_s: float,
-    costs: Callable[[str, list[float]], CodecCost],
+    name: str, numels: Sequence[int], model: CostModel, bytes_model: CostModel, gamma: float,
+    inner_step_s: float, costs: Callable[[str, list[float]], CodecCost],
 ) -> OuterCost:  # fmt: skip
-    """The outer loop ``name``'s cost over its inner steps of ``inner_step_s`` (see the module)."""
+    """The outer loop ``name``'s cost over its inner steps of ``inner_step_s`` (see the module);
+    ``numels``: the trained parameters' sizes in model order."""
     o = outer_options(name)
-    every, fragments, delay = o["every"], o.get("fragments", 1), o.get("delay", 0)
-    part = nbytes / fragments  # each fragment meets once per period
+    every, delay = o["every"], o.get("delay", 0)
+    parts = outer_fragment_bytes(numels, o.get("fragments", 1))
     scheme = outer_scheme(o.get("codec"), model.m, model.n)
     spec = outer_codec_spec(o.get("codec"))
-    codec = costs(spec, [part]) if spec is not None else None
-    if model.m <= 1:
-        exchange = cable = 0.0
-    else:
-        exchange = predict(scheme, model, part, codec)
-        if codec is None:
-            cable = predict(scheme, bytes_model, part, None)
-        else:
-            cable = predict(scheme, bytes_model, part, no_compute(codec))
-    exposed = exchange if delay == 0 else max(exchange - delay * inner_step_s, 0.0)
-    work = OUTER_STEP_PASSES * gamma * part
-    per_step = (exposed + work) * fragments / every
-    return OuterCost(exchange, exposed, work, per_step, cable * fragments / every)
+    exchanges, cable = [], 0.0
+    for part in parts:
+        codec = costs(spec, [part]) if spec is not None else None
+        if model.m <= 1:
+            exchanges.append(0.0)
+            continue
+        exchanges.append(predict(scheme, model, part, codec))
+        cable += predict(scheme, bytes_model, part, None if codec is None else no_compute(codec))
+    works = [OUTER_STEP_PASSES * gamma * part for part in parts]
+    added = outer_period(exchanges, works, every, delay, inner_step_s)
+    work = sum(works)
+    return OuterCost(max(exchanges), max(added - work, 0.0), work, added / every, cable / every)

@@ -167,13 +167,14 @@ def simulate_contender(
         return result, program.cable_bytes, program.notes
     slow = cpu.slowdown(1)  # every rank of the host in the exchange at once, one busy thread each
     oc = outer_cost(
-        name, float(w.nbytes), cluster.model(), cluster.bytes_model(), cluster.params.gamma * slow,
-        result.step_s, lambda spec, sizes: scaled_codec(costs(spec, sizes), slow, slow),
+        name, [t.numel for t in w.tensors], cluster.model(), cluster.bytes_model(),
+        cluster.params.gamma * slow, result.step_s,
+        lambda spec, sizes: scaled_codec(costs(spec, sizes), slow, slow),
     )  # fmt: skip
     notes = [
         *program.notes,
-        f"inner step {result.step_s * 1e3:.1f} ms; one exchange {oc.exchange_s * 1e3:.1f} ms, "
-        f"{oc.exposed_s * 1e3:.1f} ms of it exposed",
+        f"inner step {result.step_s * 1e3:.1f} ms; largest exchange {oc.exchange_s * 1e3:.1f} ms; "
+        f"{oc.exposed_s * 1e3:.1f} ms exposed per period",
     ]
     return replace(result, step_s=result.step_s + oc.per_step_s), oc.cable_bytes_per_step, notes
 

@@ -220,6 +220,20 @@ ROUND_WARMUP = 1
 rebuilds its buckets in its first step), the plan and the compression state are carried."""
 
 
+def unmeasured_steps(name: str, warmup: int, later: bool) -> int:
+    """Steps before the measured ones: ``warmup`` in a contender's first round, ``ROUND_WARMUP``
+    in a later one, except for a self-syncing optimizer, which nothing carries from round to
+    round (it is made afresh): every round it warms up as in the first, and at least through its
+    dense warm-up and its first compressed step, which allocates and first touches its buffers
+    (on VGG 1.2 s more than the steps after it): the measured steps are its steady state, the
+    step whatif predicts."""
+    if is_self_syncing(name):
+        options = self_syncing_options(name)
+        dense = int(options.get("var_freeze_step", options["freeze_step"]))
+        return max(warmup, dense + 1)
+    return ROUND_WARMUP if later else warmup
+
+
 def measure_contender(
     name: str, base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace,
     carry: Carry | None = None,
@@ -228,7 +242,7 @@ def measure_contender(
     later round of interleaved measurement (``carry`` from the earlier rounds), ``ROUND_WARMUP``
     unmeasured ones on a model built afresh with the carried state."""
     later = carry is not None and carry.rounds > 0
-    warmup = ROUND_WARMUP if later else args.warmup
+    warmup = unmeasured_steps(name, args.warmup, later)
     model: nn.Module = copy.deepcopy(base)
     synced = None
     outer = None
