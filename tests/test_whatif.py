@@ -462,6 +462,26 @@ def test_outer_loop_is_its_inner_steps_plus_the_exchange_spread_over_the_period(
     assert step_ms("outer@every=4", w, Point(1, 2, network(beta, alpha, gamma))) > compute
 
 
+def test_a_collective_started_while_the_worker_computes_waits_the_measured_busy_call():
+    """DDP on 2 x 1, one 8 MB bucket: ready at the backward's start, its all-reduce starts while
+    the backward computes (one busy thread) and waits busy_call[0] more; ready at its end, it
+    starts with nothing computing and waits nothing. Without a measurement nothing changes."""
+    alpha, beta = 1e-4, 1 / 1.25e8
+    s = 8 * MB
+    pt = Point(2, 1, network(beta, alpha))
+    ring = 2 * alpha + s * beta  # two ranks: 2(p-1) start-ups, the bytes once
+    assert ring > BWD  # the all-reduce outlasts the backward pass: its end is the step's
+    waits = Cpu(busy_call=(0.004, 0.009))
+    early = workload([(8, 0.0)])
+    assert step_ms("ddp", early, pt, waits) == pytest.approx(FWD + ring + 0.004 + OPT, rel=1e-9)
+    assert step_ms("ddp", early, pt, Cpu()) == pytest.approx(FWD + ring + OPT, rel=1e-9)
+    late = workload([(8, BWD)])
+    assert step_ms("ddp", late, pt, waits) == pytest.approx(FWD + BWD + ring + OPT, rel=1e-9)
+    # more threads computing than measured: the last measurement stands
+    assert Cpu(busy_call=(0.004, 0.009)).call_wait(3) == 0.009
+    assert Cpu(busy_call=(0.004, 0.009)).call_wait(0) == 0.0
+
+
 def test_streamed_outer_loop_cuts_fragments_by_whole_tensors_as_the_loop_does():
     """Streaming with 2 fragments over a model of one 12 MB tensor and one 2 MB one (as VGG's
     64 MB classifier layer): the loop cuts whole tensors, so fragment 0 carries 12 MB and

@@ -215,6 +215,7 @@ def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[St
         out.append(Stage(COMM, host, f"{label} (in node)", HOST_COMM_CONTENDS, {"bytes": nbytes}))
     if total - host > 0 or not out:
         out.append(Stage(COMM, total - host, label, False, {"bytes": nbytes}))
+    out[0].args["call"] = True  # the collective's start (see Cpu.busy_call)
     return out
 
 
@@ -485,7 +486,9 @@ def _gradsync_program(
         )
     if config.check_overflow or config.find_unused_parameters:
         flags = 4 * (1 + (len(slots) if config.find_unused_parameters else 0))
-        prog.end_tasks.append(Task("step flags", -1, [Stage(COMM, model.flat(flags), "step flags", False)]))
+        prog.end_tasks.append(
+            Task("step flags", -1, [Stage(COMM, model.flat(flags), "step flags", False, {"call": True})])
+        )
     compressed = sum(1 for b in plan.buckets if b.compress)
     prog.notes.append(f"{len(plan.buckets)} buckets, {compressed} compressed")
     return prog

@@ -22,7 +22,11 @@ and ``ranks_per_host`` workers on a host of ``cores`` cores (every worker doing 
 busy thread runs ``max(1, ranks_per_host * a / cores)`` times slower. On a GPU cluster the
 compute is on the GPU and ``cores`` is unbounded (no contention); on the emulated cluster, where
 all ranks share this machine, ``cores`` is the *effective* number measured by ``gradsync bench
-whatif``: ranks x (one worker's step alone) / (every worker's step at once).
+whatif``: ranks x (one worker's step alone) / (every worker's step at once). A collective that
+starts while the worker's threads compute also waits for the peers' communication threads to get
+a core (:attr:`Cpu.busy_call`, measured by the phase each worker is in at that moment: the
+backward pass alone, or the backward pass and an encode), which the idle probes of the links do
+not see.
 """
 
 from __future__ import annotations
@@ -82,11 +86,23 @@ class Cpu:
 
     ranks_per_host: int = 1
     cores: float = math.inf
+    busy_call: tuple[float, ...] = ()
+    """Seconds a collective call waits besides its links while ``k`` of each worker's threads
+    compute (``busy_call[k - 1]``; the last for more), measured (``gradsync bench whatif``): on
+    an oversubscribed host the peers' communication threads wait for a core at every hand-over,
+    milliseconds per call. Empty: no such wait (a GPU cluster, or not measured)."""
 
     def slowdown(self, busy: int) -> float:
         if busy <= 0 or math.isinf(self.cores):
             return 1.0
         return max(1.0, self.ranks_per_host * busy / self.cores)
+
+    def call_wait(self, computing: int) -> float:
+        """What a collective call starting now waits for, ``computing`` of the worker's threads
+        busy computing."""
+        if computing <= 0 or not self.busy_call:
+            return 0.0
+        return self.busy_call[min(computing, len(self.busy_call)) - 1]
 
 
 NO_CONTENTION = Cpu()
@@ -297,7 +313,15 @@ def simulate(
                 continue
             head = lv.current
             if head is not None and lv.stage_ready and head.thread == COMM:
-                running[COMM] = _Work(head.label, head.seconds, head.cpu, t, task=lv.seq)
+                seconds = head.seconds
+                if head.args.get("call"):  # a collective starts: the host's cores may make it wait
+                    computing = sum(
+                        1
+                        for w in (running[MAIN], running[COMPUTE])
+                        if w is not None and w.cpu and w.remaining > _EPS
+                    )
+                    seconds += cpu.call_wait(computing)
+                running[COMM] = _Work(head.label, seconds, head.cpu, t, task=lv.seq)
                 lv.stage_ready = False
             break
 

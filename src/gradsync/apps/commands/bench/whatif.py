@@ -12,7 +12,8 @@ none of it is a contender's own step time:
    gradient's ready time and the phases;
 3. CPU contention (the emulated nodes share this machine's cores): one worker's training step
    alone and every worker's at once; the effective cores are ranks x alone / together
-   (:class:`gradsync.whatif.simulate.Cpu`);
+   (:class:`gradsync.whatif.simulate.Cpu`); and what a small collective waits for while one or
+   two threads of every rank compute (:func:`busy_calls`);
 4. the codecs: their encode and decode timed alone on rank 0.
 
 Then the contenders are measured as ``bench train`` measures them (:mod:`gradsync.apps.commands.bench.step`),
@@ -28,6 +29,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 from typing import Any
@@ -130,6 +132,54 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
     return {"alone_ms": a * 1e3, "together_ms": t * 1e3, "effective_cores": ranks * a / t}
 
 
+BUSY_CALL_BYTES = 16 << 10
+"""Per rank, the all-gather :func:`busy_calls` times: the size of a step's small collectives (a
+dense bucket of biases, a compressed small layer)."""
+
+
+def busy_calls(threads: int = 2, reps: int = 41) -> list[float]:
+    """What a small collective call waits for while each rank's threads compute: for ``k`` = 1 ..
+    ``threads`` busy threads per rank (a matrix-product loop each, as the backward pass and an
+    encode keep a worker's threads busy), the mean all-gather of :data:`BUSY_CALL_BYTES` over
+    the world minus its mean with the threads idle (seconds, at least 0). The mean, not the
+    median: most calls wait nothing and some a scheduler's time slice, and a step pays their sum."""
+    numel = BUSY_CALL_BYTES // 4
+    one = torch.ones(numel)
+    out = [torch.empty(numel) for _ in range(dist.get_world_size())]
+
+    def timed() -> float:
+        dist.all_gather(out, one)  # the first call sets up the connections
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather(out, one)
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def burn(stop: threading.Event) -> None:
+        a, b = torch.randn(128, 128), torch.randn(128, 128)
+        while not stop.is_set():
+            torch.mm(a, b)
+
+    idle = timed()
+    waits = []
+    for k in range(1, threads + 1):
+        stop = threading.Event()
+        workers = [threading.Thread(target=burn, args=(stop,), daemon=True) for _ in range(k)]
+        for w in workers:
+            w.start()
+        try:
+            waits.append(max(timed() - idle, 0.0))
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+    return waits
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from gradsync.collectives.cost import calibrate, measure_efficiency
     from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, powersgd_hook_rate
@@ -182,6 +232,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
         f"{ranks_per_host} at once: {cont['effective_cores']:.2f} effective cores")  # fmt: skip
+    busy_call_ms = [] if torch.cuda.is_available() else [w * 1e3 for w in busy_calls()]
+    if busy_call_ms:  # on GPUs the threads that compute are not the host's
+        say(f"  a small collective waits {', '.join(f'{w:.1f}' for w in busy_call_ms)} ms more "
+            f"with 1, 2 threads computing per rank")  # fmt: skip
     costs = CodecTable()
     if engine is not None:  # the codecs as they ran in the engine; others are timed here
         costs.entries.update(engine.codecs)
@@ -201,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
-        "contention": {**cont, "ranks_per_host": ranks_per_host},
+        "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
@@ -247,7 +301,8 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     cont = result["contention"]
     rows = result["measured"]
     cores = cores_from_local(cont, rows)
-    cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"])
+    busy_call = tuple(w / 1e3 for w in cont.get("busy_call_ms", ()))  # absent in older results
+    cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"], busy_call)
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
