@@ -97,7 +97,9 @@ def check_whatif_bench(tmp):
     # PyTorch's PowerSGD hook was timed running, and the prediction charges that work: without
     # the measured rate (gradsync's codec's timing instead) the hook's step is predicted otherwise
     sharded = {"fsdp", "hsdp/topk:density=0.1", "replicate"}  # FSDP2's own work, measured on one rank
-    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1", "zeroone-adam"} | sharded
+    outer = "outer@every=2@codec=onebit"  # its meetings' own work, measured on one rank
+    assert set(w["hook_rates"]) == {"ddp-powersgd:rank=1", "zeroone-adam", outer} | sharded
+    assert w["hook_rates"][outer] > 0
     assert w["hook_rates"]["ddp-powersgd:rank=1"] > 0
     # the modes are predicted from the codecs they run (timed in the run) and say how
     rows = {r["contender"]: r for r in w["rows"]}

@@ -458,6 +458,9 @@ def test_outer_loop_is_its_inner_steps_plus_the_exchange_spread_over_the_period(
     rows = predict_point(w, pt, ["outer@every=4@codec=onebit"], quantizer_table(), Cpu())
     assert rows[0]["step_ms"] / 1e3 == pytest.approx(compute + (coded + work) / 4, rel=1e-9)
     assert rows[0]["cable_mb"] == pytest.approx(payload / 4 / 1e6, rel=1e-9)
+    # the loop's own work measured (seconds per float32 byte at each meeting) replaces the passes
+    rows = predict_point(w, pt, ["outer@every=4"], table(), Cpu(), hook_rates={"outer@every=4": 3e-9})
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx(compute + (ring + 3e-9 * s) / 4, rel=1e-9)
     # one node: nothing crosses, only the outer step's work remains
     assert step_ms("outer@every=4", w, Point(1, 2, network(beta, alpha, gamma))) > compute
 

@@ -228,10 +228,13 @@ def outer_fragment_bytes(numels: Sequence[int], fragments: int) -> list[float]:
 
 def outer_cost(
     name: str, numels: Sequence[int], model: CostModel, bytes_model: CostModel, gamma: float,
-    inner_step_s: float, costs: Callable[[str, list[float]], CodecCost],
+    inner_step_s: float, costs: Callable[[str, list[float]], CodecCost], work_rate: float | None = None,
 ) -> OuterCost:  # fmt: skip
     """The outer loop ``name``'s cost over its inner steps of ``inner_step_s`` (see the module);
-    ``numels``: the trained parameters' sizes in model order."""
+    ``numels``: the trained parameters' sizes in model order. ``work_rate``: the loop's own work
+    on the training thread per float32 byte of a fragment at each meeting, measured
+    (``bench whatif``: the pseudo-gradient's making and the outer step); without it
+    :data:`OUTER_STEP_PASSES` passes at the add rate ``gamma``."""
     o = outer_options(name)
     every, delay = o["every"], o.get("delay", 0)
     parts = outer_fragment_bytes(numels, o.get("fragments", 1))
@@ -245,7 +248,8 @@ def outer_cost(
             continue
         exchanges.append(predict(scheme, model, part, codec))
         cable += predict(scheme, bytes_model, part, None if codec is None else no_compute(codec))
-    works = [OUTER_STEP_PASSES * gamma * part for part in parts]
+    per_byte = work_rate if work_rate is not None else OUTER_STEP_PASSES * gamma
+    works = [per_byte * part for part in parts]
     added = outer_period(exchanges, works, every, delay, inner_step_s)
     work = sum(works)
     return OuterCost(max(exchanges), max(added - work, 0.0), work, added / every, cable / every)

@@ -159,7 +159,8 @@ def simulate_contender(
         inner = "ddp" if point.per_node > 1 else "local"
         kw = {}  # DDP's default buckets inside the node
     run_on = Cluster(1, point.per_node, point.network.params) if is_outer(name) else cluster
-    program = build_program(inner, workload, run_on, costs, sync_options, hook_rate=hook_rate, **kw)
+    inner_rate = None if is_outer(name) else hook_rate  # the outer loop's own work is its meetings'
+    program = build_program(inner, workload, run_on, costs, sync_options, hook_rate=inner_rate, **kw)
     ready = [(i, t.ready) for i, t in enumerate(workload.tensors) if t.ready is not None]
     w = workload
     result = simulate(program, ready, w.data, w.forward, w.backward, w.optimizer, cpu, record)
@@ -170,6 +171,7 @@ def simulate_contender(
         name, [t.numel for t in w.tensors], cluster.model(), cluster.bytes_model(),
         cluster.params.gamma * slow, result.step_s,
         lambda spec, sizes: scaled_codec(costs(spec, sizes), slow, slow),
+        None if hook_rate is None else hook_rate * slow,
     )  # fmt: skip
     notes = [
         *program.notes,

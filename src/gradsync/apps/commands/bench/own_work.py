@@ -12,6 +12,13 @@
   scheme ``none``: gradsync's FSDP2 plumbing with PyTorch's collectives, without the codec,
   whose work the simulator prices from the codec's own timing.
 
+- The outer loop (``outer@...``) makes, for each fragment it exchanges, the pseudo-gradient
+  (the anchor minus the parameters, into one flat float32 buffer) and, when the exchange lands,
+  the outer optimizer's step on the anchor and the parameters. Measured: whole periods of inner
+  steps with the loop on a world of one rank (where nothing crosses: the codec and the exchange
+  are the simulator's to price), minus the same steps without it; per float32 byte of a
+  fragment, as the simulator charges it at each meeting.
+
 The simulator prices the communication with the cost model and charges this work on the
 training thread, per gradient byte.
 
@@ -34,6 +41,7 @@ import sys
 import time
 from typing import Any
 
+from gradsync.whatif.modes import is_outer
 from gradsync.whatif.sharded import is_sharded, sharded_contender
 
 STEPS = 5
@@ -57,6 +65,43 @@ def _step_seconds(opt: Any, model: Any, x: Any, y: Any, warmup: int = 2, whole: 
     return statistics.median(times)
 
 
+def _outer_seconds_per_byte(
+    name: str, base: Any, x: Any, y: Any, args: argparse.Namespace, topo: Any
+) -> float:
+    """The outer loop's own work per float32 byte of a fragment at each of its meetings: whole
+    periods of inner steps with the loop, minus the same steps without it (see the module)."""
+    from gradsync.apps.commands.bench import step as bench_step
+    from gradsync.observe.profiler import default_loss
+    from gradsync.outer import OuterLoop
+    from gradsync.whatif.modes import outer_options
+
+    o = outer_options(name)
+    every, delay = o["every"], o.get("delay", 0)
+    periods = max(1, -(-2 * STEPS // every))  # whole periods, at least 2 x STEPS steps
+
+    def mean_step(with_loop: bool) -> float:
+        model = copy.deepcopy(base)
+        opt = bench_step.inner_optimizer(model, args)
+        loop = OuterLoop(model, topology=topo, **o) if with_loop else None
+        times = []
+        # the first period (and the delay) unmeasured: the loop's buffers are made and touched
+        for _ in range(every + delay + periods * every):
+            default_loss(model(x), y).backward()
+            t0 = time.perf_counter()
+            opt.step()
+            if loop is not None:
+                loop.step()
+            times.append(time.perf_counter() - t0)
+            opt.zero_grad(set_to_none=True)
+        if loop is not None:
+            loop.close()
+        return statistics.fmean(times[every + delay :])
+
+    extra = max(mean_step(True) - mean_step(False), 0.0)
+    numel = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    return extra * every / max(4 * numel, 1)  # each byte meets once per period
+
+
 def plumbing(name: str) -> str:
     """The sharded contender measured for ``name``'s own work: itself when dense, else its kind with
     the scheme ``none`` (gradsync's FSDP2 plumbing without a codec)."""
@@ -67,7 +112,8 @@ def plumbing(name: str) -> str:
 def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
     """Seconds per gradient byte each contender's step takes beyond the profiled step's
     (``options``: the benchmark's model and batch options), in this process alone: the
-    self-syncing optimizers' step, the sharded contenders' whole step."""
+    self-syncing optimizers' step, the sharded contenders' whole step; for the outer loop, per
+    float32 byte of a fragment at each meeting."""
     import torch
 
     from gradsync.apps.commands.bench import step as bench_step
@@ -91,6 +137,9 @@ def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
         plain = _step_seconds(bench_step.inner_optimizer(fresh, args), fresh, x, y, whole=True)
         measured: dict[str, float] = {}
         for name in contenders:
+            if is_outer(name):
+                out[name] = _outer_seconds_per_byte(name, base, x, y, args, topo)
+                continue
             if is_sharded(name):
                 how = plumbing(name)
                 if how not in measured:

@@ -46,7 +46,7 @@ from gradsync.apps.commands.bench.own_work import measure_in_subprocess
 from gradsync.apps.commands.bench.world import run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.observe.profiler import default_loss
-from gradsync.whatif.modes import is_self_syncing
+from gradsync.whatif.modes import is_outer, is_self_syncing
 from gradsync.whatif.sharded import is_sharded
 
 DEFAULT_CONTENDERS = (
@@ -137,7 +137,7 @@ BUSY_CALL_BYTES = 16 << 10
 dense bucket of biases, a compressed small layer)."""
 
 
-def busy_calls(threads: int = 2, reps: int = 41) -> list[float]:
+def busy_calls(threads: int = 2, reps: int = 101) -> list[float]:
     """What a small collective call waits for while each rank's threads compute: for ``k`` = 1 ..
     ``threads`` busy threads per rank (a matrix-product loop each, as the backward pass and an
     encode keep a worker's threads busy), the mean all-gather of :data:`BUSY_CALL_BYTES` over
@@ -220,13 +220,15 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
             say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
-        own = [c for c in contenders if is_self_syncing(c) or is_sharded(c)]
+        own = [c for c in contenders if is_self_syncing(c) or is_sharded(c) or is_outer(c)]
         if own:  # their own step's work, in a process of its own (a world of one rank)
             keys = ("model", "batch_size", "image_size", "classes", "seq_len", "vocab", "dim", "layers",
                     "optimizer", "threads")  # fmt: skip
             work = measure_in_subprocess({k: getattr(args, k, None) for k in keys}, own)
             for c, rate in work.items():
-                say(f"  {c}: its step adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step alone")
+                what = "its meetings add" if is_outer(c) else "its step adds"
+                when = "per period (float32)" if is_outer(c) else "per step"
+                say(f"  {c}: {what} {rate * gradient_bytes(base) * 1e3:.1f} ms of work {when} alone")
             hook_rates.update(work)
     dist.barrier()
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
