@@ -137,12 +137,13 @@ BUSY_CALL_BYTES = 16 << 10
 dense bucket of biases, a compressed small layer)."""
 
 
-def busy_calls(threads: int = 2, reps: int = 101) -> list[float]:
+def busy_calls(threads: int = 2, reps: int = 41) -> list[float]:
     """What a small collective call waits for while each rank's threads compute: for ``k`` = 1 ..
-    ``threads`` busy threads per rank (a matrix-product loop each, as the backward pass and an
-    encode keep a worker's threads busy), the mean all-gather of :data:`BUSY_CALL_BYTES` over
-    the world minus its mean with the threads idle (seconds, at least 0). The mean, not the
-    median: most calls wait nothing and some a scheduler's time slice, and a step pays their sum."""
+    ``threads`` busy threads per rank (a loop of 512 x 512 matrix products each, compute that
+    holds no lock of Python's, as the backward pass and an encode keep a worker's threads busy),
+    the median all-gather of :data:`BUSY_CALL_BYTES` over the world minus its median with the
+    threads idle (seconds, at least 0). The median: the waits have a long tail (a call now and
+    then waits for a whole time slice of every peer), which one step's few calls rarely meet."""
     numel = BUSY_CALL_BYTES // 4
     one = torch.ones(numel)
     out = [torch.empty(numel) for _ in range(dist.get_world_size())]
@@ -155,12 +156,12 @@ def busy_calls(threads: int = 2, reps: int = 101) -> list[float]:
             t0 = time.perf_counter()
             dist.all_gather(out, one)
             times.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
     def burn(stop: threading.Event) -> None:
-        a, b = torch.randn(128, 128), torch.randn(128, 128)
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
         while not stop.is_set():
             torch.mm(a, b)
 
