@@ -86,14 +86,20 @@ def check_whatif_bench(tmp):
     stored = {k: v for k, v in w.items() if k not in ("rows", "predicted", "summary")}
     again = compare(stored)
     assert [r["predicted_ms"] for r in again["rows"]] == pytest.approx([r["predicted_ms"] for r in w["rows"]])
-    # what a small collective waits for with 1 and 2 threads computing per rank, measured; a
-    # replay of an older result (no such measurement) predicts without it, never slower
+    # what a small collective waits for with 1 and 2 threads computing per rank, measured and
+    # recorded; charged only when asked (then never faster), and an older result without the
+    # measurement replays as before
     waits = w["contention"]["busy_call_ms"]
     assert len(waits) == 2 and all(v >= 0 for v in waits), waits
-    older = {**stored, "contention": {k: v for k, v in stored["contention"].items() if k != "busy_call_ms"}}
-    before = compare(older)
-    for a, b in zip(before["rows"], again["rows"], strict=True):
+    assert w["contention_used"]["busy_call_ms_charged"] == []
+    charged = compare(stored, charge_busy_calls=True)
+    assert charged["contention_used"]["busy_call_ms_charged"] == pytest.approx(waits)
+    for a, b in zip(again["rows"], charged["rows"], strict=True):
         assert a["predicted_ms"] <= b["predicted_ms"] + 1e-9, (a["contender"], a["predicted_ms"])
+    older = {**stored, "contention": {k: v for k, v in stored["contention"].items() if k != "busy_call_ms"}}
+    assert [r["predicted_ms"] for r in compare(older, charge_busy_calls=True)["rows"]] == pytest.approx(
+        [r["predicted_ms"] for r in again["rows"]]
+    )
     # PyTorch's PowerSGD hook was timed running, and the prediction charges that work: without
     # the measured rate (gradsync's codec's timing instead) the hook's step is predicted otherwise
     sharded = {"fsdp", "hsdp/topk:density=0.1", "replicate"}  # FSDP2's own work, measured on one rank

@@ -13,7 +13,8 @@ none of it is a contender's own step time:
 3. CPU contention (the emulated nodes share this machine's cores): one worker's training step
    alone and every worker's at once; the effective cores are ranks x alone / together
    (:class:`gradsync.whatif.simulate.Cpu`); and what a small collective waits for while one or
-   two threads of every rank compute (:func:`busy_calls`);
+   two threads of every rank compute (:func:`busy_calls`; recorded, charged only with
+   ``--charge-busy-calls``);
 4. the codecs: their encode and decode timed alone on rank 0.
 
 Then the contenders are measured as ``bench train`` measures them (:mod:`gradsync.apps.commands.bench.step`),
@@ -69,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH.json",
         help="predict with what synchronization cost in a running engine (gradsync train --save-costs, "
         "gradsync.engine-costs/1) instead of the links calibrated here and the codecs timed alone",
+    )
+    p.add_argument(
+        "--charge-busy-calls",
+        action="store_true",
+        help="charge every collective the wait the busy-call probe measured for the worker's phase "
+        "(Cpu.busy_call; off by default: on this machine the probe misses the engine's waits, see "
+        "docs/whatif.md); with --replay, on a stored result",
     )
     p.add_argument(
         "--ranks-per-host",
@@ -267,7 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "engine_costs": args.costs,
         "measured": rows, "details": details,
     }  # fmt: skip
-    return compare(result)
+    return compare(result, args.charge_busy_calls)
 
 
 def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
@@ -282,9 +290,11 @@ def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float 
     return float(cont["ranks_per_host"] * cont["alone_ms"] / local[0]["step_ms"])
 
 
-def compare(result: dict[str, Any]) -> dict[str, Any]:
+def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str, Any]:
     """Simulate every measured contender from the result's stored measurements and put the
-    predictions next to the measured steps (``rows``, ``summary``, ``predicted``)."""
+    predictions next to the measured steps (``rows``, ``summary``, ``predicted``). With
+    ``charge_busy_calls`` each collective also waits what the busy-call probe measured for the
+    worker's phase when it starts (:attr:`~gradsync.whatif.simulate.Cpu.busy_call`)."""
     from gradsync.collectives.cost import CostParams, Link
     from gradsync.observe.profile_format import Profile
     from gradsync.whatif.codec_costs import CodecTable
@@ -304,7 +314,8 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     cont = result["contention"]
     rows = result["measured"]
     cores = cores_from_local(cont, rows)
-    busy_call = tuple(w / 1e3 for w in cont.get("busy_call_ms", ()))  # absent in older results
+    # absent in older results
+    busy_call = tuple(w / 1e3 for w in cont.get("busy_call_ms", ())) if charge_busy_calls else ()
     cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"], busy_call)
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
@@ -326,7 +337,8 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
             "measured_plan": meas["compressed_buckets"], "predicted_plan": pred["notes"],
         })  # fmt: skip
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
-    used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention"}
+    used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention",
+            "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call]}  # fmt: skip
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
     summary.update(advise_check(rows, predicted))
@@ -459,7 +471,7 @@ def main(args: argparse.Namespace) -> int:
 
         with open(args.replay) as fh:
             stored = json.load(fh)
-        result: dict[str, Any] | None = compare(stored)
+        result: dict[str, Any] | None = compare(stored, args.charge_busy_calls)
     else:
         result = run(args)
     if result is not None:
