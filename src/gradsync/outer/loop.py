@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -58,6 +58,7 @@ from gradsync.collectives.topology import Topology
 from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
+from gradsync.sync.buckets import split_fragments
 from gradsync.sync.tasks import Task, TaskManager
 
 FORMAT = "gradsync.outer/1"
@@ -73,28 +74,6 @@ class _Exchange:
     flat: torch.Tensor
     """The pseudo-gradient, averaged in place across the nodes once the exchange has landed."""
     task: Task | None = None
-
-
-def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
-    """Cut tensors of these sizes, in order, into ``fragments`` contiguous groups of about equal
-    total size (each at least one tensor)."""
-    n = len(sizes)
-    if not 1 <= fragments <= n:
-        raise ValueError(
-            f"outer loop: fragments must be between 1 and the number of trained parameter tensors "
-            f"({n}), got {fragments}"
-        )
-    total = sum(sizes)
-    groups: list[list[int]] = [[] for _ in range(fragments)]
-    done, g = 0, 0
-    for i, s in enumerate(sizes):
-        # move on once this group has its share, keeping a tensor for each group still to fill
-        left = n - i
-        if groups[g] and (done >= total * (g + 1) / fragments or left <= fragments - 1 - g):
-            g += 1
-        groups[g].append(i)
-        done += s
-    return groups
 
 
 class OuterLoop:
@@ -527,4 +506,4 @@ def trained_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     return ((n, p) for n, p in _bare(model).named_parameters() if p.requires_grad)
 
 
-__all__ = ["FORMAT", "OuterLoop", "split_fragments", "trained_tensors"]
+__all__ = ["FORMAT", "OuterLoop", "trained_tensors"]

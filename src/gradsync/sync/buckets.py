@@ -20,6 +20,7 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -270,3 +271,26 @@ class Bucket:
         """Element range of part ``part`` of ``parts`` (equal cuts)."""
         lo = self.numel * part // parts
         return lo, self.numel * (part + 1) // parts
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Cut tensors of these sizes, in order, into ``fragments`` contiguous groups of about equal
+    total size (each at least one tensor): the outer loop's fragments (:class:`gradsync.OuterLoop`),
+    and the simulator's of it (:mod:`gradsync.whatif.modes`)."""
+    n = len(sizes)
+    if not 1 <= fragments <= n:
+        raise ValueError(
+            f"outer loop: fragments must be between 1 and the number of trained parameter tensors "
+            f"({n}), got {fragments}"
+        )
+    total = sum(sizes)
+    groups: list[list[int]] = [[] for _ in range(fragments)]
+    done, g = 0, 0
+    for i, s in enumerate(sizes):
+        # move on once this group has its share, keeping a tensor for each group still to fill
+        left = n - i
+        if groups[g] and (done >= total * (g + 1) / fragments or left <= fragments - 1 - g):
+            g += 1
+        groups[g].append(i)
+        done += s
+    return groups
