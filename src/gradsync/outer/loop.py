@@ -58,7 +58,7 @@ from gradsync.collectives.topology import Topology
 from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
-from gradsync.sync.buckets import split_fragments
+from gradsync.sync.buckets import fragment_offset, split_fragments
 from gradsync.sync.tasks import Task, TaskManager
 
 FORMAT = "gradsync.outer/1"
@@ -183,7 +183,7 @@ class OuterLoop:
     # ------------------------------------------------------------------ the schedule
     def due(self, fragment: int, step: int) -> bool:
         """Whether ``fragment`` starts an exchange after inner step ``step`` (1-based)."""
-        offset = (fragment + 1) * self.every // self.fragments_n
+        offset = fragment_offset(fragment, self.every, self.fragments_n)
         return step >= offset and (step - offset) % self.every == 0
 
     def step(self) -> bool:

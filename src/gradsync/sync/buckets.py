@@ -294,3 +294,10 @@ def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
         groups[g].append(i)
         done += s
     return groups
+
+
+def fragment_offset(fragment: int, every: int, fragments: int) -> int:
+    """The inner step (1-based) after which ``fragment`` of ``fragments`` first meets, then every
+    ``every`` steps: the outer loop's staggered schedule (Streaming DiLoCo), shared with its
+    simulation."""
+    return (fragment + 1) * every // fragments

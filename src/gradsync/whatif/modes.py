@@ -41,7 +41,7 @@ from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
 from gradsync.planner.decide import no_compute, predict
-from gradsync.sync.buckets import split_fragments
+from gradsync.sync.buckets import fragment_offset, split_fragments
 from gradsync.sync.scheme import Scheme
 
 OUTER_KEYS: dict[str, type] = {
@@ -198,7 +198,7 @@ def outer_period(
     (``delay`` 0) the training thread waits for it at once, else ``delay`` inner steps later; then
     it runs the fragment's outer step (``works[f]``)."""
     n = len(exchanges)
-    offsets = [(f + 1) * every // n for f in range(n)]
+    offsets = [fragment_offset(f, every, n) for f in range(n)]
     clock = link = 0.0
     landing: dict[int, list[int]] = {}
     finish = [0.0] * n
