@@ -401,6 +401,8 @@ def check_calibration(topo):
     for link in (params.intra, params.inter):
         assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
     assert torch.equal(mine, same)  # every rank got the same numbers
+    # the add rate of one rank alone on 16 MiB: between 1 TB/s and 100 MB/s on any host
+    assert 1e-12 < params.gamma < 1e-8, params.gamma
     # world all-gathers against the all-gather formula on these links: one entry per size class,
     # the same on every rank, and the ratio the planner's predict then applies to an all-gather
     from dataclasses import replace

@@ -427,15 +427,45 @@ def measure_gather_start(topo: Topology, group: dist.ProcessGroup | None = None,
     return time_slowest(topo, lambda: P.all_gather(out, one, group, "world"), reps)
 
 
+ADD_BYTES = 16 << 20
+"""The tensors :func:`_add_rate` adds: larger than a core's caches, as a gradient bucket is."""
+
+
+def _add_rate(topo: Topology, reps: int) -> float:
+    """Seconds per byte of an add where the collectives' tensors are (the reductions run there),
+    measured one rank at a time (the others wait at a barrier), the median of ``reps`` timings:
+    the rate of one worker alone, as the profile's compute is (the simulator adds contention
+    itself). Timed by all ranks at once, on hosts where ranks share cores, it read anywhere
+    from 2e-11 to 2.3e-10 s/B between runs of one command."""
+    a = torch.zeros(ADD_BYTES // 4, device=topo.comm_device)
+    b = torch.ones_like(a)
+    times = []
+    for turn in range(topo.world if topo.world > 1 else 1):
+        if topo.world > 1:
+            dist.barrier(group=topo.control_group)
+        if turn != topo.rank:
+            continue
+        a.add_(b)  # first touch, not timed
+        synchronize(topo.comm_device)
+        for _ in range(max(reps, 1)):
+            t0 = time.perf_counter()
+            a.add_(b)
+            synchronize(topo.comm_device)
+            times.append(time.perf_counter() - t0)
+    if topo.world > 1:
+        dist.barrier(group=topo.control_group)
+    return statistics.median(times) / ADD_BYTES if times else 0.0
+
+
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
     """Measure alpha and beta of the intra and inter levels on the running cluster.
 
     Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
     inter-node group (local index 0, so its stream has the node cable to itself), read as
     ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from small ones with every group of the level busy;
-    gamma from timing local adds; the start-up of a small world all-gather
-    (:func:`measure_gather_start`). The per-call cost is left at zero: the closed loop fits it
-    from the running engine (:func:`gradsync.planner.closed_loop.refit_links`). Every
+    gamma from timing local adds, one rank at a time (:func:`_add_rate`); the start-up of a small
+    world all-gather (:func:`measure_gather_start`). The per-call cost is left at zero: the closed
+    loop fits it from the running engine (:func:`gradsync.planner.closed_loop.refit_links`). Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """
@@ -445,17 +475,7 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
         intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, sizes, reps)
     if topo.world > 1 and topo.nodes > 1:
         inter = _fit_ring(topo, topo.inter_group, topo.nodes, topo.local_rank == 0, sizes, reps)
-    # reductions run where the collectives' tensors are: time the adds there
-    a = torch.zeros(1 << 20, device=topo.comm_device)
-    b = torch.zeros_like(a)
-    a.add_(b)
-    synchronize(topo.comm_device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a.add_(b)
-    synchronize(topo.comm_device)
-    gamma = (time.perf_counter() - t0) / 10 / (4 << 20)
-    g = torch.tensor([gamma], dtype=torch.float64, device=topo.comm_device)
+    g = torch.tensor([_add_rate(topo, reps)], dtype=torch.float64, device=topo.comm_device)
     if topo.world > 1:
         dist.all_reduce(g, op=dist.ReduceOp.MAX, group=topo.control_group)
     fallback = Link(0.0, 0.0)
