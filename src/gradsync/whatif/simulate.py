@@ -24,9 +24,8 @@ compute is on the GPU and ``cores`` is unbounded (no contention); on the emulate
 all ranks share this machine, ``cores`` is the *effective* number measured by ``gradsync bench
 whatif``: ranks x (one worker's step alone) / (every worker's step at once). A collective that
 starts while the worker's threads compute also waits for the peers' communication threads to get
-a core (:attr:`Cpu.busy_call`, measured by the phase each worker is in at that moment: the
-backward pass alone, or the backward pass and an encode), which the idle probes of the links do
-not see.
+a core (:attr:`Cpu.busy_call`, by the phase each worker is in at that moment: the backward pass
+alone, or the backward pass and an encode), which the idle probes of the links do not see.
 """
 
 from __future__ import annotations
@@ -88,9 +87,11 @@ class Cpu:
     cores: float = math.inf
     busy_call: tuple[float, ...] = ()
     """Seconds a collective call waits besides its links while ``k`` of each worker's threads
-    compute (``busy_call[k - 1]``; the last for more), measured (``gradsync bench whatif``): on
-    an oversubscribed host the peers' communication threads wait for a core at every hand-over,
-    milliseconds per call. Empty: no such wait (a GPU cluster, or not measured)."""
+    compute (``busy_call[k - 1]``; the last for more): on an oversubscribed host the peers'
+    communication threads wait for a core at every hand-over, milliseconds per call. Empty: no
+    such wait (a GPU cluster, or unknown). ``gradsync bench whatif`` records a probe's reading
+    and charges it only with ``--charge-busy-calls`` (the probe misses the engine's waits on
+    this project's machine, docs/whatif.md)."""
 
     def slowdown(self, busy: int) -> float:
         if busy <= 0 or math.isinf(self.cores):

@@ -11,7 +11,6 @@
   have no peer), minus the plain model's step. A compressed contender is measured with the
   scheme ``none``: gradsync's FSDP2 plumbing with PyTorch's collectives, without the codec,
   whose work the simulator prices from the codec's own timing.
-
 - The outer loop (``outer@...``) makes, for each fragment it exchanges, the pseudo-gradient
   (the anchor minus the parameters, into one flat float32 buffer) and, when the exchange lands,
   the outer optimizer's step on the anchor and the parameters. Measured: whole periods of inner
@@ -66,10 +65,11 @@ def _step_seconds(opt: Any, model: Any, x: Any, y: Any, warmup: int = 2, whole: 
 
 
 def _outer_seconds_per_byte(
-    name: str, base: Any, x: Any, y: Any, args: argparse.Namespace, topo: Any
+    name: str, base: Any, x: Any, y: Any, args: argparse.Namespace, topo: Any, plain: dict[int, float]
 ) -> float:
     """The outer loop's own work per float32 byte of a fragment at each of its meetings: whole
-    periods of inner steps with the loop, minus the same steps without it (see the module)."""
+    periods of inner steps with the loop, minus the same steps without it (see the module;
+    ``plain`` keeps the latter by step count, timed once for every outer contender)."""
     from gradsync.apps.commands.bench import step as bench_step
     from gradsync.observe.profiler import default_loss
     from gradsync.outer import OuterLoop
@@ -97,7 +97,10 @@ def _outer_seconds_per_byte(
             loop.close()
         return statistics.fmean(times[every + delay :])
 
-    extra = max(mean_step(True) - mean_step(False), 0.0)
+    steps = every + delay + periods * every
+    if steps not in plain:
+        plain[steps] = mean_step(False)
+    extra = max(mean_step(True) - plain[steps], 0.0)
     numel = sum(p.numel() for p in base.parameters() if p.requires_grad)
     return extra * every / max(4 * numel, 1)  # each byte meets once per period
 
@@ -136,9 +139,10 @@ def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
         fresh = copy.deepcopy(base)
         plain = _step_seconds(bench_step.inner_optimizer(fresh, args), fresh, x, y, whole=True)
         measured: dict[str, float] = {}
+        without_loop: dict[int, float] = {}
         for name in contenders:
             if is_outer(name):
-                out[name] = _outer_seconds_per_byte(name, base, x, y, args, topo)
+                out[name] = _outer_seconds_per_byte(name, base, x, y, args, topo, without_loop)
                 continue
             if is_sharded(name):
                 how = plumbing(name)
