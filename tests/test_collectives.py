@@ -401,6 +401,13 @@ def check_calibration(topo):
     for link in (params.intra, params.inter):
         assert link.alpha >= 0 and link.beta > 0 and math.isfinite(link.alpha + link.beta)
     assert torch.equal(mine, same)  # every rank got the same numbers
+    # the node-internal reduce and broadcast, timed at the largest size (1 MiB: the large class)
+    # against their formula: within the bounds, the same on every rank
+    assert [k for k, _ in params.efficiency] == ["tree/large"], params.efficiency
+    tree = torch.tensor([params.efficiency_of("tree", 1 << 20)], dtype=torch.float64)
+    theirs_tree = tree.clone()
+    dist.broadcast(theirs_tree, 0)
+    assert torch.equal(tree, theirs_tree) and 0.1 <= float(tree) <= 100
     # the add rate of one rank alone on 16 MiB: between 1 TB/s and 100 MB/s on any host
     assert 1e-12 < params.gamma < 1e-8, params.gamma
     # world all-gathers against the all-gather formula on these links: one entry per size class,

@@ -236,6 +236,22 @@ def test_links_file_round_trip_and_refusals(tmp_path):
     bad = dict(doc, inter={"alpha_s": -1, "beta_s_per_byte": 1e-9})
     with pytest.raises(ValueError, match="inter: alpha_s"):
         parse_links(bad, "x")
+    # the node-internal reduce and broadcast's measured efficiency travels with the links (files
+    # written before it read as none), and a hierarchical all-reduce's two trees take it
+    measured = CostParams(Link(1e-4, 2e-10), Link(9e-4, 8e-8), 3e-10, efficiency=(("tree/large", 0.8),))
+    again = parse_links(json.loads(json.dumps(links_document(measured, 2, 2))), "x").params
+    assert again == measured
+    assert parse_links({k: v for k, v in doc.items() if k != "efficiency"}, "x").params.efficiency == ()
+    refused = (({"tree/huge": 1.0}, "unknown class 'tree/huge'"), ({"tree/large": -1}, "positive"))
+    for value, message in refused:
+        with pytest.raises(ValueError, match=message):
+            parse_links(dict(doc, efficiency=value), "x")
+    s = 64e6
+    tree = 1e-4 + s * 2e-10  # one step of a binomial tree over 2 ranks
+    # the leaders' ring over 2 nodes: 2(m-1) alpha + 2(m-1)/m S beta + (m-1)/m S gamma
+    ring = 2 * 9e-4 + s * 8e-8 + s / 2 * 3e-10
+    assert CostModel(again, 2, 2).hierarchical(s) == pytest.approx(2 * 0.8 * tree + ring)
+    assert CostModel(params, 2, 2).hierarchical(s) == pytest.approx(2 * tree + ring)
 
 
 # ------------------------------------------------------------------------------------ command line

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -68,6 +69,7 @@ def _entry(
 ) -> None:
     os.environ.clear()  # the parent's environment now, as a spawned rank has it (a forked one
     os.environ.update(parent_env)  # would have the forkserver's, from when it started)
+    faulthandler.enable(all_threads=True)  # a rank that crashes in C++ prints its Python stacks
     torch.set_num_threads(1)
     for k, v in env.items():
         os.environ[k] = v.format(rank=rank)

@@ -97,9 +97,14 @@ class CostParams:
         return next((v for k, v in self.efficiency if k == key), 1.0)
 
 
-COLLECTIVE_KINDS = ("allreduce", "allgather", "sendrecv")
+COLLECTIVE_KINDS = ("allreduce", "allgather", "sendrecv", "tree")
 """What crosses the nodes in a synchronization: a ring all-reduce (dense algorithms, PowerSGD's
-factor rounds), an all-gather of payloads, or CaSync's point-to-point steps (ring and PS)."""
+factor rounds), an all-gather of payloads, or CaSync's point-to-point steps (ring and PS); and
+``tree``, the node-internal reduce and broadcast around the leaders (the hierarchical all-reduce,
+PowerSGD with local aggregation), which :func:`calibrate` measures (the closed loop keeps it)."""
+
+CALIBRATED_KINDS = ("tree",)
+"""Efficiency kinds :func:`calibrate` measures and the closed loop's refit leaves as they are."""
 
 SMALL_COLLECTIVE_BYTES = 1 << 20
 """Below this many bytes a collective is ``small`` (start-ups weigh), at or above ``large``."""
@@ -110,6 +115,23 @@ def efficiency_key(kind: str, nbytes: float) -> str:
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"collective kind must be one of {', '.join(COLLECTIVE_KINDS)}, got {kind!r}")
     return f"{kind}/{'small' if nbytes < SMALL_COLLECTIVE_BYTES else 'large'}"
+
+
+def parse_efficiency(v: Any, where: str) -> tuple[tuple[str, float], ...]:
+    """``{"allgather/small": 1.3, ...}`` as :attr:`CostParams.efficiency` (``ValueError`` naming
+    ``where`` and the allowed classes)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"{where} must be an object of KIND/CLASS -> factor, got {v!r}")
+    kinds = [f"{k}/{c}" for k in COLLECTIVE_KINDS for c in ("small", "large")]
+    out = []
+    for key, factor in sorted(v.items()):
+        if key not in kinds:
+            raise ValueError(f"{where}: unknown class {key!r}; allowed: {', '.join(kinds)}")
+        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        if not number or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"{where}[{key!r}] must be positive, got {factor!r}")
+        out.append((key, float(factor)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -226,11 +248,13 @@ class CostModel:
         return 2 * self._tree(nbytes) + self.ring_allreduce(nbytes, self.m, self.params.inter)
 
     def _tree(self, nbytes: float) -> float:
-        """One intra-node binomial tree (a reduce, or a broadcast) of S bytes: one call."""
+        """One intra-node binomial tree (a reduce, or a broadcast) of S bytes: one call, its
+        transfers times the ``tree`` efficiency :func:`calibrate` measured (1 where it did not)."""
         i = self.params.intra
         if self.n <= 1:
             return 0.0
-        return math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta) + self.calls(1)
+        transfer = math.ceil(log2(self.n)) * (i.alpha + nbytes * i.beta)
+        return transfer * self.params.efficiency_of("tree", nbytes) + self.calls(1)
 
     def torus2d(self, nbytes: float) -> float:
         """The MSTopK paper's 2DTAR: intra RS, n parallel inter all-reduces of S/n sharing the
@@ -457,22 +481,55 @@ def _add_rate(topo: Topology, reps: int) -> float:
     return statistics.median(times) / ADD_BYTES if times else 0.0
 
 
+INTRA_LARGE_BYTES = 32 << 20
+"""The largest all-reduce of the node-internal level's calibration (besides ``sizes``): on links
+inside a host a few MiB still carry the calls' fixed costs. Timed at 4 MiB the loopback of the
+emulated 2 x 2 cluster read 1.1e-9 s/B and moved from 1.2e-10 to 1.6e-9 between runs of one
+command; 16 to 90 MiB read 0.87-0.89e-9 (gloo, four ranks on two cores)."""
+
+
+def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> float:
+    """Measured over modelled time of the node-internal reduce and broadcast of ``nbytes`` (every
+    node at once), the links fitted from ring all-reduces: gloo's reduce and broadcast are not a
+    ring's halves (on the emulated cluster's loopback, four ranks on two cores, the pair took
+    1.7-2.0 ring all-reduces of the same bytes, against the 2 of full-duplex links)."""
+    buf = torch.zeros(nbytes // 4, device=topo.comm_device)
+    leader = topo.leader
+
+    def tree() -> None:
+        P.reduce(buf, leader, topo.intra_group, "calibrate")
+        P.broadcast(buf, leader, topo.intra_group, "calibrate")
+
+    tree()  # first call not timed
+    measured = time_slowest(topo, tree, reps)
+    modelled = 2 * math.ceil(log2(topo.per_node)) * (intra.alpha + nbytes * intra.beta)
+    return min(max(measured / modelled, 0.1), 100.0) if modelled > 0 else 1.0
+
+
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
     """Measure alpha and beta of the intra and inter levels on the running cluster.
 
     Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
     inter-node group (local index 0, so its stream has the node cable to itself), read as
     ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from small ones with every group of the level busy;
+    the node-internal level also up to :data:`INTRA_LARGE_BYTES` (unless ``sizes`` are given), and
+    its reduce and broadcast against their formula (the ``tree`` efficiency, :func:`_tree_efficiency`);
     gamma from timing local adds, one rank at a time (:func:`_add_rate`); the start-up of a small
     world all-gather (:func:`measure_gather_start`). The per-call cost is left at zero: the closed
     loop fits it from the running engine (:func:`gradsync.planner.closed_loop.refit_links`). Every
     rank gets the same numbers (the timings are maxima over all ranks). A level with one rank
     gets the other level's values.
     """
+    explicit = sizes is not None
     sizes = sorted(sizes or [4, 1024 * 1024, 4 * 1024 * 1024])
     intra = inter = None
+    efficiency: tuple[tuple[str, float], ...] = ()
     if topo.world > 1 and topo.per_node > 1:
-        intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, sizes, reps)
+        intra_sizes = sizes if explicit else sorted({*sizes, INTRA_LARGE_BYTES})
+        intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, intra_sizes, reps)
+        if intra_sizes[-1] >= SMALL_COLLECTIVE_BYTES:
+            tree = _tree_efficiency(topo, intra, intra_sizes[-1], reps)
+            efficiency = ((efficiency_key("tree", intra_sizes[-1]), tree),)
     if topo.world > 1 and topo.nodes > 1:
         inter = _fit_ring(topo, topo.inter_group, topo.nodes, topo.local_rank == 0, sizes, reps)
     g = torch.tensor([_add_rate(topo, reps)], dtype=torch.float64, device=topo.comm_device)
@@ -480,7 +537,8 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
         dist.all_reduce(g, op=dist.ReduceOp.MAX, group=topo.control_group)
     fallback = Link(0.0, 0.0)
     gather = measure_gather_start(topo, reps=reps) if topo.world > 1 else None
-    return CostParams(intra or inter or fallback, inter or intra or fallback, float(g), gather)
+    intra, inter = intra or inter or fallback, inter or intra or fallback
+    return CostParams(intra, inter, float(g), gather, efficiency=efficiency)
 
 
 EFFICIENCY_PROBES = (256 << 10, 2 << 20)

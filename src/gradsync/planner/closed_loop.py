@@ -46,7 +46,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link, efficiency_key
+from gradsync.collectives.cost import (
+    CALIBRATED_KINDS,
+    CodecCost,
+    CostModel,
+    CostParams,
+    Linear,
+    Link,
+    efficiency_key,
+)
 from gradsync.collectives.topology import Topology
 from gradsync.planner.decide import (
     FirstStep,
@@ -138,7 +146,7 @@ def _params(base: CostParams, u: list[float], classes: Sequence[str] = ()) -> Co
         intra=Link(base.intra.alpha * u[0], base.intra.beta * u[1]),
         inter=Link(base.inter.alpha * u[2], base.inter.beta * u[3]),
         call=u[4] * CALL_UNIT,
-        efficiency=tuple(zip(classes, u[5:], strict=True)) if classes else base.efficiency,
+        efficiency=base.efficiency + tuple(zip(classes, u[5:], strict=True)),
     )
 
 
@@ -189,7 +197,9 @@ def refit_links(
         return params, 0.0, 0.0
     classes: list[str] = []
     if efficiency and nodes * per_node > 1:
-        params = replace(params, efficiency=())
+        # what calibrate measured directly stays; the kinds the buckets show are fitted afresh
+        kept = tuple(e for e in params.efficiency if e[0].split("/")[0] in CALIBRATED_KINDS)
+        params = replace(params, efficiency=kept)
         classes = sorted({sample_class(s, scheme, codecs.get(s.codec_id), schemes) for s in data})
     base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta, CALL_UNIT]
     base += [1.0] * len(classes)

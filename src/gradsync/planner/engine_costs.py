@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradsync.collectives.cost import COLLECTIVE_KINDS, CodecCost, CostParams, Linear, Link
+from gradsync.collectives.cost import CodecCost, CostParams, Linear, Link, parse_efficiency
 from gradsync.planner.closed_loop import Refit
 
 ENGINE_COSTS_FORMAT = "gradsync.engine-costs/1"
@@ -90,7 +90,7 @@ class EngineCosts:
         params = CostParams(
             intra, inter, _number(links.get("gamma"), f"{where}: links.gamma"),
             call=_number(links.get("call"), f"{where}: links.call"),
-            efficiency=_efficiency(doc.get("efficiency", {}), f"{where}: efficiency"),
+            efficiency=parse_efficiency(doc.get("efficiency", {}), f"{where}: efficiency"),
         )  # fmt: skip
         codecs = {}
         table = doc.get("codecs")
@@ -107,22 +107,6 @@ class EngineCosts:
             params, codecs, None if pack is None else Linear(*_pair(pack, f"{where}: pack")), nodes, per_node,
             str(doc.get("source", "")),
         )  # fmt: skip
-
-
-def _efficiency(v: Any, where: str) -> tuple[tuple[str, float], ...]:
-    """``{"allgather/small": 1.3, ...}`` (missing in documents written before it: none)."""
-    if not isinstance(v, dict):
-        raise ValueError(f"{where} must be an object of KIND/CLASS -> factor, got {v!r}")
-    kinds = [f"{k}/{c}" for k in COLLECTIVE_KINDS for c in ("small", "large")]
-    out = []
-    for key, factor in sorted(v.items()):
-        if key not in kinds:
-            raise ValueError(f"{where}: unknown class {key!r}; allowed: {', '.join(kinds)}")
-        f = _number(factor, f"{where}[{key!r}]")
-        if f <= 0:
-            raise ValueError(f"{where}[{key!r}] must be positive, got {factor!r}")
-        out.append((key, f))
-    return tuple(out)
 
 
 def _positive_int(v: Any) -> bool:

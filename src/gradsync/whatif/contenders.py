@@ -94,7 +94,9 @@ class Cluster:
         inside the node and the reductions (on the emulated cluster both are CPU work of this
         machine, slowed by contention like any compute)."""
         p = self.params
-        return CostModel(CostParams(p.intra, Link(0.0, 0.0), p.gamma, call=p.call), self.nodes, self.per_node)
+        inside = tuple(e for e in p.efficiency if e[0].startswith("tree/"))  # the node-internal trees
+        host = CostParams(p.intra, Link(0.0, 0.0), p.gamma, call=p.call, efficiency=inside)
+        return CostModel(host, self.nodes, self.per_node)
 
     def bytes_model(self) -> CostModel:
         """The same formulas with the node cable at 1 s per byte and everything else free: their

@@ -11,7 +11,12 @@ format that :func:`load_links` reads::
     {"format": "gradsync.links/1", "nodes": 2, "per_node": 2,
      "intra": {"alpha_s": 1.2e-4, "beta_s_per_byte": 3.1e-10},
      "inter": {"alpha_s": 9.8e-4, "beta_s_per_byte": 8.1e-8},
-     "gamma_s_per_byte": 2.5e-10, "created": "...", "command": "..."}
+     "gamma_s_per_byte": 2.5e-10, "call_s": 0.0, "efficiency": {"tree/large": 0.85},
+     "created": "...", "command": "..."}
+
+``efficiency``: measured over modelled time by kind and size class
+(:attr:`gradsync.collectives.cost.CostParams.efficiency`); calibrate measures the node-internal
+reduce and broadcast (``tree``). Files without it read as none.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gradsync.collectives.cost import CostParams, Link
+from gradsync.collectives.cost import CostParams, Link, parse_efficiency
 from gradsync.units import parse_duration, parse_rate
 
 LINKS_FORMAT = "gradsync.links/1"
@@ -91,6 +96,7 @@ def links_document(params: CostParams, nodes: int, per_node: int, command: str =
         "inter": {"alpha_s": params.inter.alpha, "beta_s_per_byte": params.inter.beta},
         "gamma_s_per_byte": params.gamma,
         "call_s": params.call,
+        "efficiency": dict(params.efficiency),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": command,
     }
@@ -119,7 +125,9 @@ def parse_links(doc: Any, where: str) -> Network:
             )
         )
     call = _number(doc, "call_s", where) if "call_s" in doc else 0.0  # files before the call cost have none
-    return Network(CostParams(links[0], links[1], _number(doc, "gamma_s_per_byte", where), call=call), where)
+    efficiency = parse_efficiency(doc.get("efficiency", {}), f"{where}: efficiency")  # nor before this
+    gamma = _number(doc, "gamma_s_per_byte", where)
+    return Network(CostParams(links[0], links[1], gamma, call=call, efficiency=efficiency), where)
 
 
 def load_links(path: str) -> Network:

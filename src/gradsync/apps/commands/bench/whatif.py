@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         say(f"  links and codecs from the engine's refitted costs {args.costs}: {params}")
     else:
         params = calibrate(topo, reps=5)
-        params = replace(params, efficiency=measure_efficiency(topo, params, reps=5))
+        params = replace(params, efficiency=params.efficiency + measure_efficiency(topo, params, reps=5))
         say(f"  links calibrated in {time.perf_counter() - t0:.1f} s: {params}")
     profile, hook_rates = None, {}
     if rank0:
