@@ -489,16 +489,18 @@ command; 16 to 90 MiB read 0.87-0.89e-9 (gloo, four ranks on two cores)."""
 
 
 def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> float:
-    """Measured over modelled time of the node-internal reduce and broadcast of ``nbytes`` (every
-    node at once), the links fitted from ring all-reduces: gloo's reduce and broadcast are not a
-    ring's halves (on the emulated cluster's loopback, four ranks on two cores, the pair took
-    1.7-2.0 ring all-reduces of the same bytes, against the 2 of full-duplex links)."""
+    """Measured over modelled time of the node-internal reduce and broadcast of ``nbytes`` (on the
+    first node alone, as the links were fitted), the links fitted from ring all-reduces: gloo's
+    reduce and broadcast are not a ring's halves (on the emulated cluster's loopback, two ranks on
+    two cores, the pair took 1.4-1.6 ring all-reduces of the same bytes, against the 2 of
+    full-duplex links)."""
     buf = torch.zeros(nbytes // 4, device=topo.comm_device)
     leader = topo.leader
 
     def tree() -> None:
-        P.reduce(buf, leader, topo.intra_group, "calibrate")
-        P.broadcast(buf, leader, topo.intra_group, "calibrate")
+        if topo.node == 0:
+            P.reduce(buf, leader, topo.intra_group, "calibrate")
+            P.broadcast(buf, leader, topo.intra_group, "calibrate")
 
     tree()  # first call not timed
     measured = time_slowest(topo, tree, reps)
@@ -509,9 +511,11 @@ def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> flo
 def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> CostParams:
     """Measure alpha and beta of the intra and inter levels on the running cluster.
 
-    Ring all-reduces of ``sizes`` (bytes) on the intra-node groups (all nodes at once) and on one
-    inter-node group (local index 0, so its stream has the node cable to itself), read as
-    ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from small ones with every group of the level busy;
+    Ring all-reduces of ``sizes`` (bytes) on the first node's group alone (the links of one node,
+    as a worker's compute is profiled alone: where nodes share a host's cores, as on the emulated
+    cluster, the simulator adds the contention) and on one inter-node group (local index 0, so its
+    stream has the node cable to itself), read as ``2(p-1) alpha + 2(p-1)/p S beta``, alpha from
+    small ones with every group of the level busy;
     the node-internal level also up to :data:`INTRA_LARGE_BYTES` (unless ``sizes`` are given), and
     its reduce and broadcast against their formula (the ``tree`` efficiency, :func:`_tree_efficiency`);
     gamma from timing local adds, one rank at a time (:func:`_add_rate`); the start-up of a small
@@ -526,7 +530,7 @@ def calibrate(topo: Topology, sizes: list[int] | None = None, reps: int = 5) -> 
     efficiency: tuple[tuple[str, float], ...] = ()
     if topo.world > 1 and topo.per_node > 1:
         intra_sizes = sizes if explicit else sorted({*sizes, INTRA_LARGE_BYTES})
-        intra = _fit_ring(topo, topo.intra_group, topo.per_node, True, intra_sizes, reps)
+        intra = _fit_ring(topo, topo.intra_group, topo.per_node, topo.node == 0, intra_sizes, reps)
         if intra_sizes[-1] >= SMALL_COLLECTIVE_BYTES:
             tree = _tree_efficiency(topo, intra, intra_sizes[-1], reps)
             efficiency = ((efficiency_key("tree", intra_sizes[-1]), tree),)

@@ -200,12 +200,16 @@ def ddp_buckets(workload: Workload, order: list[int], cap: int, first: int) -> l
     return [m for _, m in sorted(out, key=lambda x: x[0])]
 
 
-HOST_COMM_CONTENDS = False
+HOST_COMM_CONTENDS = True
 """Whether the node-internal part of a collective (loopback transfers, reductions) is slowed by CPU
-contention like compute. Measured both ways on the emulated 2x2 cluster at 100 Mbit/s
-(docs/whatif.md): contended, PowerSGD's intra-node reduce and broadcast of 64 MB came out 2x too
-slow (+104 %); uncontended, hitopk came out 24 % too fast. Uncontended has the smaller errors
-(median 3 % against 11 %), so it is the model; the misses are published."""
+contention like compute (only where the host's cores are bounded: CPU training, the emulated
+cluster). On such a host every byte a node moves inside itself is a copy on the cores its
+workers compute on. :func:`~gradsync.collectives.cost.calibrate` times the node's links on one
+node alone, as the profile times one worker alone, and the simulator adds the contention. (Until
+issue 44 the links were timed with every node at once, which already held the other node's
+contention, and this was False: contended on top of that, PowerSGD's intra-node reduce and
+broadcast came out 2x too slow; uncontended, the outer loops' inner all-reduce inside the node
+came out 19-23 % fast. docs/whatif.md has both.)"""
 
 
 def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[Stage]:
