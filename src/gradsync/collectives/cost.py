@@ -483,9 +483,10 @@ def _add_rate(topo: Topology, reps: int) -> float:
 
 INTRA_LARGE_BYTES = 32 << 20
 """The largest all-reduce of the node-internal level's calibration (besides ``sizes``): on links
-inside a host a few MiB still carry the calls' fixed costs. Timed at 4 MiB the loopback of the
-emulated 2 x 2 cluster read 1.1e-9 s/B and moved from 1.2e-10 to 1.6e-9 between runs of one
-command; 16 to 90 MiB read 0.87-0.89e-9 (gloo, four ranks on two cores)."""
+inside a host a few MiB still carry the calls' fixed costs. Timed at 4 MiB, with both nodes at
+once, the loopback of the emulated 2 x 2 cluster read 1.1e-9 s/B and moved from 1.2e-10 to
+1.6e-9 between runs of one command; 16 to 90 MiB read 0.87-0.97e-9 (gloo, four ranks on two
+cores), and one node alone 0.36-0.6e-9 at 32 MiB (the rate :func:`calibrate` now takes)."""
 
 
 def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> float:
