@@ -116,6 +116,24 @@ def test_contention_slows_every_busy_thread():
     assert Cpu(4, 2.0).slowdown(2) == 4.0 and Cpu().slowdown(5) == 1.0
 
 
+def test_node_internal_transfers_contend_on_a_bounded_host_and_the_cable_does_not():
+    """hierarchical on 2 x 2, one 8 MB bucket ready when the backward pass ends: its reduce and
+    broadcast inside the node (two ranks: one binomial-tree step each, alpha_i + S beta_i) are
+    copies on the host's cores, twice as long with 4 ranks on 2 cores, like the compute; the
+    leaders' ring across the nodes is the cable's time either way. (The engine's per-step check,
+    a few bytes all-reduced over the 4 ranks on the node cable, comes on top: 6 start-ups.)"""
+    s, ai, bi, ao, bo = 8 * MB, 1e-4, 1e-9, 2e-4, 1 / 1.25e8
+    pt = Point(2, 2, Network(CostParams(Link(ai, bi), Link(ao, bo), 0.0), "test"))
+    w = workload([(8, BWD)])
+    trees = 2 * (ai + s * bi)
+    ring = 2 * ao + s * bo  # 2 leaders: 2(m-1) alpha_o + 2(m-1)/m S beta_o
+    free = step_ms("hierarchical", w, pt)
+    assert free - (FWD + BWD + trees + ring + OPT) == pytest.approx(6 * ao, rel=1e-3)
+    # contended: the compute and the trees take twice as long, the cable's time is unchanged
+    contended = step_ms("hierarchical", w, pt, Cpu(4, 2.0))
+    assert contended - free == pytest.approx(FWD + BWD + OPT + trees, rel=1e-9)
+
+
 def test_the_powersgd_hook_charges_its_measured_work():
     """With the hook's work measured running (seconds per bucket byte), a bucket's hook compute
     stages add up to that rate times the bucket, split as the codec's timing splits them (half of the
