@@ -408,6 +408,15 @@ def check_calibration(topo):
     theirs_tree = tree.clone()
     dist.broadcast(theirs_tree, 0)
     assert torch.equal(tree, theirs_tree) and 0.1 <= float(tree) <= 100
+    # bench whatif's ratio of the node's all-reduce with every node at once over one alone: a
+    # positive number, the same on every rank (the timings are the slowest rank's)
+    from gradsync.apps.commands.bench.whatif import node_transfer_ratio
+
+    ratio = node_transfer_ratio(topo, reps=1)
+    assert ratio is not None and 0 < ratio < 100, ratio
+    theirs_ratio = torch.tensor([ratio], dtype=torch.float64)
+    dist.broadcast(theirs_ratio, 0)
+    assert float(theirs_ratio) == ratio
     # the add rate of one rank alone on 16 MiB: between 1 TB/s and 100 MB/s on any host
     assert 1e-12 < params.gamma < 1e-8, params.gamma
     # world all-gathers against the all-gather formula on these links: one entry per size class,

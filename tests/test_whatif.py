@@ -132,6 +132,23 @@ def test_node_internal_transfers_contend_on_a_bounded_host_and_the_cable_does_no
     # contended: the compute and the trees take twice as long, the cable's time is unchanged
     contended = step_ms("hierarchical", w, pt, Cpu(4, 2.0))
     assert contended - free == pytest.approx(FWD + BWD + OPT + trees, rel=1e-9)
+    # a transfer that feels half the contention of a computing thread: its trees 1.5x, not 2x
+    half = step_ms("hierarchical", w, pt, Cpu(4, 2.0, transfer_weight=0.5))
+    assert half - free == pytest.approx(FWD + BWD + OPT + 0.5 * trees, rel=1e-9)
+
+
+def test_transfer_weight_makes_every_rank_transferring_take_the_measured_ratio():
+    """4 ranks on 2 cores, every rank transferring: the simulator slows a transfer by
+    1 + (4 / 2 - 1) w, so a measured ratio of 1.5 (every node at once over one alone) is w = 0.5."""
+    from gradsync.whatif.simulate import transfer_weight
+
+    assert transfer_weight(1.5, 4, 2.0) == pytest.approx(0.5)
+    assert transfer_weight(1.5, 4, 2.0) * (4 / 2 - 1) + 1 == pytest.approx(1.5)
+    assert transfer_weight(3.0, 4, 2.0) == 1.0  # never more than a computing thread
+    assert transfer_weight(0.9, 4, 2.0) == 0.0
+    assert transfer_weight(None, 4, 2.0) == 1.0  # not measured (older results): as before
+    assert transfer_weight(1.5, 2, 4.0) == 1.0  # not oversubscribed
+    assert transfer_weight(1.5, 4, math.inf) == 1.0
 
 
 def test_the_powersgd_hook_charges_its_measured_work():

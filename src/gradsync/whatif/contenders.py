@@ -218,7 +218,8 @@ def comm_stages(label: str, total: float, host: float, nbytes: float) -> list[St
     host = min(max(host, 0.0), total)
     out = []
     if host > 0:
-        out.append(Stage(COMM, host, f"{label} (in node)", HOST_COMM_CONTENDS, {"bytes": nbytes}))
+        args = {"bytes": nbytes, "in_node": True}  # (Cpu.transfer_weight)
+        out.append(Stage(COMM, host, f"{label} (in node)", HOST_COMM_CONTENDS, args))
     if total - host > 0 or not out:
         out.append(Stage(COMM, total - host, label, False, {"bytes": nbytes}))
     out[0].args["call"] = True  # the collective's start (see Cpu.busy_call)

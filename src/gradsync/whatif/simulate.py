@@ -93,6 +93,13 @@ class Cpu:
     and charges it only with ``--charge-busy-calls`` (the probe misses the engine's waits on
     this project's machine, docs/whatif.md)."""
 
+    transfer_weight: float = 1.0
+    """How much of the contention a node-internal transfer feels, against a thread that computes
+    (1: as much). A copy through the host's loopback waits on its peer part of the time, so it
+    takes less of the cores than a computing thread: a stage marked ``in_node`` runs
+    ``1 + (slowdown - 1) * transfer_weight`` times slower. ``gradsync bench whatif`` measures it
+    (:func:`transfer_weight`); unknown, it is 1."""
+
     def slowdown(self, busy: int) -> float:
         if busy <= 0 or math.isinf(self.cores):
             return 1.0
@@ -107,6 +114,17 @@ class Cpu:
 
 
 NO_CONTENTION = Cpu()
+
+
+def transfer_weight(ratio: float | None, ranks_per_host: int, cores: float) -> float:
+    """:attr:`Cpu.transfer_weight` from ``ratio``: a node-internal all-reduce's time with every node
+    of the host at once over one node's alone. With every rank transferring (one busy thread each)
+    the simulator slows a transfer by ``1 + (ranks / cores - 1) w``; ``w`` makes that the measured
+    ratio (within 0 and 1). 1 where nothing was measured or the host is not oversubscribed."""
+    over = ranks_per_host / cores if cores > 0 and math.isfinite(cores) else 1.0
+    if ratio is None or not math.isfinite(ratio) or over <= 1.0:
+        return 1.0
+    return min(max((ratio - 1.0) / (over - 1.0), 0.0), 1.0)
 
 
 @dataclass
@@ -148,6 +166,13 @@ class _Work:
     start: float
     task: int = -1  # index into the submitted tasks (-1: training-thread work of its own)
     ready: list[int] = field(default_factory=list)  # tensors made ready when it ends
+    weight: float = 1.0  # the share of the contention it feels (Cpu.transfer_weight)
+
+    def factor(self, slow: float) -> float:
+        """How many times slower than alone it runs while threads contend ``slow`` times."""
+        if not self.cpu:
+            return 1.0
+        return slow if self.weight >= 1.0 else 1.0 + (slow - 1.0) * self.weight
 
 
 @dataclass
@@ -322,7 +347,8 @@ def simulate(
                         if w is not None and w.cpu and w.remaining > _EPS
                     )
                     seconds += cpu.call_wait(computing)
-                running[COMM] = _Work(head.label, seconds, head.cpu, t, task=lv.seq)
+                weight = cpu.transfer_weight if head.args.get("in_node") else 1.0
+                running[COMM] = _Work(head.label, seconds, head.cpu, t, task=lv.seq, weight=weight)
                 lv.stage_ready = False
             break
 
@@ -347,7 +373,7 @@ def simulate(
         slow = cpu.slowdown(n_cpu)
         dt = math.inf
         for w in active:
-            dt = min(dt, w.remaining * (slow if w.cpu else 1.0))
+            dt = min(dt, w.remaining * w.factor(slow))
         timers = [r for b, r in enumerate(release) if r is not None and b >= next_bucket and r > t + _EPS]
         if timers:
             dt = min(dt, min(timers) - t)
@@ -361,7 +387,7 @@ def simulate(
             if work is None:
                 continue
             w = work
-            w.remaining -= dt / (slow if w.cpu else 1.0)
+            w.remaining -= dt / w.factor(slow)
             if w.remaining <= 1e-12:
                 finished.append((thread, w))
         for thread, w in finished:

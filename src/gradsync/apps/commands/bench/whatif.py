@@ -46,6 +46,7 @@ from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.own_work import measure_in_subprocess
 from gradsync.apps.commands.bench.world import run_emulated
 from gradsync.apps.models import parameter_count
+from gradsync.collectives.topology import Topology
 from gradsync.observe.profiler import default_loss
 from gradsync.whatif.modes import is_outer, is_self_syncing
 from gradsync.whatif.sharded import is_sharded
@@ -138,6 +139,28 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
     together = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=True)
     a, t = float(alone[0]), together
     return {"alone_ms": a * 1e3, "together_ms": t * 1e3, "effective_cores": ranks * a / t}
+
+
+def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
+    """A node-internal all-reduce of :data:`~gradsync.collectives.cost.INTRA_LARGE_BYTES` with
+    every node of the host at once over the first node's alone (the median of ``reps`` timings of
+    the slowest rank each): how the host's nodes' copies slow each other, which sets
+    :attr:`~gradsync.whatif.simulate.Cpu.transfer_weight`. None with one rank per node."""
+    from gradsync.collectives import primitives as P
+    from gradsync.collectives.cost import INTRA_LARGE_BYTES, time_slowest
+
+    if topo.per_node <= 1 or topo.world <= 1:
+        return None
+    buf = torch.zeros(INTRA_LARGE_BYTES // 4, device=topo.comm_device)
+    P.all_reduce(buf, topo.intra_group, "calibrate")  # connections set up, not timed
+
+    def ring(everyone: bool) -> None:
+        if everyone or topo.node == 0:
+            P.all_reduce(buf, topo.intra_group, "calibrate")
+
+    alone = time_slowest(topo, lambda: ring(False), reps)
+    together = time_slowest(topo, lambda: ring(True), reps)
+    return together / alone if alone > 0 else None
 
 
 BUSY_CALL_BYTES = 16 << 10
@@ -247,6 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if busy_call_ms:  # on GPUs the threads that compute are not the host's
         say(f"  a small collective waits {', '.join(f'{w:.1f}' for w in busy_call_ms)} ms more "
             f"with 1, 2 threads computing per rank")  # fmt: skip
+    transfers = None if torch.cuda.is_available() else node_transfer_ratio(topo)
+    if transfers is not None:
+        say(f"  the node's all-reduce with every node at once: {transfers:.2f}x one node's alone")
     costs = CodecTable()
     if engine is not None:  # the codecs as they ran in the engine; others are timed here
         costs.entries.update(engine.codecs)
@@ -266,7 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "nodes": topo.nodes, "per_node": topo.per_node, "link": link,
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
-        "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms},
+        "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms,
+                       "node_transfer_ratio": transfers},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
@@ -300,7 +327,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.network import Network
     from gradsync.whatif.predict import Point, predict_point
-    from gradsync.whatif.simulate import Cpu
+    from gradsync.whatif.simulate import Cpu, transfer_weight
     from gradsync.whatif.workload import Workload
 
     workload = Workload.from_profile(Profile.from_dict(result["profile"]))
@@ -316,7 +343,10 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     cores = cores_from_local(cont, rows)
     # absent in older results
     busy_call = tuple(w / 1e3 for w in cont.get("busy_call_ms", ())) if charge_busy_calls else ()
-    cpu = Cpu(cont["ranks_per_host"], cores if cores is not None else cont["effective_cores"], busy_call)
+    effective = cores if cores is not None else cont["effective_cores"]
+    # absent in older results: a node-internal transfer feels the contention as a thread computing
+    weight = transfer_weight(cont.get("node_transfer_ratio"), cont["ranks_per_host"], effective)
+    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight)
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
@@ -338,6 +368,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
         })  # fmt: skip
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention",
+            "transfer_weight": cpu.transfer_weight,
             "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call]}  # fmt: skip
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
