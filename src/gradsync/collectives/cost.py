@@ -505,7 +505,7 @@ def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> flo
 
     tree()  # first call not timed
     measured = time_slowest(topo, tree, reps)
-    modelled = 2 * math.ceil(log2(topo.per_node)) * (intra.alpha + nbytes * intra.beta)
+    modelled = 2 * CostModel(CostParams(intra, intra, 0.0), topo.nodes, topo.per_node)._tree(nbytes)
     return min(max(measured / modelled, 0.1), 100.0) if modelled > 0 else 1.0
 
 
