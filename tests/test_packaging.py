@@ -61,10 +61,19 @@ LIBRARY_RANK = textwrap.dedent(
                             timeout=datetime.timedelta(seconds=60))
     topo = gradsync.Topology(nodes=world, per_node=1)  # every rank its own node: compressed
 
+    # Tensors handed to a gloo collective stay referenced here until the process ends: gloo's
+    # worker thread lets go of its own references after the caller's wait returns, and if the
+    # Python objects are gone by then it needs the GIL to free them; a worker that gets there
+    # only once the interpreter is shutting down aborts the process ("terminate called without
+    # an active exception"; PyTorch's own behaviour: this script without gradsync in it aborted
+    # so in 3 of 29 runs). gradsync's exit hook also leaves gloo's workers a moment to finish.
+    KEEP = []
+
     def same_on_every_rank(grads, what):
         flat = torch.cat([g.reshape(-1) for g in grads])
         everyone = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(everyone, flat)
+        KEEP.append((flat, everyone))
         assert all(torch.equal(flat, other) for other in everyone), what
 
     def mlp():
