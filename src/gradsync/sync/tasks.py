@@ -34,7 +34,6 @@ References:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import heapq
 import threading
@@ -54,7 +53,6 @@ from gradsync.sync import host_reads
 
 _running: weakref.WeakSet[TaskManager] = weakref.WeakSet()
 """Managers whose threads run, for :func:`_close_running` (filled as threads start)."""
-_exit_hook = False
 
 
 def _stop_at_exit(manager: TaskManager) -> None:
@@ -65,34 +63,14 @@ def _stop_at_exit(manager: TaskManager) -> None:
     torch or gloo C++ frame that unwinding aborts the process ("terminate called without an
     active exception", SIGABRT, and torchrun reports a failed job). An ``atexit`` callback runs
     before that point, so the threads finish their queue and return normally."""
-    global _exit_hook
     _running.add(manager)
-    if not _exit_hook:
-        atexit.register(_close_running)
-        _exit_hook = True
-
-
-EXIT_RELEASE_S = 0.05
-"""How long :func:`_close_running` leaves the GIL free after stopping the managers' threads."""
+    P.at_exit(_close_running)  # then gloo's workers get their moment (P.at_exit)
 
 
 def _close_running() -> None:
-    """Stop every running manager's threads, then leave the GIL free for a moment.
-
-    The pause is for gloo's own worker threads. A gloo worker drops its references to a
-    collective's tensors after the caller's wait has returned; where Python no longer holds those
-    tensors the worker must take the GIL to free them, and if that happens only once the
-    interpreter is shutting down, the worker thread is ended inside gloo's C++ loop and the
-    process aborts ("terminate called without an active exception"). PyTorch does this without
-    gradsync too (a script of DDP, one all-gather and destroy_process_group aborted in 3 of 29
-    runs here); the engine's last collectives and the training script's own are covered by the
-    same pause."""
-    managers = list(_running)
-    for manager in managers:
+    for manager in list(_running):
         with contextlib.suppress(Exception):
             manager.close()
-    if managers:
-        time.sleep(EXIT_RELEASE_S)
 
 
 class TaskError(RuntimeError):
