@@ -324,3 +324,36 @@ def test_a_scan_refuses_addends_of_another_size():
     with pytest.raises(ValueError, match=r"scan: addends of \[100, 99\] elements for a tensor of 100"):
         CandidateSet.scan(x, Key.ABS, target=10, addends=(torch.zeros(100), torch.zeros(99)))
     assert bool((x == 7.0).all())
+
+
+def test_the_floor_sample_does_not_line_up_with_a_gradients_columns(backend):
+    """A weight's gradient is an outer product of errors and activations, so its columns differ
+    by their activation. Here the columns a power-of-two stride through a 1024 x 4096 matrix would
+    sample (every 256th, from the 128th) are 8x larger than the rest: a sample that lines up with
+    them puts the floor above the k-th largest key, and the selection then reads the whole tensor
+    again. The floor must stay at or below it (k from torch.topk)."""
+    errors = torch.randn(1024, 1)
+    activations = torch.ones(1, 4096)
+    activations[0, 128::256] = 8.0
+    x = (errors * activations).reshape(-1)
+    k = x.numel() // 100
+    kth = float(torch.topk(x.abs(), k).values[-1])
+    cand = ops.CandidateSet.scan(x, Key.ABS, target=k, minimum=0)
+    assert cand.floor <= kth
+    assert cand.count >= k
+
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % d for d in range(2, int(q**0.5) + 1))
+
+
+@pytest.mark.parametrize(
+    ("n", "s"), [(4_194_304, 16_384), (65_536, 4096), (1 << 30, 65_536), (300_001, 4096)]
+)
+def test_the_sample_stride_is_the_smallest_prime_of_at_least_n_over_s(n, s):
+    from gradsync.codecs.ops.select import sample_stride
+
+    p = sample_stride(n, s)
+    low = -(-n // s)  # n / s rounded up: at most s samples
+    assert p >= low and _is_prime(p)
+    assert not any(_is_prime(q) for q in range(low, p))
