@@ -67,16 +67,16 @@ def powersgd_hook_rate(
     rank: int,
     bucket_mb: float | None,
     device: torch.device | None = None,
-    passes: int = 3,
+    passes: int = 5,
 ) -> float:
     """Seconds per byte of gradient that PyTorch's PowerSGD hook (``rank``, error feedback and
     warm start as by default) adds to a forward and backward pass of ``base`` (``loss_of``), on
     ``device`` (default: where ``base`` is), in DDP buckets of ``bucket_mb`` (None: DDP's
     default). Run by one rank alone: it makes a process group of itself (no other rank takes
-    part), so the hook's collectives move nothing. The median step with the hook minus the
-    median without, over ``passes`` alternating passes of 4 steps each (after 3 warm-up steps,
-    which also end the hook's dense start). Needs an initialized process group
-    (:func:`one_rank_world` makes one in a single process)."""
+    part), so the hook's collectives move nothing. Over ``passes`` alternating passes of 4 steps
+    each (after 3 warm-up steps, which also end the hook's dense start), the median over the
+    passes of each pass's median step with the hook minus its median without. Needs an
+    initialized process group (:func:`one_rank_world` makes one in a single process)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     me = dist.get_rank()
@@ -99,11 +99,15 @@ def powersgd_hook_rate(
     hooked.register_comm_hook(state, psgd.powerSGD_hook)
     _step_seconds(plain, loss_of, device, 3)
     _step_seconds(hooked, loss_of, device, 3)
-    without, with_hook = [], []
+    # each pass's difference of medians, then their median: a stretch of a busy machine slows
+    # the passes it falls in, not the estimate (over all steps at once, one run of the bench
+    # read twice the work of six others)
+    differences = []
     for _ in range(passes):
-        without += _step_seconds(plain, loss_of, device, 4)
-        with_hook += _step_seconds(hooked, loss_of, device, 4)
-    extra = max(statistics.median(with_hook) - statistics.median(without), 0.0)
+        without = _step_seconds(plain, loss_of, device, 4)
+        with_hook = _step_seconds(hooked, loss_of, device, 4)
+        differences.append(statistics.median(with_hook) - statistics.median(without))
+    extra = max(statistics.median(differences), 0.0)
     # the DDP wrappers (their reducers hold the group) go first; the one-rank group itself stays
     # until the world is destroyed: destroying it here, under a live reducer, can abort the
     # process ("Resource deadlock avoided")
