@@ -328,10 +328,11 @@ def sample_stride(n: int, s: int) -> int:
     A prime keeps the sample from lining up with the tensor's rows. A power-of-two stride does:
     a 4096 x 4096 weight's gradient (VGG's classifier layer) is an outer product of the batch's
     errors and activations, so its columns differ by the activations, and a stride of 256
-    through it sampled 16 of its 4096 columns. The floor then missed ``k`` often enough that the
-    ``mstopk:density=0.01`` encode of a 16 MiB part of that gradient took a median 10 ms instead
-    of 4 (docs/whatif.md, "Where a compressed step with one rank per node loses its time"). A
-    constant stride, unlike scattered positions, still reads as fast as the plain one did."""
+    through it sampled 16 of its 4096 columns. The floor then fell short of ``k`` in about half
+    of the ``mstopk:density=0.01+ef`` encodes of that gradient's 16 MiB parts, and those read the
+    tensor again (about 10 ms instead of 3.3; mean 6.5 ms against 3.4 with a prime stride,
+    ``python scripts/floor_sample_stride.py``). A constant stride, unlike scattered positions,
+    reads the sample as fast as the plain one did."""
     p = max(2, -(-n // s))
     while any(p % d == 0 for d in range(2, math.isqrt(p) + 1)):
         p += 1
