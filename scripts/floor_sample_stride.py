@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -53,7 +54,9 @@ def main() -> None:
     scan = select.CandidateSet.scan.__func__  # type: ignore[attr-defined]
     seen: list[int] = []
 
-    def counting_scan(cls, x, key, target, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting_scan(
+        cls: type, x: torch.Tensor, key: select.Key, target: int, *args: Any, **kwargs: Any
+    ) -> select.CandidateSet:
         cand = scan(cls, x, key, target, *args, **kwargs)
         seen.append(int(cand.count < target))
         return cand
