@@ -169,7 +169,10 @@ def test_candidates_parse_with_commas_or_bars_and_keep_their_own_strategies():
     ]  # fmt: skip
     assert Scheme.parse("hitopk:density=0.01").alternatives(2, 2) == []  # not auto: nothing added
     one_per_node = [a.name for a in Scheme.parse("auto").resolve(4, 1).alternatives(4, 1)]
-    assert one_per_node == ["ring/mstopk:density=0.01", "ps/mstopk:density=0.01"]
+    # plain auto also weighs PowerSGD at rank 4 (AUTO_CODECS), with and without local aggregation
+    assert one_per_node == ["allgather/powersgd:rank=4", "ring/mstopk:density=0.01", "ps/mstopk:density=0.01"]
+    two_by_two = {a.name for a in Scheme.parse("auto").resolve(2, 2).alternatives(2, 2)}
+    assert {"allgather/powersgd:rank=4", "allgather+local/powersgd:rank=4"} <= two_by_two
     # the canonical name parses back to the same scheme (it is what checkpoints record)
     r = t.resolve(2, 2)
     assert Scheme.parse(r.name).resolve(2, 2).name == r.name

@@ -9,7 +9,8 @@ Grammar (every part is case-sensitive and whitespace around it is ignored)::
     hitopk[:OPTIONS]            hitopk/mstopk[:OPTIONS], e.g. hitopk:density=0.01
     CODEC                       a codec alone; the strategy follows from the codec and topology
     auto                        hitopk/mstopk:density=0.01 on several nodes of several ranks,
-                                allgather/mstopk:density=0.01 otherwise
+                                allgather/mstopk:density=0.01 otherwise; the planner may also
+                                pick, per bucket, powersgd:rank=4 (AUTO_CODECS) on any strategy
     auto:candidates=A,B,...     the planner picks, per bucket, among the compressed schemes A, B, ...
                                 and dense (A is the scheme's own; each candidate is any compressed
                                 scheme above, e.g. auto:candidates=hitopk:density=0.01,powersgd:rank=1;
@@ -38,6 +39,11 @@ from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.collectives.strategies import compressed_strategy_names
 
 DEFAULT_CODEC = "mstopk:density=0.01"
+AUTO_CODECS = (DEFAULT_CODEC, "powersgd:rank=4")
+"""The codecs plain ``auto`` weighs per bucket (with dense): the default sparsifier and PowerSGD at
+rank 4. Both have measured quality costs (``whatif/quality.py``: PowerSGD at rank 4 lost less than
+top-k at 1 % on the project's language model), so adding the low-rank codec does not add a worse
+one; which one a bucket runs is the cost model's call. ``auto:candidates=...`` replaces the list."""
 
 
 @dataclass(frozen=True)
@@ -134,13 +140,15 @@ class Scheme:
         return replace(parsed[0], text=text, candidates=tuple(names[1:]))
 
     def alternatives(self, nodes: int, per_node: int) -> list[Scheme]:
-        """The other candidates, resolved for the topology: those of ``auto:candidates=...``, and
-        for an ``auto`` scheme every other strategy the cost model prices for each candidate's
-        codec (:meth:`strategy_variants`: the same codec, so the same information dropped; the
-        planner picks per bucket by predicted time)."""
+        """The other candidates, resolved for the topology: those of ``auto:candidates=...`` (plain
+        ``auto``: the other :data:`AUTO_CODECS`), and for an ``auto`` scheme every other strategy
+        the cost model prices for each candidate's codec (:meth:`strategy_variants`: the same
+        codec, so the same information dropped; the planner picks per bucket by predicted time)."""
         explicit = [Scheme.parse(c).resolve(nodes, per_node) for c in self.candidates]
         if not self.text.strip().startswith("auto"):
             return explicit
+        if not self.candidates:  # plain auto: its other default codecs
+            explicit = [Scheme.parse(c).resolve(nodes, per_node) for c in AUTO_CODECS if c != self.codec]
         own = self.resolve(nodes, per_node)
         seen = {own.route(), *(e.route() for e in explicit)}
         out = list(explicit)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync.sync.scheme import Scheme
+from gradsync.sync.scheme import AUTO_CODECS, Scheme
 from gradsync.whatif.modes import is_outer, is_self_syncing, outer_options
 from gradsync.whatif.sharded import is_sharded, sharded_contender
 
@@ -114,7 +114,7 @@ def family(name: str) -> str:
     if scheme.kind == "dense":
         return "fp16" if scheme.comm_dtype else "dense"
     if scheme.text.startswith("auto"):  # as the codec its plan compresses with (its candidates' worst)
-        names = [scheme.codec or "", *scheme.candidates]
+        names = [scheme.codec or "", *scheme.candidates] if scheme.candidates else list(AUTO_CODECS)
         fams = [_codec_family(Scheme.parse(c).codec or c) for c in names]
         return max(fams, key=lambda f: QUALITY[f].worst)
     return _codec_family(scheme.codec or "")
