@@ -173,6 +173,10 @@ def test_candidates_parse_with_commas_or_bars_and_keep_their_own_strategies():
     assert one_per_node == ["allgather/powersgd:rank=4", "ring/mstopk:density=0.01", "ps/mstopk:density=0.01"]
     two_by_two = {a.name for a in Scheme.parse("auto").resolve(2, 2).alternatives(2, 2)}
     assert {"allgather/powersgd:rank=4", "allgather+local/powersgd:rank=4"} <= two_by_two
+    # a list of one candidate is that codec alone, on every strategy (no default codec added)
+    one = Scheme.parse("auto:candidates=topk:density=0.01").resolve(2, 1)
+    only = [a.name for a in one.alternatives(2, 1)]
+    assert only == ["ring/topk:density=0.01", "ps/topk:density=0.01"]
     # the canonical name parses back to the same scheme (it is what checkpoints record)
     r = t.resolve(2, 2)
     assert Scheme.parse(r.name).resolve(2, 2).name == r.name
@@ -366,6 +370,31 @@ def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_lau
     by_hand = 39e-3 + c(40 * (64 << 10), 5e-3)
     assert span(one.buckets, [i * 1e-3 for i in range(40)]) == pytest.approx(by_hand)
     assert by_hand < 40 * c(64 << 10, 5e-3)
+
+
+def test_the_re_cuts_span_follows_the_engines_two_threads():
+    """span() by hand: bucket A ready at 0 and B at 1 ms, each one part of (encode 4, communicate
+    10, decode 1) ms, a dense bucket D of 3 ms ready at 2 ms between them. Compute thread: A's
+    encode 0-4, B's encode 4-8 (its bucket launches after D's, at 2 ms), A's decode 14-15;
+    communication thread: A 4-14, D 14-17, B 17-27; B's decode 27-28. One after another
+    (no overlap) it would be 15 + 3 + 15 = 33 ms. With two parts each of half the stages, A's
+    second part is encoded 2-4 while its first communicates 2-7."""
+    from gradsync.planner.plan import BucketPlan
+    from gradsync.planner.recut import span
+
+    a = BucketPlan([0], 0, True, 1, compressed_ms=15.0, stages_ms=(4.0, 10.0, 1.0))
+    d = BucketPlan([1], -1, False, 1, dense_ms=3.0)
+    b = BucketPlan([2], 0, True, 1, compressed_ms=15.0, stages_ms=(4.0, 10.0, 1.0))
+    assert span([a, d, b], [0.0, 2e-3, 1e-3]) == pytest.approx(28e-3)
+    # without stages (a plan from an older state): one communication each, 15 + 3 + 15
+    plain = [BucketPlan(x.slots, x.codec_id, x.compress, 1, dense_ms=x.dense_ms,
+                        compressed_ms=x.compressed_ms) for x in (a, d, b)]  # fmt: skip
+    assert span(plain, [0.0, 2e-3, 1e-3]) == pytest.approx(33e-3)
+    # two parts of (2, 5, 0.5): A enc 0-2, 2-4; comm 2-7, 7-12; decodes 7-7.5, 12-12.5; D 12-15;
+    # B (launched at 2 ms) enc 4-6, 6-8 (the compute thread is free before A's first decode);
+    # comm 15-20, 20-25; decodes 20-20.5, 25-25.5
+    halves = [BucketPlan(x.slots, x.codec_id, True, 2, stages_ms=(2.0, 5.0, 0.5)) for x in (a, b)]
+    assert span([halves[0], d, halves[1]], [0.0, 2e-3, 1e-3]) == pytest.approx(25.5e-3)
 
 
 def test_the_re_cut_merges_buckets_whose_candidates_differ():

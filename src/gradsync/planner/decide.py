@@ -107,6 +107,28 @@ def formula(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | 
     return strategy.cost(model, nbytes, codec, model.p, model.world_link)
 
 
+def codec_work(c: CodecCost, encode: bool, decode: bool) -> CodecCost:
+    """``c`` with only its encode and/or decode cost (the other zero)."""
+    zero = Linear(0.0, 0.0)
+    return replace(c, encode=c.encode if encode else zero, decode=c.decode if decode else zero)
+
+
+def stage_times(
+    scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost
+) -> tuple[float, float, float]:
+    """(encode, communication, decode) seconds of one compressed synchronization of ``nbytes``,
+    read off the scheme's formula: the encode (decode) is the formula on free links with only the
+    codec's encode (decode) cost, the communication what is left of the whole prediction (where
+    the formula overlaps compute with transfers, as hitopk's chunk pipeline does, the overlap is
+    credited to the communication). The engine runs the first and the last on its compute
+    thread, the middle on its communication thread (:mod:`gradsync.sync.tasks`)."""
+    total = predict(scheme, model, nbytes, codec)
+    free = CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 0.0), 0.0), model.m, model.n)
+    enc = predict(scheme, free, nbytes, codec_work(codec, True, False))
+    dec = predict(scheme, free, nbytes, codec_work(codec, False, True))
+    return enc, max(total - enc - dec, 0.0), dec
+
+
 def encode_sizes(scheme: Scheme, nbytes: float, nodes: int, per_node: int) -> float:
     """Bytes one encode call of the scheme sees for a bucket of ``nbytes``."""
     if scheme.local and per_node > 1 and nodes > 1:
@@ -215,6 +237,8 @@ def make_plan(
             usable = [o for o in options if not o[3]]
             t_comp, k, cid, _ = min(usable or options)
             b.partitions, b.compressed_ms = k, t_comp * 1e3
+            stages = stage_times(scheme_for(scheme, schemes, cid), model, size / k, codec_costs[cid])
+            b.stages_ms = (stages[0] * 1e3, stages[1] * 1e3, stages[2] * 1e3)
             b.compress = mode == "compress" or t_comp < margin * t_dense
             b.dense_reason = "" if b.compress else "cost"
             if b.compress and not usable:

@@ -35,6 +35,10 @@ class BucketPlan:
     dense_ms: float | None = None  # predictions, for the log
     compressed_ms: float | None = None
     dense_reason: str = ""  # one of DENSE_REASONS
+    stages_ms: tuple[float, float, float] | None = None
+    """Compressed: one part's (encode, communication, decode) predicted, for the re-cut's order of
+    work (:func:`gradsync.planner.recut.span`); not sent with the plan (a re-cut runs where the
+    plan is made)."""
 
 
 @dataclass
@@ -73,7 +77,11 @@ class Plan:
 
     @classmethod
     def from_state(cls, state: list[dict[str, Any]]) -> Plan:
-        return cls([BucketPlan(**b) for b in state])
+        out = []
+        for b in state:  # a state read back from JSON holds a list; older states no stages
+            stages = b.get("stages_ms")
+            out.append(BucketPlan(**{**b, "stages_ms": None if stages is None else tuple(stages)}))
+        return cls(out)
 
     # ------------------------------------------------------------------ display
     def rows(

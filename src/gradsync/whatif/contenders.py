@@ -36,18 +36,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.planner.decide import (
     FirstStep,
+    codec_work,
     first_step_groups,
     launch_ready,
     make_plan,
     no_compute,
     predict,
+    stage_times,
 )
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
@@ -159,26 +161,6 @@ def powersgd_rank(name: str) -> int:
 
 def paper02_ratio(name: str) -> float:
     return _option(name, "paper02", "ratio", 1.0, float)
-
-
-def _scaled(c: CodecCost, encode: bool, decode: bool) -> CodecCost:
-    zero = Linear(0.0, 0.0)
-    return replace(c, encode=c.encode if encode else zero, decode=c.decode if decode else zero)
-
-
-def stage_times(
-    scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost
-) -> tuple[float, float, float]:
-    """(encode, communication, decode) seconds of one compressed synchronization of ``nbytes``,
-    read off the scheme's formula: the encode (decode) is the formula on free links with only the
-    codec's encode (decode) cost, the communication what is left of the whole prediction (where
-    the formula overlaps compute with transfers, as hitopk's chunk pipeline does, the overlap is
-    credited to the communication)."""
-    total = predict(scheme, model, nbytes, codec)
-    free = CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 0.0), 0.0), model.m, model.n)
-    enc = predict(scheme, free, nbytes, _scaled(codec, True, False))
-    dec = predict(scheme, free, nbytes, _scaled(codec, False, True))
-    return enc, max(total - enc - dec, 0.0), dec
 
 
 def ddp_buckets(workload: Workload, order: list[int], cap: int, first: int) -> list[list[int]]:
@@ -470,7 +452,7 @@ def _gradsync_program(
             c, mine = codec_costs[bp.codec_id], schemes[bp.codec_id]
             part = s / bp.partitions
             enc, comm, dec = stage_times(mine, model, part, c)
-            own = predict(mine, host, part, _scaled(c, False, False))
+            own = predict(mine, host, part, codec_work(c, False, False))
             for j in range(bp.partitions):
                 first, last = j == 0, j == bp.partitions - 1
                 stages = [
@@ -482,7 +464,7 @@ def _gradsync_program(
                         COMPUTE, dec + (gamma * s if last else 0.0), "decode, unpack" if last else "decode"
                     ),
                 ]
-                prog.cable_bytes += predict(mine, bytes_model, part, _scaled(c, False, False))
+                prog.cable_bytes += predict(mine, bytes_model, part, codec_work(c, False, False))
                 label = f"bucket {b}" + (f" part {j + 1}/{bp.partitions}" if bp.partitions > 1 else "")
                 tasks.append(Task(label, b, stages))
         prog.bucket_tasks.append(tasks)
