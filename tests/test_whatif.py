@@ -659,6 +659,8 @@ def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
     assert family("fsdp") == family("hsdp") == family("replicate") == "dense"
     assert family("hsdp/topk:density=0.01") == "sparse" and family("replicate/onebit") == "onebit"
     assert family("fsdp/fp16") == "fp16"
+    # auto is as its worst codec: plain auto may pick top-k or PowerSGD (top-k measured worse)
+    assert family("auto") == "sparse" and family("auto:candidates=powersgd:rank=4") == "powersgd"
 
 
 def test_advise_cli_ranks_every_mode_per_point(files):
@@ -694,6 +696,30 @@ def test_advise_cli_ranks_every_mode_per_point(files):
 def test_advise_errors_name_the_option(files, extra, message, capsys):
     assert main(["advise", "--profile", str(files / "profile.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plain_auto_is_no_slower_than_any_fixed_scheme_of_its_codecs():
+    """Plain ``auto`` weighs its sparsifier on every strategy and PowerSGD at rank 4 with and
+    without local aggregation (AUTO_CODECS): in the simulator, on one rank per node, on 2 x 2 and
+    on 4 x 2, its step is no slower than the fastest of those fixed schemes. On 8 x 1 at
+    100 Mbit/s (the codec table's PowerSGD sends half top-k's bytes and all-reduces them) it
+    takes PowerSGD and beats every top-k strategy by far; on 2 x 2 the four buckets ready 10 ms
+    apart keep PowerSGD apart, as the fixed scheme runs them (merging two, as an order of work
+    without the compute thread's overlap would, cost 14 %)."""
+    w = workload([(8, 0.010), (8, 0.020), (8, 0.030), (8, BWD)])
+    opts = {"plan": "compress"}
+    sparse = [f"{s}{loc}/mstopk:density=0.01" for s in ("allgather", "ring", "ps") for loc in ("", "+local")]
+    low = ["allgather/powersgd:rank=4", "allgather+local/powersgd:rank=4"]
+    for pt in (
+        Point(8, 1, network(1 / 1.25e7, 1e-5)),
+        Point(2, 2, network(1 / 1.25e7, 1e-4)),
+        Point(4, 2, network(1 / 1.25e8, 1e-5)),
+    ):
+        steps = {name: step_ms(name, w, pt, options=opts) for name in sparse + low}
+        auto = step_ms("auto", w, pt, options=opts)
+        assert auto <= min(steps.values()) * (1 + 1e-6), (pt, auto, steps)
+        if pt.nodes == 8:
+            assert auto < 0.7 * min(steps[n] for n in sparse)
 
 
 def test_auto_takes_the_cheapest_strategy_of_its_codec_per_bucket():

@@ -147,7 +147,7 @@ class Scheme:
         explicit = [Scheme.parse(c).resolve(nodes, per_node) for c in self.candidates]
         if not self.text.strip().startswith("auto"):
             return explicit
-        if not self.candidates:  # plain auto: its other default codecs
+        if self.text.strip() == "auto":  # plain auto: its other default codecs
             explicit = [Scheme.parse(c).resolve(nodes, per_node) for c in AUTO_CODECS if c != self.codec]
         own = self.resolve(nodes, per_node)
         seen = {own.route(), *(e.route() for e in explicit)}

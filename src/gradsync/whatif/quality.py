@@ -114,7 +114,7 @@ def family(name: str) -> str:
     if scheme.kind == "dense":
         return "fp16" if scheme.comm_dtype else "dense"
     if scheme.text.startswith("auto"):  # as the codec its plan compresses with (its candidates' worst)
-        names = [scheme.codec or "", *scheme.candidates] if scheme.candidates else list(AUTO_CODECS)
+        names = list(AUTO_CODECS) if scheme.text == "auto" else [scheme.codec or "", *scheme.candidates]
         fams = [_codec_family(Scheme.parse(c).codec or c) for c in names]
         return max(fams, key=lambda f: QUALITY[f].worst)
     return _codec_family(scheme.codec or "")
