@@ -320,7 +320,9 @@ def wrap(
     """Synchronize ``model``'s gradients with gradsync.
 
     ``scheme`` is a spec string (``"hitopk:density=0.01"``, ``"torus2d"``, ``"powersgd:rank=4"``,
-    ``"ps+local/onebit"``...) or a :class:`~gradsync.sync.SyncConfig`; ``options`` are further
+    ``"ps+local/onebit"``...) or a :class:`~gradsync.sync.SyncConfig`. The default, ``"auto"``,
+    lets the planner pick per bucket among dense, top-k at 1 % and PowerSGD at rank 4 on every
+    strategy (:data:`~gradsync.sync.scheme.AUTO_CODECS`), by its measured cost model; ``options`` are further
     SyncConfig fields (``bucket_bytes=...``, ``plan="compress"``...). ``topology`` defaults to
     torchrun's layout. Pass the GradScaler of mixed-precision training as ``grad_scaler``: error
     feedback then works in unscaled units and overflowing steps are skipped on every rank.
