@@ -21,7 +21,8 @@ Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contender
   codec's measured cost. Each bucket (or each of its parts) is a task: pack and encode on the
   compute thread, the scheme's collectives on the communication thread, decode and unpack on the
   compute thread. How a part's predicted time splits into encode, communication and decode is
-  read off the same formula (:func:`stage_times`).
+  read off the same formula (:func:`gradsync.planner.decide.stage_times`, which the planner's
+  re-cut reads too).
 
 Every collective's time is a :class:`gradsync.collectives.cost.CostModel` formula: the planner,
 ``bench collectives`` and this simulator share them.
