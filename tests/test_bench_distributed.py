@@ -89,6 +89,7 @@ def check_whatif_bench(tmp):
     # what a small collective waits for with 1 and 2 threads computing per rank, measured and
     # recorded; charged only when asked (then never faster), and an older result without the
     # measurement replays as before
+    assert w["contention"]["cpus"] >= 1  # what bounds the effective cores read from local
     waits = w["contention"]["busy_call_ms"]
     assert len(waits) == 2 and all(v >= 0 for v in waits), waits
     assert w["contention_used"]["busy_call_ms_charged"] == []

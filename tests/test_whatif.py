@@ -106,6 +106,21 @@ def test_ddp_buckets_follow_its_limits():
     assert ddp_buckets(w, w.ready_order(), 25 * MB, MB) == [[0, 1], [2, 3], [4]]
 
 
+def test_effective_cores_from_local_are_bounded_by_the_hosts_cpus():
+    """bench whatif's effective cores: ranks x one worker alone / every worker at once (``local``),
+    at most the CPUs the ranks share where the result records them (a larger reading is the
+    machine's speed drifting between the two timings, not a share of the host)."""
+    from gradsync.apps.commands.bench.whatif import cores_from_local, host_cpus
+
+    rows = [{"contender": "local", "step_ms": 140.0}, {"contender": "ddp", "step_ms": 900.0}]
+    cont = {"alone_ms": 84.0, "ranks_per_host": 4}
+    assert cores_from_local(cont, rows) == pytest.approx(4 * 84.0 / 140.0)  # 2.4: older results
+    assert cores_from_local({**cont, "cpus": 2}, rows) == 2.0
+    assert cores_from_local({**cont, "cpus": 16}, rows) == pytest.approx(2.4)
+    assert cores_from_local(cont, rows[1:]) is None  # no local contender: the fallback
+    assert host_cpus() >= 1
+
+
 def test_contention_slows_every_busy_thread():
     w = workload([(1, BWD)])
     pt = Point(2, 2, network(1e-15))
