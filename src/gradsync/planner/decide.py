@@ -237,14 +237,14 @@ def make_plan(
             usable = [o for o in options if not o[3]]
             t_comp, k, cid, _ = min(usable or options)
             b.partitions, b.compressed_ms = k, t_comp * 1e3
-            stages = stage_times(scheme_for(scheme, schemes, cid), model, size / k, codec_costs[cid])
-            b.stages_ms = (stages[0] * 1e3, stages[1] * 1e3, stages[2] * 1e3)
             b.compress = mode == "compress" or t_comp < margin * t_dense
             b.dense_reason = "" if b.compress else "cost"
             if b.compress and not usable:
                 b.compress, b.partitions, b.dense_reason = False, 1, "codec"
             elif b.compress:
                 b.codec_id = cid
+                stages = stage_times(scheme_for(scheme, schemes, cid), model, size / k, codec_costs[cid])
+                b.stages_ms = (stages[0] * 1e3, stages[1] * 1e3, stages[2] * 1e3)
         return b
 
     plan = Plan([decide(slots, codec_id) for slots, codec_id in groups])

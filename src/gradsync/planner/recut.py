@@ -62,26 +62,26 @@ def span(buckets: Sequence[BucketPlan], ready: Sequence[float]) -> float:
     the compute thread; the compute thread runs the ready work of the oldest bucket first. So a
     bucket's encode overlaps the communication of the buckets ahead of it. A bucket without
     stages (dense, or planned without them) is one communication of its predicted time."""
-    work = []  # per part: (bucket, part, launch, encode, communication, decode)
-    for i, (b, launch) in enumerate(zip(buckets, launch_times(buckets, ready), strict=True)):
+    work = []  # per part, in plan order: (launch, encode, communication, decode)
+    for b, launch in zip(buckets, launch_times(buckets, ready), strict=True):
         if b.compress and b.stages_ms is not None:
             enc, comm, dec = (x / 1e3 for x in b.stages_ms)
-            work += [(i, j, launch, enc, comm, dec) for j in range(max(b.partitions, 1))]
+            work += [(launch, enc, comm, dec)] * max(b.partitions, 1)
         else:
-            work.append((i, 0, launch, 0.0, bucket_seconds(b), 0.0))
+            work.append((launch, 0.0, bucket_seconds(b), 0.0))
     cpu = comm_free = done = 0.0
     encode_next = 0  # encodes run in order (oldest first): the next one is work[encode_next]
     # decodes waiting for the compute thread, (ready, seconds): communication runs in order, so
     # they become ready in order, and the first is both the earliest and the oldest
     decodes: deque[tuple[float, float]] = deque()
     while encode_next < len(work) or decodes:
-        enc_ready = work[encode_next][2] if encode_next < len(work) else math.inf
+        enc_ready = work[encode_next][0] if encode_next < len(work) else math.inf
         now = max(cpu, min(enc_ready, decodes[0][0] if decodes else math.inf))
         if decodes and decodes[0][0] <= now:  # a waiting decode is older than any encode left
             cpu = now + decodes.popleft()[1]
             done = max(done, cpu)
             continue
-        _, _, _, enc, comm, dec = work[encode_next]
+        _, enc, comm, dec = work[encode_next]
         cpu = now + enc
         comm_free = max(comm_free, cpu) + comm
         decodes.append((comm_free, dec))
