@@ -179,6 +179,42 @@ def test_the_refit_learns_an_efficiency_per_kind_of_collective_and_size():
     assert predict(scheme, plain, nbytes, CODEC) == pytest.approx(expect - (f - 1) * gather, rel=1e-9)
 
 
+def test_casync_ps_charges_its_all_to_all_and_its_all_gather_each_their_own_efficiency():
+    """CaSync-PS over a 2 x 2 world: 2 (4 - 1) sends of one piece, half of them the all-to-all to
+    the owners, half the all-gather of the aggregates. Each half is charged the efficiency of its
+    own kind, classed by the piece one call moves per peer (as measure_efficiency classes its
+    probes): here a payload of 1.6 MB, whose pieces of 0.4 MB are small. The large classes and
+    the all-reduce's are set to values that would show if they were read."""
+    from gradsync.collectives.cost import efficiency_key
+    from gradsync.planner.decide import collective_of, predict
+
+    eff = {"sendrecv/small": 1.8, "allgather/small": 1.2, "sendrecv/large": 7.0, "allgather/large": 9.0}
+    eff["allreduce/large"] = 5.0
+    params = replace(TRUE, efficiency=tuple(eff.items()))
+    model = CostModel(params, 2, 2)
+    nbytes = 80e6
+    payload = CODEC.payload(nbytes / 4)  # one piece: a quarter of the tensor, encoded
+    assert payload < (1 << 20) <= CODEC.payload(nbytes)
+    send = params.inter.alpha + params.call + payload * params.inter.beta  # fixed slots: one message
+    comm = 6 * send
+    compute = 5 * CODEC.encode(nbytes / 4) + 5 * CODEC.decode(nbytes / 4)  # K + 1 encodes, N + 1 decodes
+    expect = compute + (0.5 * 1.8 + 0.5 * 1.2) * comm
+    assert predict(Scheme.parse("ps/topk:density=0.01"), model, nbytes, CODEC) == pytest.approx(
+        expect, rel=1e-9
+    )
+    # the refit classes a measured PS bucket by its first collective, the all-to-all's piece
+    kind, moved = collective_of(Scheme.parse("ps/topk:density=0.01"), nbytes, CODEC, 2, 2)
+    assert efficiency_key(kind, moved) == "sendrecv/small"
+    # with local aggregation the strategy runs over the 2 nodes on a node's shard: pieces of
+    # payload(S / 2) / 2, still small here, and CaSync-Ring's steps are all sendrecv
+    kind, moved = collective_of(Scheme.parse("ps+local/topk:density=0.01"), nbytes, CODEC, 2, 2)
+    assert (kind, moved) == ("sendrecv", pytest.approx(CODEC.payload(nbytes / 2) / 2))
+    ring = 4 * CODEC.encode(nbytes / 4) + 4 * CODEC.decode(nbytes / 4) + 1.8 * comm  # the same 6 sends
+    assert predict(Scheme.parse("ring/topk:density=0.01"), model, nbytes, CODEC) == pytest.approx(
+        ring, rel=1e-9
+    )
+
+
 def test_engine_costs_keep_the_efficiencies(tmp_path):
     from gradsync.planner.engine_costs import EngineCosts
 

@@ -151,11 +151,12 @@ def _params(base: CostParams, u: list[float], classes: Sequence[str] = ()) -> Co
 
 
 def sample_class(
-    s: Sample, scheme: Scheme, codec: CodecCost | None, schemes: Sequence[Scheme] | None = None
-) -> str:
+    s: Sample, scheme: Scheme, codec: CodecCost | None, nodes: int, per_node: int,
+    schemes: Sequence[Scheme] | None = None,
+) -> str:  # fmt: skip
     """The efficiency class (:func:`~gradsync.collectives.cost.efficiency_key`) of a bucket."""
     mine = scheme_for(scheme, schemes, s.codec_id) if s.compressed else Scheme("", "dense", s.algorithm)
-    kind, moved = collective_of(mine, s.nbytes / s.parts, codec if s.compressed else None)
+    kind, moved = collective_of(mine, s.nbytes / s.parts, codec if s.compressed else None, nodes, per_node)
     return efficiency_key(kind, moved)
 
 
@@ -200,7 +201,9 @@ def refit_links(
         # what calibrate measured directly stays; the kinds the buckets show are fitted afresh
         kept = tuple(e for e in params.efficiency if e[0].split("/")[0] in CALIBRATED_KINDS)
         params = replace(params, efficiency=kept)
-        classes = sorted({sample_class(s, scheme, codecs.get(s.codec_id), schemes) for s in data})
+        classes = sorted(
+            {sample_class(s, scheme, codecs.get(s.codec_id), nodes, per_node, schemes) for s in data}
+        )
     base = [params.intra.alpha, params.intra.beta, params.inter.alpha, params.inter.beta, CALL_UNIT]
     base += [1.0] * len(classes)
     start = [1.0, 1.0, 1.0, 1.0, params.call / CALL_UNIT] + [1.0] * len(classes)

@@ -52,12 +52,13 @@ COMPRESS_MARGIN = 0.5
 def predict(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
     """Predicted seconds of one synchronization of ``nbytes`` (float32 bytes) with ``scheme``: the
     formula, its communication (the formula without the codec's compute) times the efficiency
-    the closed loop measured for its kind and size (:attr:`CostParams.efficiency`; 1 until then)."""
+    measured for the kind and size of each collective it runs, weighed by its share of the
+    communication (:func:`collective_phases`, :attr:`CostParams.efficiency`; 1 until measured)."""
     t = formula(scheme, model, nbytes, codec)
     if not model.params.efficiency or model.p <= 1:
         return t
-    kind, moved = collective_of(scheme, nbytes, codec)
-    factor = model.params.efficiency_of(kind, moved)
+    phases = collective_phases(scheme, nbytes, codec, model.m, model.n)
+    factor = sum(share * model.params.efficiency_of(kind, moved) for kind, moved, share in phases)
     if factor == 1.0:
         return t
     comm = t if codec is None else formula(scheme, model, nbytes, no_compute(codec))
@@ -70,16 +71,41 @@ def no_compute(c: CodecCost) -> CodecCost:
     return replace(c, encode=zero, decode=zero)
 
 
-def collective_of(scheme: Scheme, nbytes: float, codec: CodecCost | None) -> tuple[str, float]:
-    """The kind of collective a synchronization sends across nodes and the bytes one call moves
-    (its efficiency class, :func:`~gradsync.collectives.cost.efficiency_key`)."""
+def collective_of(
+    scheme: Scheme, nbytes: float, codec: CodecCost | None, nodes: int, per_node: int
+) -> tuple[str, float]:
+    """The first collective a synchronization sends across nodes and the bytes its efficiency
+    class reads (:func:`collective_phases`): the class a measured bucket refits."""
+    kind, moved, _ = collective_phases(scheme, nbytes, codec, nodes, per_node)[0]
+    return kind, moved
+
+
+def collective_phases(
+    scheme: Scheme, nbytes: float, codec: CodecCost | None, nodes: int, per_node: int
+) -> tuple[tuple[str, float, float], ...]:
+    """The collectives a synchronization of ``nbytes`` sends across nodes, each as (kind, bytes
+    that set its efficiency class, its share of the synchronization's communication time).
+
+    The bytes are what one call moves per rank, the way :func:`~gradsync.collectives.cost.measure_efficiency`
+    classes its probes: an all-gather's contribution of each rank, a point-to-point step's piece
+    for one peer (CaSync's strategies cut the payload in one piece per rank of their group: the
+    world, or the nodes with local aggregation, on a node's shard). CaSync-PS runs two
+    collectives of equal steps (2 (N - 1) sends in all, :meth:`CostModel.casync`): the pieces to
+    their owners (an all-to-all, ``sendrecv``) and the owners' aggregates back (an all-gather of
+    one piece per rank); each is charged its own measured efficiency for half the time."""
     if scheme.kind == "dense" or codec is None:
-        return "allreduce", nbytes / 2 if scheme.comm_dtype else nbytes
+        return (("allreduce", nbytes / 2 if scheme.comm_dtype else nbytes, 1.0),)
     if codec.lowrank:
-        return "allreduce", codec.payload(nbytes)
-    if (scheme.strategy or "allgather") == "allgather":
-        return "allgather", codec.payload(nbytes)
-    return "sendrecv", codec.payload(nbytes)
+        return (("allreduce", codec.payload(nbytes), 1.0),)
+    strategy = scheme.strategy or "allgather"
+    if strategy == "allgather":
+        return (("allgather", codec.payload(nbytes), 1.0),)
+    local = bool(scheme.local) and per_node > 1
+    group = nodes if local else nodes * per_node
+    piece = codec.payload(nbytes / per_node if local else nbytes) / max(group, 1)
+    if strategy == "ps":
+        return (("sendrecv", piece, 0.5), ("allgather", piece, 0.5))
+    return (("sendrecv", piece, 1.0),)
 
 
 def formula(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
