@@ -90,7 +90,6 @@ def check_whatif_bench(tmp):
     # recorded; charged only when asked (then never faster), and an older result without the
     # measurement replays as before
     assert w["contention"]["cpus"] >= 1  # what bounds the effective cores read from local
-    assert w["contention"]["autogroup"] in (None, "0", "1")  # the scheduler the ranks ran under
     waits = w["contention"]["busy_call_ms"]
     assert len(waits) == 2 and all(v >= 0 for v in waits), waits
     assert w["contention_used"]["busy_call_ms_charged"] == []

@@ -100,29 +100,6 @@ def test_cluster_state_files_without_a_storage_node_still_load(monkeypatch, tmp_
     assert netns.ClusterState.load() == netns.ClusterState(2, "100mbit", "20mbit")
 
 
-def test_the_cluster_turns_the_schedulers_autogroups_off_and_back(monkeypatch, tmp_path):
-    """up turns kernel.sched_autogroup_enabled off and keeps what it found in the state file;
-    down puts it back. Off already, or no such switch: nothing to put back."""
-    switch = tmp_path / "sched_autogroup_enabled"
-    monkeypatch.setattr(netns, "AUTOGROUP", switch)
-    monkeypatch.setattr(netns, "STATE_DIR", tmp_path / "state")
-    switch.write_text("1\n")
-    state = netns.ClusterState(2, "100mbit")
-    state.autogroup = netns.autogroups_off()
-    state.save()
-    assert switch.read_text().strip() == "0" and netns.autogroups() == "0"
-    loaded = netns.ClusterState.load()
-    assert loaded == netns.ClusterState(2, "100mbit", None, "1")
-    netns.restore_autogroups(loaded)
-    assert switch.read_text().strip() == "1"
-    switch.write_text("0\n")
-    assert netns.autogroups_off() is None  # off already: down leaves it off
-    netns.restore_autogroups(netns.ClusterState(2, "100mbit"))
-    assert switch.read_text().strip() == "0"
-    switch.unlink()
-    assert netns.autogroups_off() is None and netns.autogroups() is None  # a kernel without the switch
-
-
 def test_node_command_is_one_torchrun_per_node_with_static_rendezvous():
     cmd = node_command(1, 2, 3, 29511, ["bench", "step", "--model", "vgg"])
     assert cmd[:4] == ["ip", "netns", "exec", "gs-n1"]
@@ -179,7 +156,6 @@ def test_a_real_two_node_cluster_runs_a_gradsync_command(tmp_path, monkeypatch):
     if reason:
         pytest.skip(f"emulated cluster unavailable: {reason}")
     monkeypatch.setattr(netns, "STATE_DIR", tmp_path / "state")
-    scheduler = netns.autogroups()
     out = tmp_path / "c.json"
     argv = [
         "cluster",
@@ -220,7 +196,6 @@ def test_a_real_two_node_cluster_runs_a_gradsync_command(tmp_path, monkeypatch):
         r["cable_bytes_per_op"] and r["cable_bytes_per_op"] > 0.25 * 2**20 * 0.9 for r in result["rows"]
     )
     assert netns.ClusterState.load() is None  # taken down again
-    assert netns.autogroups() == scheduler  # the scheduler's autogroups as they were
     assert not any(
         n.startswith("gs-n") for n in netns._run(["ip", "netns", "list"], check=False).stdout.split()
     )

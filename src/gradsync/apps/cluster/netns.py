@@ -11,17 +11,6 @@ Optionally a storage node ``gs-st`` (10.78.0.250, eth0 plugged into the switch's
 stands for central storage behind its own shaped cable: a file server started in it (see
 :mod:`gradsync.apps.cluster.storage`) is reached by the nodes only through that cable and their own.
 
-While the cluster is up the kernel's scheduler autogroups are off (``kernel.sched_autogroup_enabled``
-= 0; :func:`down` restores what was there). With them on, every torchrun worker (its own session)
-is one group that the scheduler shares the cores between fairly: where the nodes' ranks
-outnumber the cores, a rank's gloo threads then wait for their own rank's turn behind its
-training threads at every message of a collective, which no real cluster does (a node's network
-does not wait for its own compute). On 4 nodes of 1 rank over two cores at 250 Mbit/s, a 96 KiB
-all-reduce while each rank ran one compute thread took 50-60 ms (median) with autogroups, 12-15
-ms without, 4.5 ms idle; ``bench whatif``'s compressed contenders ran 12-16 % faster
-(docs/whatif.md, sixth session). Only the nodes' scheduling changes: the cores each rank gets
-are the same share.
-
 Only root can do this, and only where the kernel has network namespaces, veth, bridges and the
 htb qdisc: :func:`check` says whether it can run and why not. :func:`up` removes whatever it
 created if any step fails; :func:`down` removes everything named ``gs-*`` that it knows of.
@@ -31,7 +20,6 @@ created here.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -50,8 +38,6 @@ BRIDGE = f"{PREFIX}br0"
 STORAGE = f"{PREFIX}-st"
 STORAGE_ADDRESS = f"{SUBNET}.250"  # above the nodes' addresses (at most 64 nodes: .1 to .64)
 STATE_DIR = Path(os.environ.get("GRADSYNC_CLUSTER_STATE", "/tmp/gradsync-cluster"))
-AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
-"""The scheduler's autogroup switch (see the module): off while the cluster is up."""
 COMMAND_TIMEOUT_S = 20.0
 
 
@@ -78,7 +64,6 @@ class ClusterState:
     nodes: int
     rate: str
     storage_rate: str | None = None  # None: no storage node (state files written before it lack it)
-    autogroup: str | None = None  # what kernel.sched_autogroup_enabled was before up turned it off
 
     @classmethod
     def load(cls) -> ClusterState | None:
@@ -86,11 +71,8 @@ class ClusterState:
         if not path.is_file():
             return None
         data = json.loads(path.read_text())
-        storage_rate, autogroup = data.get("storage_rate"), data.get("autogroup")
-        return cls(
-            int(data["nodes"]), str(data["rate"]), None if storage_rate is None else str(storage_rate),
-            None if autogroup is None else str(autogroup),
-        )  # fmt: skip
+        storage_rate = data.get("storage_rate")
+        return cls(int(data["nodes"]), str(data["rate"]), None if storage_rate is None else str(storage_rate))
 
     def save(self) -> None:
         STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -230,8 +212,6 @@ def up(nodes: int, rate: str, storage_rate: str | None = None) -> ClusterState:
     state = ClusterState(nodes, rate, storage_rate)
     state.save()
     try:
-        state.autogroup = autogroups_off()
-        state.save()
         for cmd in up_commands(nodes, rate, storage_rate):
             _run(cmd)
         _wait_reachable(nodes, storage=storage_rate is not None)
@@ -264,40 +244,9 @@ def _wait_reachable(nodes: int, deadline_s: float = 10.0, storage: bool = False)
             time.sleep(0.1)
 
 
-def autogroups_off() -> str | None:
-    """Turn the scheduler's autogroups off (see the module); what was there when this changed it,
-    None when they were off already or the kernel has none."""
-    try:
-        was = AUTOGROUP.read_text().strip()
-        if was == "0":
-            return None
-        AUTOGROUP.write_text("0\n")
-    except OSError:
-        return None
-    return was
-
-
-def restore_autogroups(state: ClusterState) -> None:
-    """Put back the autogroup switch :func:`autogroups_off` found under ``state`` (a failure to
-    does not stop :func:`down`: a reboot resets the switch)."""
-    if state.autogroup is not None:
-        with contextlib.suppress(OSError):
-            AUTOGROUP.write_text(f"{state.autogroup}\n")
-
-
-def autogroups() -> str | None:
-    """The scheduler's autogroup switch as it is now ("0" off, "1" on), None without one."""
-    try:
-        return AUTOGROUP.read_text().strip()
-    except OSError:
-        return None
-
-
 def down() -> int:
     """Remove the cluster; returns how many namespaces were removed. Safe to call twice."""
     state = ClusterState.load()
-    if state is not None:
-        restore_autogroups(state)
     listed = _run(["ip", "netns", "list"], check=False).stdout.split() if shutil.which("ip") else []
     ours = [n for n in listed if re.fullmatch(rf"{PREFIX}-(n\d+|sw|st)", n)]
     if state is not None:
@@ -315,8 +264,6 @@ def status() -> str:
     lines = [f"{state.nodes} nodes, cables at {state.rate}"]
     if state.storage_rate is not None:
         lines[0] += f"; storage node, cable at {state.storage_rate}"
-    if state.autogroup is not None:
-        lines[0] += f"; scheduler autogroups off (back to {state.autogroup} on down)"
     members = [(node_name(i), node_address(i)) for i in range(state.nodes)]
     if state.storage_rate is not None:
         members.append((STORAGE, STORAGE_ADDRESS))

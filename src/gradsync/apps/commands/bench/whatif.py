@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.apps.cluster.netns import autogroups
 from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench import train as bench_train
@@ -294,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
         "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms,
-                       "node_transfer_ratio": transfers, "cpus": host_cpus(), "autogroup": autogroups()},
+                       "node_transfer_ratio": transfers, "cpus": host_cpus()},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
