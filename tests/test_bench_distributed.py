@@ -121,6 +121,11 @@ def check_whatif_bench(tmp):
         assert "units (serial)" in rows[name]["predicted_plan"], name
     # 0/1 Adam's own step, measured in a process of its own: more work than SGD's step
     assert w["hook_rates"]["zeroone-adam"] > 0
+    # the optimizer steps it measured (after 2 unmeasured: the dense step and the first
+    # compressed one), which its predicted mean follows: an exchange on every one of them here
+    first, last = w["details"]["zeroone-adam"]["optimizer_steps"]
+    assert first == 3 and last >= first
+    assert "an exchange on" not in rows["zeroone-adam"]["predicted_plan"]
     # the same contenders predicted again with the refitted costs of the engine that ran first
     # (hitopk's closed loop settled before its measured steps): links, call, efficiencies, codecs
     summary = w["summary"]

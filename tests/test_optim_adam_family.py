@@ -542,6 +542,31 @@ def _check_add_param_group() -> None:
     assert len(opt.param_groups) == 1
 
 
+def _check_zeroone_exchanges_follow_its_schedule() -> None:
+    """The steps on which 0/1 Adam synchronizes the ranks, read from the optimizer as it runs,
+    are the ones written out here from its schedule (var_freeze_step 3, the interval doubling
+    every 2 steps up to 4), and the ones whatif counts (exchange_steps) for any window."""
+    from gradsync.optim.zeroone_adam import exchange_steps
+
+    rank = dist.get_rank()
+    params = _params()
+    opt = ZeroOneAdam(
+        _groups(params), lr=LR, freeze_step=2, var_freeze_step=3, sync_growth=2, max_sync_interval=4
+    )
+    synced = []
+    for step in range(1, 20):
+        _set_grads(params, _grads(step, rank))
+        opt.step()
+        if opt.last_sync == step:
+            synced.append(step)
+    with expect_all() as expect, expect("0/1 Adam exchanges on the steps its schedule gives"):
+        # 1-3 every step; 4, 5 (interval 1); 7 (interval 2); then every 4: 11, 15, 19
+        assert synced == [1, 2, 3, 4, 5, 7, 11, 15, 19], synced
+        for first, last in ((1, 19), (4, 10), (6, 6), (8, 19), (12, 14)):
+            want = sum(first <= t <= last for t in synced)
+            assert exchange_steps(first, last, 3, 2, 4) == want, (first, last)
+
+
 def _world_checks() -> None:
     torch.manual_seed(0)
     run_checks(
@@ -557,6 +582,7 @@ def _world_checks() -> None:
         _check_zero_gradient_rows_do_not_move,
         _check_parameters_without_gradient_are_skipped,
         _check_add_param_group,
+        _check_zeroone_exchanges_follow_its_schedule,
     )
 
 

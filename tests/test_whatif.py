@@ -603,12 +603,33 @@ def test_self_syncing_optimizers_exchange_after_the_backward_pass():
     flags = 2 * alpha + 4 * beta  # one float32 flag per tensor, ring of 2
     part = s / 2
     ps = 2 * (alpha + (8 + part / 32) * beta) + 3 * (2e-3 + 1e-9 * part) + 3 * 5e-4
-    for name in ("onebit-adam", "zeroone-adam@sync_growth=4", "onebit-lamb"):
-        rows = predict_point(w, pt, [name], quantizer_table(), Cpu())
+    # 0/1 Adam over steps 2-5 of its default schedule after a warm-up of one: an exchange every step
+    early = {"zeroone-adam@sync_growth=4": (2, 5), "zeroone-adam": (2, 5)}
+    for name in (
+        "onebit-adam",
+        "zeroone-adam@sync_growth=4",
+        "onebit-lamb",
+        "zeroone-adam@max_sync_interval=1",
+    ):
+        rows = predict_point(w, pt, [name], quantizer_table(), Cpu(), windows=early)
         assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + flags + ps + OPT, rel=1e-9), name
     # the optimizer's own step, measured alone (seconds per gradient byte), on the training thread
-    rows = predict_point(w, pt, ["zeroone-adam"], quantizer_table(), Cpu(), hook_rates={"zeroone-adam": 2e-9})
-    assert rows[0]["step_ms"] / 1e3 == pytest.approx(FWD + BWD + 2e-9 * s + flags + ps + OPT, rel=1e-9)
+    own = {"zeroone-adam": 2e-9}
+    rows = predict_point(w, pt, ["zeroone-adam"], quantizer_table(), Cpu(), hook_rates=own, windows=early)
+    exchange = FWD + BWD + 2e-9 * s + flags + ps + OPT
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx(exchange, rel=1e-9)
+    # its steady state (no window): an exchange every max_sync_interval (8) steps, local steps
+    # (its own work, no collective) between them; the cable bytes an eighth of an exchange's
+    rows = predict_point(w, pt, ["zeroone-adam", "onebit-adam"], quantizer_table(), Cpu(), hook_rates=own)
+    local = FWD + BWD + 2e-9 * s + OPT
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx(exchange / 8 + 7 * local / 8, rel=1e-9)
+    assert rows[0]["cable_mb"] == pytest.approx(rows[1]["cable_mb"] / 8, rel=1e-9)
+    # a window of its schedule (max_sync_interval 2, doubling every step after step 1): steps 1
+    # and 2 exchange, then every second step: 4 and 6 of steps 4-7, half of them
+    rows = predict_point(w, pt, ["zeroone-adam@sync_growth=1@max_sync_interval=2"], quantizer_table(), Cpu(),
+                         windows={"zeroone-adam@sync_growth=1@max_sync_interval=2": (4, 7)})  # fmt: skip
+    plain = FWD + BWD + OPT
+    assert rows[0]["step_ms"] / 1e3 == pytest.approx((plain + flags + ps) / 2 + plain / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize(

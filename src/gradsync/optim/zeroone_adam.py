@@ -44,6 +44,31 @@ from gradsync.collectives import Topology
 from gradsync.optim.compressed_momentum import DEFAULT_CODEC, CompressedMomentumOptimizer, check_steps
 
 
+def sync_interval(t: int, var_freeze_step: int, sync_growth: int, max_sync_interval: int) -> int:
+    """:meth:`ZeroOneAdam.sync_interval` for these schedule options: 1 until ``var_freeze_step``,
+    then doubling every ``sync_growth`` steps up to ``max_sync_interval``."""
+    if t <= var_freeze_step:
+        return 1
+    doublings = (t - var_freeze_step - 1) // sync_growth
+    return min(max_sync_interval, 2 ** min(doublings, 62))
+
+
+def exchange_steps(
+    first: int, last: int, var_freeze_step: int, sync_growth: int, max_sync_interval: int
+) -> int:
+    """How many of the steps ``first .. last`` synchronize the ranks (every step up to
+    ``var_freeze_step``; after it, a local step exchanges once :func:`sync_interval` steps have
+    passed since the last exchange), as :meth:`ZeroOneAdam.step` decides them."""
+    count, last_sync = 0, 0
+    for t in range(1, last + 1):
+        if t <= var_freeze_step or t - last_sync >= sync_interval(
+            t, var_freeze_step, sync_growth, max_sync_interval
+        ):
+            last_sync = t
+            count += t >= first
+    return count
+
+
 class ZeroOneAdam(CompressedMomentumOptimizer):
     """0/1 Adam / AdamW (see the module).
 
@@ -116,10 +141,7 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
 
     def sync_interval(self, t: int) -> int:
         """Steps between momentum exchanges at step ``t`` (1 until ``var_freeze_step``)."""
-        if t <= self.var_freeze_step:
-            return 1
-        doublings = (t - self.var_freeze_step - 1) // self.sync_growth
-        return min(self.max_sync_interval, 2 ** min(doublings, 62))
+        return sync_interval(t, self.var_freeze_step, self.sync_growth, self.max_sync_interval)
 
     # ------------------------------------------------------------------ the step
     def _denominator_now(self) -> torch.Tensor:

@@ -239,12 +239,14 @@ def build_program(
     sync_options: dict[str, str] | None = None,
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES,
     hook_rate: float | None = None,
+    exchange: bool = True,
 ) -> StepProgram:
     """The simulated step of contender ``name`` (see the module docstring). ``hook_rate``: for
     PyTorch's PowerSGD hook, its work as measured running (seconds per byte of a bucket,
     :func:`gradsync.observe.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing;
     for a self-syncing optimizer, its own step's work beyond the profiled optimizer's (seconds per
-    gradient byte)."""
+    gradient byte). ``exchange`` False: a self-syncing optimizer's step without its exchange (0/1
+    Adam's local step)."""
     k = kind(name)
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
@@ -280,7 +282,7 @@ def build_program(
     if k in ("outer", "sharded"):
         raise ValueError(f"contender {name!r}: predicted by predict.simulate_contender, not as buckets")
     if k == "self-syncing":
-        return _self_syncing_program(name, workload, model, host, bytes_model, costs, hook_rate)
+        return _self_syncing_program(name, workload, model, host, bytes_model, costs, hook_rate, exchange)
     if k == "ddp":
         return _ddp_program(
             name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma, hook_rate
@@ -297,18 +299,24 @@ every step before the exchange."""
 
 def _self_syncing_program(
     name: str, workload: Workload, model: CostModel, host: CostModel, bytes_model: CostModel,
-    costs: CodecCosts, work_rate: float | None = None,
+    costs: CodecCosts, work_rate: float | None = None, exchange: bool = True,
 ) -> StepProgram:  # fmt: skip
     """A self-syncing optimizer's compressed step (see :mod:`gradsync.whatif.modes`): nothing during
     the backward pass; after it, the flags' all-reduce, then the momentum's encode, exchange and
     decode on the training thread (the optimizer's step runs them). ``work_rate``: the optimizer's
     own step beyond the profiled optimizer's, measured running alone (seconds per gradient byte:
-    its moments, its flat buffers' copies), charged on the training thread before the exchange."""
+    its moments, its flat buffers' copies), charged on the training thread before the exchange.
+    ``exchange`` False: 0/1 Adam's local step, its own work alone."""
     scheme, spec = self_syncing_exchange(name)
     scheme = scheme.resolve(model.m, model.n)
     prog = StepProgram(name)
     s = float(workload.nbytes)
     own_work = [Stage(MAIN, work_rate * s, "optimizer's own step")] if work_rate else []
+    if not exchange:
+        if own_work:
+            prog.end_tasks.append(Task("local step", -1, own_work))
+        prog.notes.append("a local step: no exchange")
+        return prog
     c = costs(spec, [s])
     enc, comm, dec = stage_times(scheme, model, s, c)
     own = predict(scheme, host, s, no_compute(c))

@@ -19,9 +19,11 @@ Two kinds of contender share their names with ``bench train --contenders``:
   constructor options after ``@``): the model is not wrapped; after the backward pass the
   optimizer exchanges its momentum, compressed (``codec``, error feedback included) over its
   ``strategy`` (CaSync-PS by default), with a small agreement before it. Nothing overlaps the
-  backward pass. The prediction is the compressed phase with an exchange every step, what
-  ``bench train`` measures (the dense warm-up is a DDP step; 0/1 Adam's later local steps, which
-  exchange every 2 to ``max_sync_interval`` steps, are not modelled).
+  backward pass. The prediction is the compressed phase (the dense warm-up is a DDP step). 0/1
+  Adam's steps between its exchanges are local: its own optimizer work and nothing else; its
+  mean step weighs the exchange step and the local step by its schedule (:func:`exchange_share`),
+  over the steps ``bench train`` measured where it measured them, else in the steady state (an
+  exchange every ``max_sync_interval`` steps).
 
 References:
 
@@ -40,6 +42,7 @@ from typing import Any
 from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
+from gradsync.optim.zeroone_adam import exchange_steps
 from gradsync.planner.decide import no_compute, predict
 from gradsync.sync.buckets import fragment_offset, split_fragments
 from gradsync.sync.scheme import Scheme
@@ -140,6 +143,29 @@ def self_syncing_options(name: str) -> dict[str, Any]:
         out["var_freeze_step"] = out["freeze_step"]
     build_exchange_codec(out.get("codec", params["codec"].default))  # ValueError naming the codec
     return out
+
+
+def exchange_share(name: str, window: tuple[int, int] | None = None) -> float:
+    """The share of a self-syncing contender's steps that exchange the momentum: 1 for 1-bit
+    Adam and 1-bit LAMB (every step). 0/1 Adam steps alone between exchanges on its schedule
+    (:func:`gradsync.optim.zeroone_adam.sync_interval`): over the optimizer's steps ``window``
+    (first, last; what ``bench train`` measured), or with None in its steady state, once every
+    ``max_sync_interval`` steps (what a long run spends nearly all its steps in)."""
+    kind = name.split("@")[0]
+    if SELF_SYNCING[kind] is not ZeroOneAdam:
+        return 1.0
+    options = self_syncing_options(name)
+    params = inspect.signature(ZeroOneAdam.__init__).parameters
+    schedule = [
+        int(options.get(key, params[key].default))
+        for key in ("var_freeze_step", "sync_growth", "max_sync_interval")
+    ]
+    if window is None:
+        return 1.0 / schedule[2]
+    first, last = window
+    if not 1 <= first <= last:
+        raise ValueError(f"window must be optimizer steps 1 <= first <= last, got {window}")
+    return exchange_steps(first, last, *schedule) / (last - first + 1)
 
 
 def outer_scheme(codec: str | None, nodes: int, per_node: int) -> Scheme:

@@ -32,7 +32,7 @@ from typing import Any
 from gradsync.planner.closed_loop import scaled_codec
 from gradsync.units import parse_duration, parse_rate, rate_text
 from gradsync.whatif.contenders import Cluster, CodecCosts, build_program, check_contender
-from gradsync.whatif.modes import is_outer, outer_cost
+from gradsync.whatif.modes import exchange_share, is_outer, is_self_syncing, outer_cost
 from gradsync.whatif.network import Network
 from gradsync.whatif.sharded import is_sharded, sharded_step
 from gradsync.whatif.simulate import NO_CONTENTION, Cpu, StepResult, simulate
@@ -134,12 +134,15 @@ def points(base: Point, sweeps: list[tuple[str, list[Any]]]) -> list[Point]:
 def simulate_contender(
     name: str, workload: Workload, point: Point, costs: CodecCosts, cpu: Cpu,
     sync_options: dict[str, str] | None = None, record: bool = False, ddp_bucket_bytes: int | None = None,
-    hook_rate: float | None = None,
+    hook_rate: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[StepResult, float, list[str]]:  # fmt: skip
     """The simulated step of one contender, its cable bytes and the program's notes. An outer loop
     (:mod:`gradsync.whatif.modes`): its inner step simulated as DDP on a one-node cluster of the
     node's ranks, plus its exchanges and outer steps spread over the period. FSDP2, HSDP and
-    ``replicate`` (:mod:`gradsync.whatif.sharded`): their own unit-by-unit step."""
+    ``replicate`` (:mod:`gradsync.whatif.sharded`): their own unit-by-unit step. A self-syncing
+    optimizer: its exchange step and, where its schedule skips exchanges (0/1 Adam), its local
+    step, weighed by :func:`~gradsync.whatif.modes.exchange_share` over the optimizer's steps
+    ``window`` (None: its steady state)."""
     cluster = Cluster(point.nodes, point.per_node, point.network.params)
     if is_sharded(name):
         w = workload
@@ -153,7 +156,7 @@ def simulate_contender(
             comm_busy_s=sh.comm_s, compute_busy_s=0.0, spans=[], launches=[],
         )  # fmt: skip
         return result, sh.cable_bytes, sh.notes
-    kw = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
+    kw: dict[str, Any] = {"ddp_bucket_bytes": ddp_bucket_bytes} if ddp_bucket_bytes else {}
     inner = name
     if is_outer(name):
         inner = "ddp" if point.per_node > 1 else "local"
@@ -164,6 +167,15 @@ def simulate_contender(
     ready = [(i, t.ready) for i, t in enumerate(workload.tensors) if t.ready is not None]
     w = workload
     result = simulate(program, ready, w.data, w.forward, w.backward, w.optimizer, cpu, record)
+    if is_self_syncing(name) and (share := exchange_share(name, window)) < 1.0:
+        alone = build_program(inner, workload, run_on, costs, hook_rate=hook_rate, exchange=False)
+        local = simulate(alone, ready, w.data, w.forward, w.backward, w.optimizer, cpu, False)
+        t = [share * a + (1.0 - share) * b for a, b in zip(_times(result), _times(local), strict=True)]
+        mean = StepResult(t[0], t[1], t[2], t[3], t[4], t[5], spans=result.spans, launches=result.launches)
+        note = (
+            f"an exchange on {100 * share:.1f} % of the steps, the others local ({local.step_s * 1e3:.1f} ms)"
+        )
+        return mean, share * program.cable_bytes, [*program.notes, note]
     if not is_outer(name):
         return result, program.cable_bytes, program.notes
     slow = cpu.slowdown(1)  # every rank of the host in the exchange at once, one busy thread each
@@ -181,6 +193,11 @@ def simulate_contender(
     return replace(result, step_s=result.step_s + oc.per_step_s), oc.cable_bytes_per_step, notes
 
 
+def _times(r: StepResult) -> tuple[float, ...]:
+    """A step's times, in :class:`StepResult`'s order (what a mean of two steps averages)."""
+    return (r.step_s, r.backward_end_s, r.sync_end_s, r.wait_s, r.comm_busy_s, r.compute_busy_s)
+
+
 def predict_point(
     workload: Workload,
     point: Point,
@@ -190,9 +207,12 @@ def predict_point(
     sync_options: dict[str, str] | None = None,
     ddp_bucket_bytes: dict[str, int] | None = None,
     hook_rates: dict[str, float] | None = None,
+    windows: dict[str, tuple[int, int]] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per contender at ``point``; ``hook_rates``: PyTorch hooks' measured work per
-    contender name (:func:`~gradsync.whatif.contenders.build_program`'s ``hook_rate``)."""
+    contender name (:func:`~gradsync.whatif.contenders.build_program`'s ``hook_rate``);
+    ``windows``: per self-syncing contender, the optimizer steps its mean is over (first, last;
+    without one, its steady state: :func:`simulate_contender`)."""
     local, _, _ = simulate_contender("local", workload, point, costs, cpu)
     rows = []
     rate = point.network.inter_bytes_per_s
@@ -201,7 +221,7 @@ def predict_point(
         buckets = (ddp_bucket_bytes or {}).get(name)
         res, cable, notes = simulate_contender(
             name, workload, point, costs, cpu, sync_options, ddp_bucket_bytes=buckets,
-            hook_rate=(hook_rates or {}).get(name),
+            hook_rate=(hook_rates or {}).get(name), window=(windows or {}).get(name),
         )  # fmt: skip
         busy = cable / rate if math.isfinite(rate) and point.nodes > 1 else 0.0
         rows.append({

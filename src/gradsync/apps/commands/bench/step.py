@@ -361,6 +361,8 @@ def measure_contender(
         if carry is not None:
             carry.engine_state = synced.engine.state_dict()
         synced.close()
+    if self_syncing:  # the optimizer's steps measured (0/1 Adam's exchanges follow its step count)
+        extra["optimizer_steps"] = [warmup + 1, warmup + count]
     if carry is not None:
         carry.rounds += 1
     if nic_details:

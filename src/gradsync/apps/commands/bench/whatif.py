@@ -328,6 +328,22 @@ def bounded_cores(cores: float, cont: dict[str, Any]) -> float:
     return min(cores, float(cpus)) if cpus else cores
 
 
+def measured_windows(result: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Per self-syncing contender, the optimizer steps ``bench train`` measured (its
+    ``details.optimizer_steps``), which 0/1 Adam's predicted mean follows. Results stored before
+    they were recorded: from step 2 (the earliest after a warm-up of one) over the measured
+    count, where 0/1 Adam's default schedule still exchanges on every step."""
+    details = result.get("details") or {}
+    out = {}
+    for r in rows:
+        name = r["contender"]
+        if not is_self_syncing(name):
+            continue
+        steps = details.get(name, {}).get("optimizer_steps")
+        out[name] = (int(steps[0]), int(steps[1])) if steps else (2, 1 + int(r.get("steps") or 1))
+    return out
+
+
 def host_cpus() -> int:
     """The CPUs this process may run on (the ranks of an emulated cluster share them)."""
     try:
@@ -373,8 +389,9 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     ddp_buckets = {c: one_bucket for c in contenders if c.startswith("ddp-powersgd") and not gpu}
     # the hooks' work as measured running (results stored before it was: the codec's timing)
     hooks = result.get("hook_rates") or {}
+    windows = measured_windows(result, rows)
     predicted = predict_point(
-        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets, hooks
+        workload, point, contenders, costs, cpu, result.get("sync_options"), ddp_buckets, hooks, windows
     )
     table = []
     for meas, pred in zip(rows, predicted, strict=True):
@@ -413,6 +430,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
             result.get("sync_options"),
             ddp_buckets,
             hooks,
+            windows,
         )
         for row, pred in zip(table, again, strict=True):
             row["refit_ms"] = pred["step_ms"]
