@@ -53,17 +53,22 @@ def sync_interval(t: int, var_freeze_step: int, sync_growth: int, max_sync_inter
     return min(max_sync_interval, 2 ** min(doublings, 62))
 
 
+def exchange_due(
+    t: int, last_sync: int, var_freeze_step: int, sync_growth: int, max_sync_interval: int
+) -> bool:
+    """Whether step ``t`` synchronizes the ranks: every step up to ``var_freeze_step``; after it,
+    a local step exchanges once :func:`sync_interval` steps have passed since ``last_sync``."""
+    interval = sync_interval(t, var_freeze_step, sync_growth, max_sync_interval)
+    return t <= var_freeze_step or t - last_sync >= interval
+
+
 def exchange_steps(
     first: int, last: int, var_freeze_step: int, sync_growth: int, max_sync_interval: int
 ) -> int:
-    """How many of the steps ``first .. last`` synchronize the ranks (every step up to
-    ``var_freeze_step``; after it, a local step exchanges once :func:`sync_interval` steps have
-    passed since the last exchange), as :meth:`ZeroOneAdam.step` decides them."""
+    """How many of the steps ``first .. last`` synchronize the ranks (:func:`exchange_due`)."""
     count, last_sync = 0, 0
     for t in range(1, last + 1):
-        if t <= var_freeze_step or t - last_sync >= sync_interval(
-            t, var_freeze_step, sync_growth, max_sync_interval
-        ):
+        if exchange_due(t, last_sync, var_freeze_step, sync_growth, max_sync_interval):
             last_sync = t
             count += t >= first
     return count
@@ -183,7 +188,9 @@ class ZeroOneAdam(CompressedMomentumOptimizer):
             self.decay.index_copy_(0, index, self.decay[index] * values)
             self.seen.index_add_(0, index, torch.ones_like(values))
             self._adamw_update(t, x, self.exp_avg, denom, mine)
-            if t - self.last_sync >= self.sync_interval(t):
+            if exchange_due(
+                t, self.last_sync, self.var_freeze_step, self.sync_growth, self.max_sync_interval
+            ):
                 self._exchange(t, x)
 
     def _synced(self, t: int, x: torch.Tensor) -> None:

@@ -131,6 +131,10 @@ def points(base: Point, sweeps: list[tuple[str, list[Any]]]) -> list[Point]:
     return out
 
 
+TIMES = ("step_s", "backward_end_s", "sync_end_s", "wait_s", "comm_busy_s", "compute_busy_s")
+"""A :class:`StepResult`'s times: what a mean of two kinds of step averages."""
+
+
 def simulate_contender(
     name: str, workload: Workload, point: Point, costs: CodecCosts, cpu: Cpu,
     sync_options: dict[str, str] | None = None, record: bool = False, ddp_bucket_bytes: int | None = None,
@@ -170,8 +174,9 @@ def simulate_contender(
     if is_self_syncing(name) and (share := exchange_share(name, window)) < 1.0:
         alone = build_program(inner, workload, run_on, costs, hook_rate=hook_rate, exchange=False)
         local = simulate(alone, ready, w.data, w.forward, w.backward, w.optimizer, cpu, False)
-        t = [share * a + (1.0 - share) * b for a, b in zip(_times(result), _times(local), strict=True)]
-        mean = StepResult(t[0], t[1], t[2], t[3], t[4], t[5], spans=result.spans, launches=result.launches)
+        mean = replace(
+            result, **{k: share * getattr(result, k) + (1.0 - share) * getattr(local, k) for k in TIMES}
+        )
         note = (
             f"an exchange on {100 * share:.1f} % of the steps, the others local ({local.step_s * 1e3:.1f} ms)"
         )
@@ -191,11 +196,6 @@ def simulate_contender(
         f"{oc.exposed_s * 1e3:.1f} ms exposed per period",
     ]
     return replace(result, step_s=result.step_s + oc.per_step_s), oc.cable_bytes_per_step, notes
-
-
-def _times(r: StepResult) -> tuple[float, ...]:
-    """A step's times, in :class:`StepResult`'s order (what a mean of two steps averages)."""
-    return (r.step_s, r.backward_end_s, r.sync_end_s, r.wait_s, r.comm_busy_s, r.compute_busy_s)
 
 
 def predict_point(
