@@ -630,6 +630,11 @@ def test_self_syncing_optimizers_exchange_after_the_backward_pass():
                          windows={"zeroone-adam@sync_growth=1@max_sync_interval=2": (4, 7)})  # fmt: skip
     plain = FWD + BWD + OPT
     assert rows[0]["step_ms"] / 1e3 == pytest.approx((plain + flags + ps) / 2 + plain / 2, rel=1e-9)
+    from gradsync.whatif.modes import exchange_share
+
+    for bad in ((5, 3), (0, 4)):  # a window that is no range of optimizer steps (they count from 1)
+        with pytest.raises(ValueError, match=r"window must be optimizer steps 1 <= first <= last"):
+            exchange_share("zeroone-adam", bad)
 
 
 @pytest.mark.parametrize(
