@@ -75,7 +75,7 @@ def check_whatif_bench(tmp):
              "outer@every=2@codec=onebit", "fsdp", "hsdp/topk:density=0.1", "replicate"]  # fmt: skip
     argv = ["bench", "whatif", "--model", "vgg-small", "--batch-size", "4", "--contenders", ",".join(names),
             "--warmup", "2", "--steps", "2", "--rounds", "1", "--profile-steps", "2", "--nodes", "2",
-            "--per-node", "1", "--json", wj]  # fmt: skip
+            "--per-node", "1", "--json", wj, "--markdown", os.path.join(tmp, "w.md")]  # fmt: skip
     assert main(argv) == 0
     if dist.get_rank() != 0:
         return  # rank 0 reports
@@ -90,6 +90,15 @@ def check_whatif_bench(tmp):
     # recorded; charged only when asked (then never faster), and an older result without the
     # measurement replays as before
     assert w["contention"]["cpus"] >= 1  # what bounds the effective cores read from local
+    # the host probed before each round (one here) for streaming and computing work, the spread
+    # reported: each reading ranks x alone / together, so within (0, ranks] up to timing noise
+    probes = w["contention"]["rounds"]
+    assert len(probes) == 1 and set(probes[0]) == {"stream_cores", "compute_cores"}, probes
+    ranks = w["contention"]["ranks_per_host"]
+    assert all(0 < v <= 1.5 * ranks for v in probes[0].values()), probes
+    assert w["summary"]["host_stream_cores"] == pytest.approx([probes[0]["stream_cores"]] * 2)
+    assert w["summary"]["host_compute_cores"] == pytest.approx([probes[0]["compute_cores"]] * 2)
+    assert "the host over the rounds: streaming work" in Path(tmp, "w.md").read_text()
     waits = w["contention"]["busy_call_ms"]
     assert len(waits) == 2 and all(v >= 0 for v in waits), waits
     assert w["contention_used"]["busy_call_ms_charged"] == []

@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -113,17 +114,20 @@ def merge_rounds(rounds: list[bench_step.StepRow]) -> bench_step.StepRow:
 
 def measure_contenders(
     contenders: list[str], base: nn.Module, topo: Topology, x: torch.Tensor, y: torch.Tensor,
-    args: argparse.Namespace,
+    args: argparse.Namespace, before_round: Callable[[int], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Each contender's measured step (:func:`gradsync.apps.commands.bench.step._measure`) in ``args.rounds``
     interleaved rounds (:func:`round_order`); a contender's model is built afresh in each round
     and its plan and compression state carried (:class:`gradsync.apps.commands.bench.step.Carry`). A DDP
-    contender's exposed synchronization is its backward pass beyond ``local``'s."""
+    contender's exposed synchronization is its backward pass beyond ``local``'s. ``before_round(r)``
+    runs on every rank before round ``r`` (0-based), e.g. a probe of the host at that moment."""
     rounds = max(int(getattr(args, "rounds", 1)), 1)
     carry = {name: bench_step.Carry() for name in contenders}
     measured: dict[str, list[bench_step.StepRow]] = {name: [] for name in contenders}
     details: dict[str, Any] = {}
     for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
         for name in round_order(contenders, r):
             row, extra = bench_step.measure_contender(name, base, topo, x, y, args, carry[name])
             measured[name].append(row)

@@ -32,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -163,6 +164,51 @@ def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
     return together / alone if alone > 0 else None
 
 
+HOST_PROBE_ELEMENTS = 16 << 20
+"""Float32 elements in each buffer of :func:`host_probe`'s memory-bound kernel (64 MiB: beyond
+the caches, as a large bucket's error feedback and an optimizer's pass over the weights are)."""
+
+
+def host_probe(ranks_per_host: int, seconds: float = 0.1) -> dict[str, float]:
+    """How the host serves its ranks at this moment, for two kinds of work: ``stream`` (an in-place
+    add over :data:`HOST_PROBE_ELEMENTS`-element buffers, bound by the memory's bandwidth, as
+    error feedback, packing and the optimizer's step are) and ``compute`` (512 x 512 matrix
+    products, bound by the cores, as convolutions are). For each: ``ranks_per_host`` x rank 0's
+    time alone (the other ranks wait) / the slowest rank's with every rank at once, the same
+    number of kernels each (about ``seconds`` of work alone): the effective cores that kind of
+    work gets. Every rank must call it; every rank gets the same numbers.
+
+    On this project's 2-core machine the two readings part ways, and the memory's part drifts:
+    one streaming process got 1.09-1.15 x one's throughput from two cores at one moment, 1.93
+    at another 13 minutes later, while matrix products stayed at 1.98-2.03 (issue 44). ``bench
+    whatif`` takes one before every round and reports their spread next to the errors."""
+    a, b = torch.ones(HOST_PROBE_ELEMENTS), torch.ones(HOST_PROBE_ELEMENTS)
+    m1, m2 = torch.randn(512, 512), torch.randn(512, 512)
+    kernels = {"stream": lambda: a.add_(b, alpha=0.5), "compute": lambda: torch.mm(m1, m2)}
+    out: dict[str, float] = {}
+    for kind, kernel in kernels.items():
+        kernel()  # first-call allocations
+        t0 = time.perf_counter()
+        kernel()
+        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.broadcast(once, 0)  # rank 0's estimate: every rank runs the same count
+        count = max(int(seconds / max(float(once), 1e-6)), 3)
+
+        def run(everyone: bool, kernel: Callable[[], Any] = kernel, count: int = count) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if everyone or dist.get_rank() == 0:
+                for _ in range(count):
+                    kernel()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t)
+
+        alone, together = run(False), run(True)
+        out[f"{kind}_cores"] = ranks_per_host * alone / together if together > 0 else math.nan
+    return out
+
+
 BUSY_CALL_BYTES = 16 << 10
 """Per rank, the all-gather :func:`busy_calls` times: the size of a step's small collectives (a
 dense bucket of biases, a compressed small layer)."""
@@ -281,7 +327,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             for spec in codec_spec_of(c, options):
                 costs(spec, [])
     dist.barrier()
-    rows, details = bench_train.measure_contenders(contenders, base, topo, x, y, args)
+    host: list[dict[str, float]] = []
+
+    def probe_host(r: int) -> None:  # the host's cores and memory as this round starts
+        host.append(host_probe(ranks_per_host))
+        say(f"  round {r + 1}: the host gives streaming work {host[-1]['stream_cores']:.2f} and "
+            f"computing work {host[-1]['compute_cores']:.2f} effective cores")  # fmt: skip
+
+    gpu = torch.cuda.is_available()  # on GPUs the work that matters is not the host's
+    rows, details = bench_train.measure_contenders(
+        contenders, base, topo, x, y, args, None if gpu else probe_host
+    )
     if not rank0:
         return None
     assert profile is not None
@@ -293,7 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
         "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms,
-                       "node_transfer_ratio": transfers, "cpus": host_cpus()},
+                       "node_transfer_ratio": transfers, "cpus": host_cpus(), "rounds": host},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
@@ -409,6 +465,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
     summary.update(advise_check(rows, predicted))
+    summary.update(host_spread(cont))
     # again with what one engine of this run measured: its closed loop's refitted links, call
     # cost, efficiencies per class of collective and codecs (as gradsync whatif --costs would)
     source = next(
@@ -458,6 +515,18 @@ def worst_round(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> 
                     "worst_round": i + 1,
                 }
     return worst
+
+
+def host_spread(cont: dict[str, Any]) -> dict[str, Any]:
+    """The lowest and highest reading of each kind of :func:`host_probe` over the rounds (absent
+    in older results and on GPUs): how steady the host was while the contenders were measured."""
+    rounds = cont.get("rounds") or []
+    out = {}
+    for kind in ("stream", "compute"):
+        values = [float(r[f"{kind}_cores"]) for r in rounds if f"{kind}_cores" in r]
+        if values:
+            out[f"host_{kind}_cores"] = [min(values), max(values)]
+    return out
 
 
 def advise_check(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> dict[str, Any]:
@@ -512,6 +581,12 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
             f"advise's first choice from these predictions: {s['advise_choice']}, measured "
             f"{s['advise_choice_over_fastest']:.2f}x the step of the measured fastest mode "
             f"({s['measured_fastest']})"
+        )
+    if "host_stream_cores" in s and "host_compute_cores" in s:
+        (s0, s1), (c0, c1) = s["host_stream_cores"], s["host_compute_cores"]
+        lines.append(
+            f"the host over the rounds: streaming work {s0:.2f}-{s1:.2f} effective cores, computing "
+            f"work {c0:.2f}-{c1:.2f} (probed before each round)"
         )
     if "refit_from" in s:
         eff = ", ".join(f"{k} x{v:.2f}" for k, v in s["refit_efficiency"].items()) or "none"
