@@ -356,11 +356,37 @@ def test_cli_predicts_sweeps_plots_and_traces(files, capsys):
         (["--step-time", "quick"], "--step-time"),
         (["--sync-option", "bucket_bytes=-3"], "bucket_bytes"),
         (["--ranks-per-host", "0"], "--ranks-per-host"),
+        (["--step-time", "0s"], "--step-time must be a positive duration"),
+        (["--links", "links.json", "--inter", "1gbit"], "--links already holds the links' rates"),
+        (["--costs", "costs.json", "--inter-latency", "5us"], "give --inter-latency or --costs, not both"),
+        (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder"),
+        (["--png", "/no/such/folder/out.png"], "--png /no/such/folder/out.png: the folder"),
+        (["--scheme", "hierarchical:comm_dtype=fp16"], "hierarchical/fp16"),
     ],
 )
 def test_cli_errors_name_the_option(files, extra, message, capsys):
     assert main(["whatif", "--profile", str(files / "profile.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_faster_link_that_predicts_a_slower_step_is_said():
+    """Rows written by hand: hitopk slower at 10 Gbit/s than at 1 (its plan kept buckets dense),
+    ddp faster; a 0.5 % wobble is below the tolerance; another shape is compared apart."""
+    from gradsync.whatif.report import slower_on_faster_links
+
+    def row(name, gbit, ms, notes="", nodes=8):
+        return {"contender": name, "nodes": nodes, "per_node": 8, "inter_latency_us": 5.0,
+                "inter_bps": gbit * 1e9, "inter": f"{gbit}gbit", "step_ms": ms, "notes": notes}  # fmt: skip
+
+    rows = [row("hitopk", 1, 100.0, "8 buckets, 7 compressed"),
+            row("hitopk", 10, 120.0, "8 buckets, 2 compressed"), row("hitopk", 25, 110.0),
+            row("ddp", 1, 300.0), row("ddp", 10, 150.0), row("ddp", 25, 150.5),
+            row("hitopk", 1, 200.0, nodes=2), row("hitopk", 10, 150.0, nodes=2)]  # fmt: skip
+    notes = slower_on_faster_links(rows)
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("hitopk on 8x8: 120.0 ms at inter 10gbit against 100.0 ms at 1gbit")
+    assert "8 buckets, 2 compressed against 8 buckets, 7 compressed" in notes[0]
+    assert notes[1].startswith("hitopk on 8x8: 110.0 ms at inter 25gbit against 100.0 ms at 1gbit")
 
 
 def test_cli_refuses_bad_input_files(files, tmp_path, capsys):
@@ -371,7 +397,9 @@ def test_cli_refuses_bad_input_files(files, tmp_path, capsys):
     (tmp_path / "costs.json").write_text(json.dumps({"format": CODEC_COSTS_FORMAT, "codecs": {"mstopk": {}}}))
     assert main([*base, "--codec-costs", str(tmp_path / "costs.json")]) == 1
     assert "--codec-costs" in capsys.readouterr().err
-    assert main(["whatif", "--profile", str(tmp_path / "missing.json")]) == 1
+    # a profile that cannot be read is bad input: named, before anything runs
+    assert main(["whatif", "--profile", str(tmp_path / "missing.json")]) == 2
+    assert f"--profile {tmp_path / 'missing.json'}: cannot read it" in capsys.readouterr().err
 
 
 def test_the_published_profile_replays(files):
@@ -647,6 +675,17 @@ def test_self_syncing_optimizers_exchange_after_the_backward_pass():
         ("onebit-adam@codec=powersgd", "is low-rank"),
         ("zeroone-adam@sync_growth=x", "sync_growth takes a int, got 'x'"),
         ("onebit-lamb@oops", "take KEY=VALUE"),
+        # the optimizers' and the loop's own checks, as their constructors make them
+        ("zeroone-adam@max_sync_interval=-4", "max_sync_interval must be an integer >= 1, got -4"),
+        ("zeroone-adam@max_sync_interval=0", "max_sync_interval must be an integer >= 1, got 0"),
+        ("onebit-adam@lr=-1", "lr must be >= 0.0, got -1.0"),
+        ("onebit-adam@freeze_step=0", "freeze_step must be an integer >= 1, got 0"),
+        ("onebit-lamb@ratio_change=-3", "ratio_change must be >= 0.0, got -3.0"),
+        ("outer@every=10@mix=2", "mix must be a number in [0.0, 1.0], got 2.0"),
+        ("outer@every=10@outer_lr=-1", "outer_lr must be a number in (0.0, inf], got -1.0"),
+        ("outer@every=10@outer_momentum=1", "outer_momentum must be a number in [0.0, 1.0), got 1.0"),
+        # a name of no family is told every family
+        ("nosuchmode", "not a contender; the families: local, ddp, ddp-fp16"),
     ],
 )
 def test_mode_contenders_are_checked(name, message):
@@ -677,7 +716,7 @@ def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
     also names the fastest mode whose family stayed within the 5 % budget (0/1 Adam: 2.5 and
     4.2 %), with the files the numbers come from."""
     from gradsync.apps.commands.advise import advise_point
-    from gradsync.whatif.quality import QUALITY, family
+    from gradsync.whatif.quality import QUALITY, family, quality_of
 
     steps = {"ddp": 1000.0, "hitopk:density=0.01": 100.0, "zeroone-adam": 150.0, "powersgd:rank=4": 120.0}
     a = advise_point(_rows(steps), 0.05, 5.0)
@@ -691,8 +730,8 @@ def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
     from gradsync.apps.commands.advise import ADVISE_MODES
 
     for name in ADVISE_MODES.split(","):
-        q = QUALITY[family(name)]
-        assert q.family == "dense" or q.source or q.family == "fp16", name
+        q = quality_of(name)
+        assert q.family == "dense" or q.source or q.family == "fp16" or "measured:" in q.task, name
     assert family("outer@every=10@codec=terngrad:bits=4") == "outer-int4"
     assert family("outer@every=10@codec=onebit") == "outer-onebit"
     assert family("hierarchical") == "dense" and family("ddp-powersgd:rank=1") == "powersgd"
@@ -702,6 +741,50 @@ def test_advise_names_the_fastest_and_the_fastest_within_the_quality_budget():
     assert family("fsdp/fp16") == "fp16"
     # auto is as its worst codec: plain auto may pick top-k or PowerSGD (top-k measured worse)
     assert family("auto") == "sparse" and family("auto:candidates=powersgd:rank=4") == "powersgd"
+
+
+def test_advise_cites_only_what_was_measured_for_the_mode_it_names():
+    """Each mode's quality is its own family's measurement, or says nothing was measured; what
+    is not a training mode is ranked but never advised; a mode nobody measured is not within any
+    budget; on one node FSDP2's compressed all-reduce across nodes has nothing to compress."""
+    from gradsync.apps.commands.advise import advise_point
+    from gradsync.whatif.quality import family, quality_of
+
+    assert family("outer@every=10@codec=none") == family("outer@every=10") == "outer-dense"
+    assert family("outer@every=10@codec=chunktopk:density=0.1") == "outer-sparse"
+    assert family("outer@every=10@codec=onebit@fragments=4@delay=2") == "outer-streaming-onebit"
+    assert quality_of("outer@every=10@codec=onebit@fragments=4@delay=2").gaps == (11.7,)
+    assert "outer_lr 1.0, outer_momentum 0" in quality_of("outer@every=10").text()
+    streamed_int4 = "outer@every=10@codec=terngrad:bits=4@fragments=4@delay=2"
+    for unmeasured in ("outer@every=10@codec=fp16", streamed_int4, "zeroone-adam@codec=topk:density=0.01",
+                       "onebit-lamb@codec=terngrad"):  # fmt: skip
+        q = quality_of(unmeasured)
+        assert q.worst is None and q.text().startswith("not measured") and not q.within(100.0), unmeasured
+    assert (
+        family("zeroone-adam@codec=onebit@strategy=ring") == "zeroone-adam"
+    )  # the codec it was measured with
+    assert family("hsdp/topk:density=0.01", nodes=1) == family("replicate/onebit", nodes=1) == "dense"
+    assert family("hsdp/topk:density=0.01", nodes=2) == "sparse" and family("fsdp/fp16", nodes=1) == "fp16"
+    # local and the paper's formula: fastest, ranked, never advised (dense or otherwise)
+    steps = {"local": 50.0, "paper02:ratio=100": 60.0, "ddp": 94.0, "hitopk:density=0.01": 90.0}
+    a = advise_point(_rows(steps), 0.05, 5.0)
+    assert a["ranking"][0]["contender"] == "local" and not a["ranking"][0]["mode"]
+    assert "not a training mode" in a["ranking"][0]["quality"] and not a["ranking"][1]["lossless"]
+    assert a["kind"] == "dense" and a["choice"] == "ddp"
+    assert "is within 4.4 % of the fastest mode (hitopk:density=0.01)" in a["advice"]
+    a = advise_point(_rows({"local": 50.0, "ddp": 100.0, "hitopk:density=0.01": 120.0}), 0.05, 5.0)
+    assert a["choice"] == "ddp" and "ddp is the fastest mode" in a["advice"]
+    assert advise_point(_rows({"local": 50.0}), 0.05, 5.0)["choice"] is None
+    # the fastest is unmeasured (fp16): the fastest mode known to be within the budget is named
+    steps = {"ddp": 1000.0, "ddp-fp16": 100.0, "hitopk:density=0.01": 120.0, "zeroone-adam": 150.0}
+    a = advise_point(_rows(steps), 0.05, 5.0)
+    assert a["choice"] == "ddp-fp16" and a["within_budget"] == "zeroone-adam"
+    assert advise_point(_rows(steps), 0.05, 0.0)["within_budget"] == "ddp"  # a 0 % budget: lossless only
+    # one node: hsdp's compression has nothing to do, so it counts as lossless there
+    rows = [{"contender": "hsdp/topk:density=0.01", "step_ms": 100.0, "nodes": 1},
+            {"contender": "ddp", "step_ms": 120.0, "nodes": 1}]  # fmt: skip
+    a = advise_point(rows, 0.05, 5.0)
+    assert a["kind"] == "dense" and a["choice"] == "hsdp/topk:density=0.01"
 
 
 def test_advise_cli_ranks_every_mode_per_point(files):
@@ -731,12 +814,19 @@ def test_advise_cli_ranks_every_mode_per_point(files):
         (["--scheme", "outer@every=0"], "needs every >= 1"),
         (["--scheme", "ddp,hsdp/hitopk:density=0.01"], "hsdp/hitopk:density=0.01"),
         (["--scheme", "fsdp/powersgd:rank=4"], "low-rank codecs (powersgd) need whole matrices"),
-        (["--trace", "t.json"], "--trace and --png belong to gradsync whatif"),
     ],
 )
 def test_advise_errors_name_the_option(files, extra, message, capsys):
     assert main(["advise", "--profile", str(files / "profile.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_advise_offers_no_picture_options(files, capsys):
+    """--png and --trace are whatif's: advise neither lists nor takes them."""
+    for option in ("--png", "--trace"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["advise", "--profile", str(files / "profile.json"), option, "x"])
+        assert exit_.value.code == 2 and f"unrecognized arguments: {option}" in capsys.readouterr().err
 
 
 def test_plain_auto_is_no_slower_than_any_fixed_scheme_of_its_codecs():

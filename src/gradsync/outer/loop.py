@@ -107,18 +107,7 @@ class OuterLoop:
         topology: Topology | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        _check_int("every", every, 1)
-        _check_int("fragments", fragments, 1)
-        _check_int("delay", delay, 0)
-        if delay >= every:
-            raise ValueError(
-                f"outer loop: delay must be below every (a fragment's exchange lands before its next "
-                f"one starts), got delay={delay} with every={every}"
-            )
-        mix = (0.5 if delay else 0.0) if mix is None else mix
-        _check_real("mix", mix, 0.0, 1.0)
-        _check_real("outer_lr", outer_lr, 0.0, math.inf, lo_open=True)
-        _check_real("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+        mix = check_outer_options(every, fragments, delay, mix, outer_lr, outer_momentum)
         if not isinstance(model, nn.Module):
             raise TypeError(f"outer loop: model must be a torch.nn.Module, got {type(model).__name__}")
         _refuse_per_step_compression(model, optimizer)
@@ -451,6 +440,27 @@ def _refuse_per_step_compression(model: nn.Module, optimizer: torch.optim.Optimi
             "inside an outer loop use a local optimizer (AdamW, SGD, LAMB...) and let the outer loop "
             "average the pseudo-gradients"
         )
+
+
+def check_outer_options(
+    every: int, fragments: int, delay: int, mix: float | None, outer_lr: float, outer_momentum: float
+) -> float:
+    """:class:`OuterLoop`'s schedule and outer-optimizer options checked (``ValueError`` naming the
+    option and its allowed values); returns ``mix`` with its default filled in (0.5 with a delay,
+    else 0)."""
+    _check_int("every", every, 1)
+    _check_int("fragments", fragments, 1)
+    _check_int("delay", delay, 0)
+    if delay >= every:
+        raise ValueError(
+            f"outer loop: delay must be below every (a fragment's exchange lands before its next "
+            f"one starts), got delay={delay} with every={every}"
+        )
+    mix = (0.5 if delay else 0.0) if mix is None else mix
+    _check_real("mix", mix, 0.0, 1.0)
+    _check_real("outer_lr", outer_lr, 0.0, math.inf, lo_open=True)
+    _check_real("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+    return float(mix)
 
 
 def _check_int(name: str, value: object, lo: int) -> None:

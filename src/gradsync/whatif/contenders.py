@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
+from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.planner.decide import (
     FirstStep,
     codec_work,
@@ -107,12 +108,32 @@ class Cluster:
         return CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 1.0), 0.0), self.nodes, self.per_node)
 
 
+MODE_FAMILIES = (
+    "local, ddp, ddp-fp16, ddp-powersgd[:rank=N], horovod, paper02[:ratio=R], a dense algorithm "
+    "(hierarchical, torus2d, ... with /fp16 or /bf16), auto[:candidates=...], a compressed scheme "
+    "(hitopk:density=D, powersgd:rank=R, STRATEGY[+local]/CODEC or a codec), onebit-adam, "
+    "zeroone-adam, onebit-lamb (@KEY=VALUE options), outer@every=H[@codec=SPEC@fragments=F@delay=D], "
+    "fsdp, hsdp, replicate[/SCHEME]"
+)
+"""The contender families ``--scheme`` takes (docs/whatif.md), named when a name is none of them."""
+
+
 def check_contender(name: str) -> str:
-    """The contender's name if it is one (``ValueError`` naming ``--scheme`` otherwise)."""
+    """The contender's name if it is one (``ValueError`` naming ``--scheme`` otherwise; a name
+    that is no family at all is told every family)."""
     try:
         kind(name)
     except ValueError as e:
-        raise ValueError(f"--scheme {name!r}: {e}") from None
+        text = str(e)
+        if text.startswith("unknown codec"):
+            head = name.split(":")[0].split("/")[0].strip()
+            hint = (
+                f" ({head} is a dense algorithm: {head}/fp16 or {head}/bf16 sends half precision)"
+                if (head in dense_algorithm_names())
+                else ""
+            )
+            text = f"not a contender{hint}; the families: {MODE_FAMILIES}; or a codec: {text}"
+        raise ValueError(f"--scheme {name!r}: {text}") from None
     return name
 
 

@@ -39,10 +39,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
 from gradsync.optim.zeroone_adam import exchange_steps
+from gradsync.outer.loop import OuterLoop, check_outer_options
 from gradsync.planner.decide import no_compute, predict
 from gradsync.sync.buckets import fragment_offset, split_fragments
 from gradsync.sync.scheme import Scheme
@@ -103,6 +106,14 @@ def outer_options(name: str) -> dict[str, Any]:
             ) from None
     if out["every"] < 1 or out.get("fragments", 1) < 1 or not 0 <= out.get("delay", 0) < out["every"]:
         raise ValueError(f"contender {name!r}: needs every >= 1, fragments >= 1 and 0 <= delay < every")
+    given = {**{k: p.default for k, p in inspect.signature(OuterLoop.__init__).parameters.items()}, **out}
+    try:  # the loop's own checks of its outer optimizer (mix, outer_lr, outer_momentum)
+        check_outer_options(
+            given["every"], given["fragments"], given["delay"], given["mix"], given["outer_lr"],
+            given["outer_momentum"],
+        )  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"contender {name!r}: {e}") from None
     if "codec" in out:
         outer_scheme(out["codec"], 2, 2)  # ValueError naming the codecs
     return out
@@ -142,6 +153,10 @@ def self_syncing_options(name: str) -> dict[str, Any]:
     if "var_freeze_step" in out and out["var_freeze_step"] < out["freeze_step"]:
         out["var_freeze_step"] = out["freeze_step"]
     build_exchange_codec(out.get("codec", params["codec"].default))  # ValueError naming the codec
+    try:  # the optimizer's own checks (step counts, rates, betas...), on a stand-in parameter
+        SELF_SYNCING[kind]([torch.nn.Parameter(torch.zeros(1))], **out)
+    except ValueError as e:
+        raise ValueError(f"contender {name!r}: {e}") from None
     return out
 
 

@@ -12,17 +12,19 @@ will lose.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gradsync.sync.scheme import AUTO_CODECS, Scheme
-from gradsync.whatif.modes import is_outer, is_self_syncing, outer_options
+from gradsync.whatif.modes import is_outer, is_self_syncing, outer_options, self_syncing_options
 from gradsync.whatif.sharded import is_sharded, sharded_contender
 
 
 @dataclass(frozen=True)
 class Quality:
     """A family's measured cost: perplexity gaps (percent above the dense run, one per seed or
-    setting) and where they come from. ``gaps`` empty: lossless (nothing to measure)."""
+    setting) and where they come from. ``gaps`` empty: lossless (the ``dense`` family), not a
+    training mode (``none``, ``formula``), or not measured."""
 
     family: str
     gaps: tuple[float, ...]
@@ -30,20 +32,49 @@ class Quality:
     source: str
 
     @property
-    def worst(self) -> float:
-        return max(self.gaps) if self.gaps else 0.0
+    def lossless(self) -> bool:
+        return self.family == "dense"
+
+    @property
+    def is_mode(self) -> bool:
+        """False for what is not a way to train: ``local`` (no synchronization at all) and the
+        network-bottleneck paper's formula (``paper02:ratio=R``, a compression ratio without a
+        codec)."""
+        return self.family not in NOT_MODES
+
+    @property
+    def worst(self) -> float | None:
+        """The largest measured gap (0 when lossless); None when nothing was measured."""
+        if self.lossless:
+            return 0.0
+        return max(self.gaps) if self.gaps else None
+
+    def within(self, budget: float) -> bool:
+        """Known to cost at most ``budget`` percent: lossless, or measured within it (a mode
+        nobody measured is not known to be within any budget)."""
+        worst = self.worst
+        return self.is_mode and worst is not None and worst <= budget
 
     def text(self) -> str:
-        if self.family == "dense":
+        if self.lossless:
             return "none (dense, lossless)"
+        if not self.is_mode:
+            return self.task
         if not self.gaps:
             return f"not measured ({self.task})"
         gaps = " / ".join(f"{g:+.1f} %" for g in self.gaps)
         return f"{gaps} perplexity, {self.task} ({self.source})"
 
 
+NOT_MODES = {
+    "none": "no synchronization: each rank trains alone (a reference, not a training mode)",
+    "formula": "a formula for any compression ratio, no codec behind it (not a training mode)",
+}
+
+
 SGD_LSTM = "LSTM LM, SGD, 2x2"
 ADAMW_TRANSFORMER = "Transformer LM, AdamW, 2x2"
+OUTER_AVERAGE = "outer_lr 1.0, outer_momentum 0 (OuterLoop's defaults 0.7 / 0.9 trained worse there)"
 
 QUALITY: dict[str, Quality] = {
     q.family: q
@@ -62,14 +93,23 @@ QUALITY: dict[str, Quality] = {
         Quality("zeroone-adam", (2.5, 4.2), f"{ADAMW_TRANSFORMER}, 2 seeds",
                 "docs/results/bench-convergence-adam-family.json, -seed1.json"),
         Quality("onebit-lamb", (24.3,), ADAMW_TRANSFORMER, "docs/results/bench-convergence-adam-family.json"),
-        Quality("outer-dense", (5.0, 6.6), f"{ADAMW_TRANSFORMER}, H = 10, 2 seeds",
+        Quality("outer-dense", (5.0, 6.6), f"{ADAMW_TRANSFORMER}, H = 10, {OUTER_AVERAGE}, 2 seeds",
                 "docs/results/bench-convergence-outer-text-adam.json, -seed1.json"),
-        Quality("outer-int4", (3.5, 6.6), f"{ADAMW_TRANSFORMER}, H = 10, terngrad:bits=4, 2 seeds",
+        Quality("outer-int4", (3.5, 6.6),
+                f"{ADAMW_TRANSFORMER}, H = 10, terngrad:bits=4, outer_lr 1.0, outer_momentum 0.3, 2 seeds",
                 "docs/results/bench-convergence-outer-int4-text-adam.json, -seed1.json"),
-        Quality("outer-onebit", (10.8, 11.8), f"{ADAMW_TRANSFORMER}, H = 10, 2 seeds",
+        Quality("outer-onebit", (10.8, 11.8),
+                f"{ADAMW_TRANSFORMER}, H = 10, onebit, {OUTER_AVERAGE}, 2 seeds",
                 "docs/results/bench-convergence-outer-text-adam.json, -seed1.json"),
-        Quality("outer-sparse", (16.2,), f"{ADAMW_TRANSFORMER}, H = 10, chunktopk at 10 %",
+        Quality("outer-sparse", (16.2,), f"{ADAMW_TRANSFORMER}, H = 10, chunktopk at 10 %, {OUTER_AVERAGE}",
                 "docs/results/bench-convergence-outer-text-adam.json"),
+        Quality("outer-streaming-onebit", (11.7,),
+                f"{ADAMW_TRANSFORMER}, H = 10, 4 fragments, delay 2, onebit, {OUTER_AVERAGE}",
+                "docs/results/bench-convergence-outer-text-adam.json"),
+        Quality("outer-streaming-terngrad", (), "the streamed outer loop with terngrad; measured: the same "
+                "codec unstreamed at 4 bits (+3.5 / +6.6 %), streaming with onebit (+11.7 % against "
+                "+10.8 / +11.8 % unstreamed)", ""),
+        *(Quality(name, (), text, "") for name, text in NOT_MODES.items()),
     )
 }  # fmt: skip
 
@@ -87,43 +127,67 @@ def _codec_family(codec: str) -> str:
     return "dense" if name == "none" else "sparse"
 
 
-def family(name: str) -> str:
-    """The quality family of contender ``name`` (a key of :data:`QUALITY`)."""
+def _outer_family(name: str) -> str:
+    options = outer_options(name)
+    codec = options.get("codec")
+    inner = "dense" if codec is None else _codec_family(codec)
+    if options.get("fragments", 1) > 1 or options.get("delay", 0) > 0:
+        return f"outer-streaming-{inner}"
+    if inner == "terngrad" and codec is not None and "bits=4" in codec.replace(" ", ""):
+        return "outer-int4"
+    return f"outer-{inner}"
+
+
+def family(name: str, nodes: int | None = None) -> str:
+    """The quality family of contender ``name`` (a key of :data:`QUALITY`, or a family nobody has
+    measured, which :func:`quality_of` reports as such). ``nodes``: the cluster's; on one node
+    FSDP2's compressed all-reduce across nodes has nothing to do (lossless)."""
     if is_outer(name):
-        codec = outer_options(name).get("codec")
-        if codec is None:
-            return "outer-dense"
-        inner = _codec_family(codec)
-        if (inner == "terngrad" and "bits=4" in codec) or inner == "fp16":
-            return "outer-int4"
-        return "outer-onebit" if inner in ("onebit", "terngrad") else "outer-sparse"
+        return _outer_family(name)
     if is_self_syncing(name):
-        return name.split("@")[0]
+        kind = name.split("@")[0]
+        codec = self_syncing_options(name).get("codec")
+        return kind if codec is None or codec.split("+")[0] == "onebit" else f"{kind} with {codec}"
     if is_sharded(name):  # FSDP2's own reductions are exact; compressed, the codec's family
-        compressed = sharded_contender(name)[1]
-        return "dense" if compressed is None else family(compressed)
-    if name in ("local", "ddp", "horovod"):
+        kind, compressed = sharded_contender(name)
+        if compressed is None or (nodes == 1 and kind in ("hsdp", "replicate")):
+            return "dense"
+        return family(compressed, nodes)
+    if name == "local":
+        return "none"
+    if name in ("ddp", "horovod"):
         return "dense"
     if name == "ddp-fp16":
         return "fp16"
     if name.startswith("ddp-powersgd"):
         return "powersgd"
     if name.startswith("paper02"):
-        return "dense"
+        return "formula"
     scheme = Scheme.parse(name)
     if scheme.kind == "dense":
         return "fp16" if scheme.comm_dtype else "dense"
     if scheme.text.startswith("auto"):  # as the codec its plan compresses with (its candidates' worst)
         names = list(AUTO_CODECS) if scheme.text == "auto" else [scheme.codec or "", *scheme.candidates]
         fams = [_codec_family(Scheme.parse(c).codec or c) for c in names]
-        return max(fams, key=lambda f: QUALITY[f].worst)
+        return max(fams, key=lambda f: _risk(quality_of_family(f)))
     return _codec_family(scheme.codec or "")
 
 
-def quality_of(name: str) -> Quality:
-    return QUALITY[family(name)]
+def _risk(q: Quality) -> float:
+    worst = q.worst
+    return math.inf if worst is None else worst
 
 
-def lossless(name: str) -> bool:
+def quality_of_family(fam: str) -> Quality:
+    """The measured quality of family ``fam``; a family nobody has measured gets an entry that
+    says so."""
+    return QUALITY.get(fam) or Quality(fam, (), f"{fam}: no run of the project's convergence tables", "")
+
+
+def quality_of(name: str, nodes: int | None = None) -> Quality:
+    return quality_of_family(family(name, nodes))
+
+
+def lossless(name: str, nodes: int | None = None) -> bool:
     """Whether ``name`` synchronizes the exact gradient every step (dense, full precision)."""
-    return family(name) == "dense"
+    return quality_of(name, nodes).lossless

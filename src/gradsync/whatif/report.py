@@ -40,6 +40,32 @@ def point_key(r: dict[str, Any]) -> str:
     )
 
 
+def slower_on_faster_links(rows: list[dict[str, Any]], tolerance: float = 0.01) -> list[str]:
+    """Warnings for contenders predicted slower on a faster inter-node link than on a slower one,
+    everything else alike (by more than ``tolerance``). Where it happens the contender's plan
+    differs between the two rates: the planner compresses a bucket only where that halves its
+    predicted time, so on a faster link it may keep buckets dense whose compression still paid;
+    the engine decides the same way, so the prediction keeps it, and says so."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        key = (r["contender"], r["nodes"], r["per_node"], r["inter_latency_us"], r.get("ratio"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (name, nodes, per_node, *_), group in groups.items():
+        best: dict[str, Any] | None = None  # the fastest step on a slower link so far
+        for r in sorted(group, key=lambda r: r["inter_bps"]):
+            if best is not None and r["step_ms"] > (1 + tolerance) * best["step_ms"]:
+                out.append(
+                    f"{name} on {nodes}x{per_node}: {r['step_ms']:.1f} ms at inter {r['inter']} against "
+                    f"{best['step_ms']:.1f} ms at {best['inter']} ({r['notes'] or 'its plan'} against "
+                    f"{best['notes'] or 'its plan'}): the planner compresses a bucket only where that "
+                    "halves its time, and on the faster link it kept more of them dense"
+                )
+            if best is None or r["step_ms"] < best["step_ms"]:
+                best = r
+    return out
+
+
 def markdown(result: dict[str, Any]) -> str:
     out = []
     rows = result["rows"]
@@ -47,6 +73,7 @@ def markdown(result: dict[str, Any]) -> str:
         out += [f"**{key}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         out += ["| " + " | ".join(cells(r)) + " |" for r in rows if point_key(r) == key]
         out.append("")
+    out += [f"note: {n}" for n in result.get("notes", [])]
     return "\n".join(out)
 
 

@@ -41,7 +41,7 @@ DENSE_MARGIN = 0.05
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    whatif.add_arguments(p)
+    whatif.add_arguments(p, pictures=False)
     p.set_defaults(scheme=ADVISE_MODES)
     p.add_argument("--dense-margin", type=float, default=DENSE_MARGIN,
                    help="advise dense synchronization when it is within this fraction of the fastest "
@@ -57,54 +57,64 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--dense-margin must be in [0, 1), got {args.dense_margin}")
     if not args.quality_budget >= 0:
         raise ValueError(f"--quality-budget must be a non-negative percentage, got {args.quality_budget}")
-    if args.trace or args.png:
-        raise ValueError("--trace and --png belong to gradsync whatif, not advise")
 
 
 def advise_point(rows: list[dict[str, Any]], dense_margin: float, budget: float) -> dict[str, Any]:
-    """The ranking and the advice for one point's predicted ``rows`` (see the module)."""
-    from gradsync.whatif.quality import lossless, quality_of
+    """The ranking and the advice for one point's predicted ``rows`` (see the module). What is not
+    a training mode (``local``, the ``paper02`` formula) is ranked for reference, never advised;
+    a mode whose family nobody measured is never offered as within the quality budget."""
+    from gradsync.whatif.quality import quality_of
 
     ranked = sorted(rows, key=lambda r: r["step_ms"])
-    fastest = ranked[0]
-    dense = [r for r in ranked if lossless(r["contender"])]
+    quality = {r["contender"]: quality_of(r["contender"], r.get("nodes")) for r in rows}
     ddp = next((r for r in rows if r["contender"] == "ddp"), None)
     out: dict[str, Any] = {
         "ranking": [
             {
                 "contender": r["contender"],
                 "step_ms": r["step_ms"],
-                "vs_fastest": r["step_ms"] / fastest["step_ms"],
+                "vs_fastest": r["step_ms"] / ranked[0]["step_ms"],
                 "speedup_vs_ddp": ddp["step_ms"] / r["step_ms"] if ddp else None,
-                "quality": quality_of(r["contender"]).text(),
-                "quality_worst_pct": quality_of(r["contender"]).worst,
-                "lossless": lossless(r["contender"]),
+                "quality": quality[r["contender"]].text(),
+                "quality_worst_pct": quality[r["contender"]].worst,
+                "lossless": quality[r["contender"]].lossless,
+                "mode": quality[r["contender"]].is_mode,
             }
             for r in ranked
         ]
     }
+    modes = [r for r in ranked if quality[r["contender"]].is_mode]
+    if not modes:
+        out["choice"], out["kind"] = None, "none"
+        out["advice"] = "nothing to advise: none of these is a training mode"
+        return out
+    fastest = modes[0]
+    dense = [r for r in modes if quality[r["contender"]].lossless]
     if dense and dense[0]["step_ms"] <= (1 + dense_margin) * fastest["step_ms"]:
         best = dense[0]
         out["choice"], out["kind"] = best["contender"], "dense"
-        gain = best["step_ms"] / fastest["step_ms"] - 1
+        if best is fastest:
+            where = "is the fastest mode"
+        else:
+            gain = best["step_ms"] / fastest["step_ms"] - 1
+            where = f"is within {gain * 100:.1f} % of the fastest mode ({fastest['contender']})"
         out["advice"] = (
-            f"dense synchronization: {best['contender']} is within {gain * 100:.1f} % of the fastest mode "
-            f"({fastest['contender']}); compression would not pay for its risk here"
+            f"dense synchronization: {best['contender']} {where}; compression would not pay for its risk here"
         )
         return out
     out["choice"], out["kind"] = fastest["contender"], "compressed"
     lead = f" ({ddp['step_ms'] / fastest['step_ms']:.2f}x DDP)" if ddp else ""
-    q = quality_of(fastest["contender"])
+    q = quality[fastest["contender"]]
     text = f"{fastest['contender']}{lead}; measured quality cost of its family: {q.text()}"
-    if q.worst > budget:
-        safe = [r for r in ranked if quality_of(r["contender"]).worst <= budget]
+    if not q.within(budget):
+        safe = [r for r in modes if quality[r["contender"]].within(budget)]
         if safe:
             s = safe[0]
             out["within_budget"] = s["contender"]
             slower = s["step_ms"] / fastest["step_ms"]
             text += (
                 f". Within a {budget:g} % quality budget: {s['contender']} ({slower:.2f}x the fastest's "
-                f"step; {quality_of(s['contender']).text()})"
+                f"step; {quality[s['contender']].text()})"
             )
     out["advice"] = text
     return out
@@ -145,8 +155,11 @@ def markdown(result: dict[str, Any]) -> str:
         cols = ("rank", "mode", "step ms", "x fastest", "x DDP", "measured quality cost")
         parts.append(markdown_table(cols, cells))
         parts.append(f"\n**advice**: {p['advice']}\n")
+    parts += [f"note: {n}" for n in result.get("notes", [])]
     if len(result["advice"]) > 1:
-        cells = [[p["point"], p["choice"], p["kind"], p.get("within_budget", "")] for p in result["advice"]]
+        cells = [
+            [p["point"], p["choice"] or "", p["kind"], p.get("within_budget", "")] for p in result["advice"]
+        ]
         parts.append("### advice per point\n")
         parts.append(markdown_table(("point", "first choice", "kind", "within the quality budget"), cells))
     return "\n".join(parts) + "\n"
@@ -170,12 +183,14 @@ def main(args: argparse.Namespace) -> int:
                           r["quality"])  # fmt: skip
         console.print(table)
         console.print(f"advice: {p['advice']}")
+    for note in result.get("notes", []):
+        print(f"note: {note}")
     if len(result["advice"]) > 1:
         table = Table(title="advice per point")
         for col in ("point", "first choice", "kind", "within the quality budget"):
             table.add_column(col)
         for p in result["advice"]:
-            table.add_row(p["point"], p["choice"], p["kind"], p.get("within_budget", ""))
+            table.add_row(p["point"], p["choice"] or "", p["kind"], p.get("within_budget", ""))
         console.print(table)
     save_result(result, args.json, args.markdown, markdown(result))
     return 0

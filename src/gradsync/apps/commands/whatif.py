@@ -40,35 +40,34 @@ def parse_cluster(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, pictures: bool = True) -> None:
+    """whatif's options; ``pictures``: also ``--png`` and ``--trace`` (``advise`` has neither)."""
     p.add_argument(
         "--profile", required=True, metavar="PATH.json", help="a gradsync profile (gradsync profile --out)"
     )
     p.add_argument(
         "--cluster", default="2x8", metavar="NODESxGPUS", help="nodes x workers per node (default 2x8)"
     )
-    p.add_argument("--inter", default="25gbit", help="the node cable's rate (default 25gbit)")
-    p.add_argument(
-        "--inter-latency",
-        default=DEFAULT_INTER_LATENCY,
-        help=f"its start-up time (default {DEFAULT_INTER_LATENCY})",
-    )
-    p.add_argument(
-        "--intra", default=DEFAULT_INTRA, help=f"the links inside a node (default {DEFAULT_INTRA})"
-    )
-    p.add_argument(
-        "--intra-latency", default=DEFAULT_INTRA_LATENCY, help=f"(default {DEFAULT_INTRA_LATENCY})"
-    )
+    p.add_argument("--inter", help=f"the node cable's rate (default {LINK_DEFAULTS['inter']})")
+    p.add_argument("--inter-latency", help=f"its start-up time (default {LINK_DEFAULTS['inter_latency']})")
+    p.add_argument("--intra", help=f"the links inside a node (default {LINK_DEFAULTS['intra']})")
+    p.add_argument("--intra-latency", help=f"(default {LINK_DEFAULTS['intra_latency']})")
     p.add_argument(
         "--add-rate",
-        default="400GB/s",
         help="element-wise add (and copy) throughput, the network-bottleneck paper's AddEst "
-        "(default 400GB/s)",
+        f"(default {LINK_DEFAULTS['add_rate']})",
     )
     p.add_argument(
         "--links", metavar="PATH.json", help="calibrated links (gradsync calibrate) instead of the rates"
     )
-    p.add_argument("--scheme", default=DEFAULT_SCHEMES, help="comma-separated contenders (docs/whatif.md)")
+    p.add_argument(
+        "--scheme",
+        default=DEFAULT_SCHEMES,
+        help="comma-separated contenders: local, ddp and its hooks (ddp-fp16, ddp-powersgd:rank=N), "
+        "dense algorithms (hierarchical, hierarchical/fp16, ...), gradsync's schemes and auto, the "
+        "Adam-family optimizers (onebit-adam, zeroone-adam, onebit-lamb), outer@every=H@..., "
+        "fsdp/hsdp/replicate[/SCHEME] (docs/whatif.md)",
+    )
     p.add_argument(
         "--sync-option",
         action="append",
@@ -109,10 +108,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (default 25)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH")
-    p.add_argument("--png", metavar="PATH", help="scaling factor against the first --sweep")
-    p.add_argument(
-        "--trace", metavar="PATH.json", help="a Chrome trace of each contender's simulated step (first point)"
-    )
+    if pictures:
+        p.add_argument("--png", metavar="PATH", help="scaling factor against the first --sweep")
+        p.add_argument(
+            "--trace",
+            metavar="PATH.json",
+            help="a Chrome trace of each contender's simulated step (first point)",
+        )
+
+
+LINK_DEFAULTS = {
+    "inter": "25gbit", "inter_latency": DEFAULT_INTER_LATENCY, "intra": DEFAULT_INTRA,
+    "intra_latency": DEFAULT_INTRA_LATENCY, "add_rate": "400GB/s",
+}  # fmt: skip
+"""The rates and start-up times of the links when neither ``--links`` nor ``--costs`` gives them."""
+
+
+def link_option(args: argparse.Namespace, name: str) -> str:
+    """``--inter`` and its kin as given, else their default (:data:`LINK_DEFAULTS`)."""
+    value = getattr(args, name)
+    return str(value) if value is not None else LINK_DEFAULTS[name]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output file's folder exists: found out before the simulation runs, not after."""
+    import os
+
+    for name in ("json", "markdown", "png", "trace", "save_codec_costs"):
+        path = getattr(args, name, None)
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            raise ValueError(f"--{name.replace('_', '-')} {path}: the folder {folder} does not exist")
 
 
 def _schemes(args: argparse.Namespace) -> list[str]:
@@ -120,23 +146,36 @@ def _schemes(args: argparse.Namespace) -> list[str]:
 
 
 def check(args: argparse.Namespace) -> None:
+    from gradsync.observe.profile_format import Profile
     from gradsync.sync.config import SyncConfig, parse_options
     from gradsync.whatif.predict import check_contenders, parse_sweep
 
+    try:
+        Profile.load(args.profile)
+    except OSError as e:
+        raise ValueError(f"--profile {args.profile}: cannot read it: {e.strerror or e}") from None
     parse_cluster(args.cluster)
     if args.costs and args.links:
         raise ValueError("--costs holds the engine's links: give --costs or --links, not both")
+    given = [f"--{k.replace('_', '-')}" for k in LINK_DEFAULTS if getattr(args, k) is not None]
+    if (args.costs or args.links) and given:
+        source = "--costs" if args.costs else "--links"
+        raise ValueError(
+            f"{source} already holds the links' rates and start-up times: give {', '.join(given)} or "
+            f"{source}, not both (--sweep inter=... changes the links of either)"
+        )
     if args.costs:
         from gradsync.planner.engine_costs import EngineCosts
 
         EngineCosts.load(args.costs)
-    parse_rate(args.inter, "--inter")
-    parse_rate(args.intra, "--intra")
-    parse_rate(args.add_rate, "--add-rate")
-    parse_duration(args.inter_latency, "--inter-latency")
-    parse_duration(args.intra_latency, "--intra-latency")
-    if args.step_time is not None:
-        parse_duration(args.step_time, "--step-time")
+    parse_rate(link_option(args, "inter"), "--inter")
+    parse_rate(link_option(args, "intra"), "--intra")
+    parse_rate(link_option(args, "add_rate"), "--add-rate")
+    parse_duration(link_option(args, "inter_latency"), "--inter-latency")
+    parse_duration(link_option(args, "intra_latency"), "--intra-latency")
+    if args.step_time is not None and not parse_duration(args.step_time, "--step-time") > 0:
+        raise ValueError(f"--step-time must be a positive duration such as 90ms, got {args.step_time!r}")
+    _check_outputs(args)
     for name in ("compute_scale", "codec_scale", "host_cores", "ddp_bucket_mb"):
         v = getattr(args, name)
         if v is not None and not (v > 0 and v != float("inf")):
@@ -167,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.network import Network, from_rates, load_links
     from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
+    from gradsync.whatif.report import slower_on_faster_links
     from gradsync.whatif.simulate import Cpu
     from gradsync.whatif.workload import Workload
 
@@ -183,8 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.links:
         network = load_links(args.links)
     else:
-        network = from_rates(args.inter, args.intra, args.inter_latency, args.intra_latency,
-                             1.0 / parse_rate(args.add_rate, "--add-rate"))  # fmt: skip
+        network = from_rates(link_option(args, "inter"), link_option(args, "intra"),
+                             link_option(args, "inter_latency"), link_option(args, "intra_latency"),
+                             1.0 / parse_rate(link_option(args, "add_rate"), "--add-rate"))  # fmt: skip
     codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
     costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
     if engine is not None:  # the engine's own codec costs come first
@@ -226,10 +267,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "codecs_measured_here": list(costs.measured),
         "powersgd_hook_work": hook_work,
         "rows": rows,
+        "notes": slower_on_faster_links(rows),
     }
     if args.save_codec_costs:
         costs.save(args.save_codec_costs)
-    if args.trace:
+    if getattr(args, "trace", None):
         from gradsync.whatif.report import trace_document, write_trace
 
         first = points(Point(nodes, per_node, network), sweeps)[0]
@@ -295,6 +337,8 @@ def main(args: argparse.Namespace) -> int:
                 table.add_row(*cells(r))
         console.print(table)
     print(f"one worker alone: {result['single_worker_step_ms']:.1f} ms per step (T_1)")
+    for note in result["notes"]:
+        print(f"note: {note}")
     save_result(result, args.json, args.markdown, markdown(result))
     if args.png:
         plot(result, args.png)

@@ -540,6 +540,8 @@ def advise_check(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) ->
         return {}
     choice = advise_point(modes, DENSE_MARGIN, math.inf)["choice"]
     fastest = min(measured, key=lambda c: measured[c])
+    if choice is None:
+        return {}
     return {
         "advise_choice": choice, "measured_fastest": fastest,
         "advise_choice_over_fastest": measured[choice] / measured[fastest],
