@@ -270,6 +270,10 @@ def test_sweeps_cross_and_name_their_options():
     pts = points(base, [parse_sweep("inter=1,10gbit"), parse_sweep("nodes=2,4")])
     assert [(p.nodes, round(p.network.inter_bytes_per_s)) for p in pts] == [
         (2, 125_000_000), (4, 125_000_000), (2, 1_250_000_000), (4, 1_250_000_000)]  # fmt: skip
+    # a value without a unit takes the next unit given, else the last one before it
+    assert parse_sweep("inter=1gbit,100")[1] == pytest.approx([1.25e8, 1.25e10])
+    assert parse_sweep("inter=100mbit,1,10gbit")[1] == pytest.approx([1.25e7, 1.25e8, 1.25e9])
+    assert parse_sweep("inter_latency=5,50us")[1] == pytest.approx([5e-6, 5e-5])
     for bad, message in (("speed=1", "KEY=V1,V2"), ("nodes=0", "nodes"), ("inter=fast", "--sweep inter"),
                          ("ratio=", "at least one value")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
@@ -341,6 +345,24 @@ def test_cli_predicts_sweeps_plots_and_traces(files, capsys):
     assert "predicted" in capsys.readouterr().out
 
 
+def test_cli_notes_what_the_numbers_rest_on(files, capsys):
+    """No --step-time or --compute-scale: the CPU profile's own compute, said so; codecs timed on
+    this machine, named; the cluster in capitals is understood."""
+    argv = [
+        "whatif",
+        "--profile",
+        str(files / "profile.json"),
+        "--cluster",
+        "2X4",
+        "--scheme",
+        "ddp,topk:density=0.1",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "note: the compute is the profile's, measured on cpu" in out and "give --step-time" in out
+    assert "note: timed on this machine (no --codec-costs entry)" in out and "topk:density=0.1" in out
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -362,6 +384,7 @@ def test_cli_predicts_sweeps_plots_and_traces(files, capsys):
         (["--json", "/no/such/folder/out.json"], "--json /no/such/folder/out.json: the folder"),
         (["--png", "/no/such/folder/out.png"], "--png /no/such/folder/out.png: the folder"),
         (["--scheme", "hierarchical:comm_dtype=fp16"], "hierarchical/fp16"),
+        (["--sweep", "ratio=10,100"], "no scheme has one"),
     ],
 )
 def test_cli_errors_name_the_option(files, extra, message, capsys):

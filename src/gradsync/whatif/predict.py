@@ -81,7 +81,7 @@ def check_contenders(templates: list[str], with_ratio: bool) -> None:
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:
-    """``inter=1,10,25gbit`` (a unit on the last value applies to all that have none),
+    """``inter=1,10,25gbit`` (a value without a unit takes the next unit given, else the last),
     ``nodes=2,4,8``, ``ratio=1,10,100``, ``inter_latency=5us,50us``."""
     key, eq, values = text.partition("=")
     key = key.strip().replace("-", "_")
@@ -92,11 +92,13 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--sweep {key}= needs at least one value")
     out: list[Any] = []
     if key in ("inter", "inter_latency"):
-        unit = "".join(c for c in items[-1] if c.isalpha() or c == "/")
+        # a value without a unit takes the unit of the next value that has one (of the last before
+        # it when none follows)
+        units = ["".join(c for c in v if c.isalpha() or c == "/") for v in items]
         parse = parse_rate if key == "inter" else parse_duration
-        for v in items:
-            v = v if any(c.isalpha() for c in v) else v + unit
-            out.append(parse(v, f"--sweep {key}"))
+        for i, v in enumerate(items):
+            after = [u for u in units[i:] if u] or [u for u in units[:i] if u] or [""]
+            out.append(parse(v if units[i] else v + after[0], f"--sweep {key}"))
     else:
         for v in items:
             try:

@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="advise dense synchronization when it is within this fraction of the fastest "
                         "mode (default 0.05)")  # fmt: skip
     p.add_argument("--quality-budget", type=float, default=5.0,
-                   help="perplexity gap in percent a mode's family may have shown in the project's "
-                        "measurements to be advised without a warning (default 5)")  # fmt: skip
+                   help="perplexity gap in percent (5 means 5 %%) a mode's family may have shown in the "
+                        "project's measurements to be advised without a warning; a mode nobody measured "
+                        "is never within it (default 5)")  # fmt: skip
 
 
 def check(args: argparse.Namespace) -> None:

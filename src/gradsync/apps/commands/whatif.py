@@ -26,6 +26,7 @@ from gradsync.whatif.network import DEFAULT_INTER_LATENCY, DEFAULT_INTRA, DEFAUL
 
 if TYPE_CHECKING:
     from gradsync.observe.profile_format import Profile
+    from gradsync.whatif.workload import Workload
 
 DEFAULT_SCHEMES = (
     "horovod,ddp,ddp-fp16,ddp-powersgd:rank=4,hierarchical,hitopk:density=0.01,powersgd:rank=4,auto"
@@ -34,7 +35,7 @@ _CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 
 
 def parse_cluster(text: str) -> tuple[int, int]:
-    m = _CLUSTER.match(text or "")
+    m = _CLUSTER.match((text or "").strip().lower())
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise ValueError(f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, got {text!r}")
     return int(m.group(1)), int(m.group(2))
@@ -194,6 +195,11 @@ def check(args: argparse.Namespace) -> None:
         if schemes.count(s) > 1:
             raise ValueError(f"--scheme names {s!r} twice")
     check_contenders(schemes, "ratio" in keys)
+    if "ratio" in keys and not any("{" in s for s in schemes):
+        raise ValueError(
+            "--sweep ratio=... sets the compression ratio of --scheme's {density} or {ratio} placeholders "
+            "(e.g. hitopk:density={density}, paper02:ratio={ratio}), and no scheme has one"
+        )
     options = parse_options(args.sync_option)
     SyncConfig.from_options({"scheme": "auto", **options})
 
@@ -239,11 +245,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for pt in points(Point(nodes, per_node, network), sweeps):
         rows += predict_point(workload, pt, schemes, costs, cpu, options, ddp_buckets, hook_rates)
+    swept = {k for k, _ in sweeps}
     title = (
-        f"{workload.model}, {args.cluster}, "
+        f"{workload.model}, {args.cluster if not swept & {'nodes', 'per_node'} else 'cluster swept'}, "
         + (
             f"links {args.links or args.costs}"
             if args.links or args.costs
+            else "inter swept"
+            if "inter" in swept
             else f"inter {rate_text(network.inter_bytes_per_s)}"
         )
         + f", one worker's step {workload.step * 1e3:.1f} ms"
@@ -267,7 +276,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "codecs_measured_here": list(costs.measured),
         "powersgd_hook_work": hook_work,
         "rows": rows,
-        "notes": slower_on_faster_links(rows),
+        "notes": unscaled_compute(args, workload)
+        + codecs_timed_here(costs.measured)
+        + slower_on_faster_links(rows),
     }
     if args.save_codec_costs:
         costs.save(args.save_codec_costs)
@@ -286,6 +297,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             steps.append((name, res.spans, res.step_s))
         write_trace(args.trace, trace_document(steps, first.nodes, first.per_node))
     return result
+
+
+def codecs_timed_here(specs: list[str]) -> list[str]:
+    """A note naming the codecs timed on this machine (no table gave them): their times, and so
+    the predictions that use them, move a little from run to run."""
+    if not specs:
+        return []
+    listed = ", ".join(specs)
+    return [f"timed on this machine (no --codec-costs entry), so a little different in each run: {listed}"]
+
+
+def unscaled_compute(args: argparse.Namespace, workload: Workload) -> list[str]:
+    """A note when the compute is the profile's own, unscaled, from a CPU: almost never the target's."""
+    if args.step_time is not None or args.compute_scale is not None or not workload.device.startswith("cpu"):
+        return []
+    return [
+        f"the compute is the profile's, measured on {workload.device} ({workload.step * 1e3:.1f} ms per "
+        "step): give --step-time (one worker's step on the target device) or --compute-scale"
+    ]
 
 
 def powersgd_hook_rates(
