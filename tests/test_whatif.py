@@ -688,6 +688,22 @@ def test_self_syncing_optimizers_exchange_after_the_backward_pass():
             exchange_share("zeroone-adam", bad)
 
 
+def test_the_outer_options_rule_is_the_loops_own():
+    """One check for OuterLoop and for the outer@... contenders: the same defaults, the same refusal."""
+    import inspect
+
+    from gradsync import OuterLoop
+    from gradsync.sync.outer_options import check_outer_options
+
+    loop = inspect.signature(OuterLoop.__init__).parameters
+    for key, p in inspect.signature(check_outer_options).parameters.items():
+        assert loop[key].default == p.default, key
+    with pytest.raises(
+        ValueError, match=re.escape("outer loop: mix must be a number in [0.0, 1.0], got 2.0")
+    ):
+        OuterLoop(nn.Linear(2, 2), every=10, mix=2.0)
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [

@@ -36,7 +36,6 @@ References:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -59,6 +58,7 @@ from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
 from gradsync.sync.buckets import fragment_offset, split_fragments
+from gradsync.sync.outer_options import check_outer_options
 from gradsync.sync.tasks import Task, TaskManager
 
 FORMAT = "gradsync.outer/1"
@@ -107,7 +107,14 @@ class OuterLoop:
         topology: Topology | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        mix = check_outer_options(every, fragments, delay, mix, outer_lr, outer_momentum)
+        mix = check_outer_options(
+            every=every,
+            fragments=fragments,
+            delay=delay,
+            mix=mix,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+        )
         if not isinstance(model, nn.Module):
             raise TypeError(f"outer loop: model must be a torch.nn.Module, got {type(model).__name__}")
         _refuse_per_step_compression(model, optimizer)
@@ -440,44 +447,6 @@ def _refuse_per_step_compression(model: nn.Module, optimizer: torch.optim.Optimi
             "inside an outer loop use a local optimizer (AdamW, SGD, LAMB...) and let the outer loop "
             "average the pseudo-gradients"
         )
-
-
-def check_outer_options(
-    every: int, fragments: int, delay: int, mix: float | None, outer_lr: float, outer_momentum: float
-) -> float:
-    """:class:`OuterLoop`'s schedule and outer-optimizer options checked (``ValueError`` naming the
-    option and its allowed values); returns ``mix`` with its default filled in (0.5 with a delay,
-    else 0)."""
-    _check_int("every", every, 1)
-    _check_int("fragments", fragments, 1)
-    _check_int("delay", delay, 0)
-    if delay >= every:
-        raise ValueError(
-            f"outer loop: delay must be below every (a fragment's exchange lands before its next "
-            f"one starts), got delay={delay} with every={every}"
-        )
-    mix = (0.5 if delay else 0.0) if mix is None else mix
-    _check_real("mix", mix, 0.0, 1.0)
-    _check_real("outer_lr", outer_lr, 0.0, math.inf, lo_open=True)
-    _check_real("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
-    return float(mix)
-
-
-def _check_int(name: str, value: object, lo: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"outer loop: {name} must be an integer >= {lo}, got {value!r}")
-
-
-def _check_real(
-    name: str, value: object, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        v = float(value)  # type: ignore[arg-type]
-        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"outer loop: {name} must be a number in {lo_b}{lo}, {hi}{hi_b}, got {value!r}")
 
 
 def _nothing_to_send() -> Program:

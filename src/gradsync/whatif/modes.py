@@ -45,9 +45,9 @@ from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
 from gradsync.optim.zeroone_adam import exchange_steps
-from gradsync.outer.loop import OuterLoop, check_outer_options
 from gradsync.planner.decide import no_compute, predict
 from gradsync.sync.buckets import fragment_offset, split_fragments
+from gradsync.sync.outer_options import check_outer_options
 from gradsync.sync.scheme import Scheme
 
 OUTER_KEYS: dict[str, type] = {
@@ -106,12 +106,8 @@ def outer_options(name: str) -> dict[str, Any]:
             ) from None
     if out["every"] < 1 or out.get("fragments", 1) < 1 or not 0 <= out.get("delay", 0) < out["every"]:
         raise ValueError(f"contender {name!r}: needs every >= 1, fragments >= 1 and 0 <= delay < every")
-    given = {**{k: p.default for k, p in inspect.signature(OuterLoop.__init__).parameters.items()}, **out}
     try:  # the loop's own checks of its outer optimizer (mix, outer_lr, outer_momentum)
-        check_outer_options(
-            given["every"], given["fragments"], given["delay"], given["mix"], given["outer_lr"],
-            given["outer_momentum"],
-        )  # fmt: skip
+        check_outer_options(**{k: v for k, v in out.items() if k != "codec"})
     except ValueError as e:
         raise ValueError(f"contender {name!r}: {e}") from None
     if "codec" in out:

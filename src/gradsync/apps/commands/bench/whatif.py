@@ -169,18 +169,19 @@ HOST_PROBE_ELEMENTS = 16 << 20
 the caches, as a large bucket's error feedback and an optimizer's pass over the weights are)."""
 
 
-def host_probe(ranks_per_host: int, seconds: float = 0.1) -> dict[str, float]:
+def host_probe(ranks_per_host: int, seconds: float = 0.25) -> dict[str, float]:
     """How the host serves its ranks at this moment, for two kinds of work: ``stream`` (an in-place
     add over :data:`HOST_PROBE_ELEMENTS`-element buffers, bound by the memory's bandwidth, as
     error feedback, packing and the optimizer's step are) and ``compute`` (512 x 512 matrix
     products, bound by the cores, as convolutions are). For each: ``ranks_per_host`` x rank 0's
-    time alone (the other ranks wait) / the slowest rank's with every rank at once, the same
-    number of kernels each (about ``seconds`` of work alone): the effective cores that kind of
-    work gets. Every rank must call it; every rank gets the same numbers.
+    time alone (the other ranks wait; the faster of two tries, as the others' waiting may still
+    take a slice) / the slowest rank's with every rank at once, the same number of kernels each
+    (about ``seconds`` of work alone, many scheduler slices): the effective cores that kind of work
+    gets. Every rank must call it; every rank gets the same numbers.
 
     On this project's 2-core machine the two readings part ways, and the memory's part drifts:
     one streaming process got 1.09-1.15 x one's throughput from two cores at one moment, 1.93
-    at another 13 minutes later, while matrix products stayed at 1.98-2.03 (issue 44). ``bench
+    at another minutes later, while matrix products stayed at 1.98-2.03 (issue 44). ``bench
     whatif`` takes one before every round and reports their spread next to the errors."""
     a, b = torch.ones(HOST_PROBE_ELEMENTS), torch.ones(HOST_PROBE_ELEMENTS)
     m1, m2 = torch.randn(512, 512), torch.randn(512, 512)
@@ -189,10 +190,11 @@ def host_probe(ranks_per_host: int, seconds: float = 0.1) -> dict[str, float]:
     for kind, kernel in kernels.items():
         kernel()  # first-call allocations
         t0 = time.perf_counter()
-        kernel()
-        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        for _ in range(5):
+            kernel()
+        once = torch.tensor([(time.perf_counter() - t0) / 5], dtype=torch.float64)
         dist.broadcast(once, 0)  # rank 0's estimate: every rank runs the same count
-        count = max(int(seconds / max(float(once), 1e-6)), 3)
+        count = max(int(seconds / max(float(once), 1e-6)), 5)
 
         def run(everyone: bool, kernel: Callable[[], Any] = kernel, count: int = count) -> float:
             dist.barrier()
@@ -204,7 +206,8 @@ def host_probe(ranks_per_host: int, seconds: float = 0.1) -> dict[str, float]:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return float(t)
 
-        alone, together = run(False), run(True)
+        alone = min(run(False), run(False))
+        together = run(True)
         out[f"{kind}_cores"] = ranks_per_host * alone / together if together > 0 else math.nan
     return out
 

@@ -1,0 +1,51 @@
+"""The outer loop's schedule and outer-optimizer options, checked: one rule for
+:class:`gradsync.OuterLoop` and for the simulator's ``outer@...`` contenders (which sit in a layer
+below the loop, docs/architecture.md)."""
+
+from __future__ import annotations
+
+import math
+
+
+def check_outer_options(
+    *,
+    every: int = 100,
+    fragments: int = 1,
+    delay: int = 0,
+    mix: float | None = None,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+) -> float:
+    """The options checked (``ValueError`` naming the option and its allowed values); returns
+    ``mix`` with its default filled in (0.5 with a delay, else 0). The defaults are
+    :class:`gradsync.OuterLoop`'s."""
+    _check_int("every", every, 1)
+    _check_int("fragments", fragments, 1)
+    _check_int("delay", delay, 0)
+    if delay >= every:
+        raise ValueError(
+            f"outer loop: delay must be below every (a fragment's exchange lands before its next "
+            f"one starts), got delay={delay} with every={every}"
+        )
+    mix = (0.5 if delay else 0.0) if mix is None else mix
+    _check_real("mix", mix, 0.0, 1.0)
+    _check_real("outer_lr", outer_lr, 0.0, math.inf, lo_open=True)
+    _check_real("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+    return float(mix)
+
+
+def _check_int(name: str, value: object, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"outer loop: {name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_real(
+    name: str, value: object, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise ValueError(f"outer loop: {name} must be a number in {lo_b}{lo}, {hi}{hi_b}, got {value!r}")
