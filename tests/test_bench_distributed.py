@@ -90,6 +90,10 @@ def check_whatif_bench(tmp):
     # recorded; charged only when asked (then never faster), and an older result without the
     # measurement replays as before
     assert w["contention"]["cpus"] >= 1  # what bounds the effective cores read from local
+    # every rank's step at once: the slowest rank's (the median over steps of the largest) and
+    # the ranks' mean, which cannot exceed it
+    c = w["contention"]
+    assert 0 < c["together_mean_ms"] <= c["together_ms"] * (1 + 1e-9), c
     # the host probed before each round (one here) for streaming and computing work, the spread
     # reported: each reading ranks x alone / together, so within (0, ranks] up to timing noise
     probes = w["contention"]["rounds"]

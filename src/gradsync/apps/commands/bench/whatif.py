@@ -110,11 +110,12 @@ def check(args: argparse.Namespace) -> None:
 
 def _train_steps(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, warmup: int, steps: int, together: bool
-) -> float:
-    """Median step time; ``together``: every rank trains, steps start together (a barrier) and
-    each step counts as its slowest rank's, as :mod:`gradsync.apps.commands.bench.step` measures."""
+) -> tuple[float, float]:
+    """Median step time and the median of the ranks' mean step; ``together``: every rank trains,
+    steps start together (a barrier) and each step counts as its slowest rank's, as
+    :mod:`gradsync.apps.commands.bench.step` measures (alone, the two are the same)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    times = []
+    slowest, mean = [], []
     for i in range(warmup + steps):
         if together:
             dist.barrier()
@@ -122,24 +123,33 @@ def _train_steps(
         default_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        most = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        total = most.clone()
         if together:
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
         if i >= warmup:
-            times.append(float(dt))
-    return statistics.median(times)
+            slowest.append(float(most))
+            mean.append(float(total))
+    return statistics.median(slowest), statistics.median(mean)
 
 
 def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, steps: int) -> dict[str, float]:
     """One worker's step alone (rank 0; the others wait) and every worker's at once, measured as
-    the benchmark measures a step (the slowest rank's): the effective cores the ranks share."""
+    the benchmark measures a step (the slowest rank's): the effective cores the ranks share. Also
+    the ranks' mean step at once: how far the slowest rank lags the others (the simulator's one
+    worker has no such spread; recorded for the model of each rank's own progress, issue 44)."""
     alone = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
-        alone[0] = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=False)
+        alone[0] = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=False)[0]
     dist.broadcast(alone, 0)
-    together = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=True)
-    a, t = float(alone[0]), together
-    return {"alone_ms": a * 1e3, "together_ms": t * 1e3, "effective_cores": ranks * a / t}
+    together, mean = _train_steps(copy.deepcopy(base), x, y, 2, steps, together=True)
+    a = float(alone[0])
+    return {
+        "alone_ms": a * 1e3, "together_ms": together * 1e3, "together_mean_ms": mean * 1e3,
+        "effective_cores": ranks * a / together,
+    }  # fmt: skip
 
 
 def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
@@ -314,7 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     dist.barrier()
     cont = contention(base, x, y, ranks_per_host, max(args.steps, 3))
     say(f"  contention: one worker {cont['alone_ms']:.1f} ms alone, {cont['together_ms']:.1f} ms with "
-        f"{ranks_per_host} at once: {cont['effective_cores']:.2f} effective cores")  # fmt: skip
+        f"{ranks_per_host} at once (the ranks' mean {cont['together_mean_ms']:.1f}): "
+        f"{cont['effective_cores']:.2f} effective cores")  # fmt: skip
     busy_call_ms = [] if torch.cuda.is_available() else [w * 1e3 for w in busy_calls()]
     if busy_call_ms:  # on GPUs the threads that compute are not the host's
         say(f"  a small collective waits {', '.join(f'{w:.1f}' for w in busy_call_ms)} ms more "
