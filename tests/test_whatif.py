@@ -345,6 +345,45 @@ def test_cli_predicts_sweeps_plots_and_traces(files, capsys):
     assert "predicted" in capsys.readouterr().out
 
 
+def test_a_cluster_file_stands_for_the_shape_and_link_options(files, tmp_path, capsys):
+    """--cluster FILE predicts what the same shape and link options on the command line predict;
+    a file that is no cluster file, a bad entry, or an option the file already gives is refused,
+    naming --cluster."""
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"format": "gradsync.cluster/1", "nodes": 4, "gpus_per_node": 2,
+                                   "inter": "10gbit", "inter_latency": "5us"}))  # fmt: skip
+    base = ["whatif", "--profile", str(files / "profile.json"), "--step-time", "20ms", "--codec-costs",
+            str(files / "costs.json"), "--scheme", "ddp,hitopk:density=0.01"]  # fmt: skip
+    assert main([*base, "--cluster", str(cluster), "--json", str(tmp_path / "a.json")]) == 0
+    assert main([*base, "--cluster", "4x2", "--inter", "10gbit", "--inter-latency", "5us",
+                 "--json", str(tmp_path / "b.json")]) == 0  # fmt: skip
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text())["rows"] for n in "ab")
+    assert [(r["nodes"], r["per_node"], r["step_ms"]) for r in a] == [
+        (r["nodes"], r["per_node"], r["step_ms"]) for r in b
+    ]
+    assert {r["nodes"] for r in a} == {4} and a[0]["inter"] == b[0]["inter"]
+    capsys.readouterr()
+    shape = {"format": "gradsync.cluster/1", "nodes": 2, "gpus_per_node": 8}
+    bad = {
+        "nope.json": (None, f"--cluster {tmp_path / 'nope.json'}: cannot read it"),
+        "f1.json": ({"format": "other"}, "not a gradsync.cluster/1 file"),
+        "f2.json": ({**shape, "nodes": 0}, "integers >= 1"),
+        "f3.json": ({**shape, "speed": 1}, "unknown key(s) speed"),
+        "f4.json": ({**shape, "inter": "fast"}, ": inter"),
+    }  # fmt: skip
+    for name, (doc, message) in bad.items():
+        if doc is not None:
+            (tmp_path / name).write_text(json.dumps(doc))
+        assert (
+            main(["whatif", "--profile", str(files / "profile.json"), "--cluster", str(tmp_path / name)]) == 2
+        )
+        assert message in capsys.readouterr().err, name
+    assert main([*base, "--cluster", str(cluster), "--inter", "1gbit"]) == 2
+    assert "gives inter already: give it there or --inter" in capsys.readouterr().err
+    assert main([*base, "--cluster", str(cluster), "--links", "links.json"]) == 2
+    assert "inter in --cluster" in capsys.readouterr().err
+
+
 def test_cli_notes_what_the_numbers_rest_on(files, capsys):
     """No --step-time or --compute-scale: the CPU profile's own compute, said so; codecs timed on
     this machine, named; the cluster in capitals is understood."""

@@ -34,11 +34,61 @@ DEFAULT_SCHEMES = (
 _CLUSTER = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
 
 
-def parse_cluster(text: str) -> tuple[int, int]:
+CLUSTER_FORMAT = "gradsync.cluster/1"
+CLUSTER_LINK_KEYS = ("inter", "inter_latency", "intra", "intra_latency", "add_rate")
+
+
+def read_cluster(text: str) -> tuple[int, int, dict[str, str]]:
+    """``--cluster``: ``NODESxGPUS``, or a cluster file (JSON, format ``gradsync.cluster/1``)::
+
+        {"format": "gradsync.cluster/1", "nodes": 16, "gpus_per_node": 8,
+         "inter": "25gbit", "inter_latency": "5us", "intra": "800gbit", "intra_latency": "5us",
+         "add_rate": "400GB/s"}
+
+    whose link entries are optional and stand for the options of the same names. Returns the
+    nodes, the GPUs per node and the file's link entries (``ValueError`` naming ``--cluster``)."""
+    import json
+    import os
+
     m = _CLUSTER.match((text or "").strip().lower())
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ValueError(f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, got {text!r}")
-    return int(m.group(1)), int(m.group(2))
+    if m:
+        if int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, got {text!r}")
+        return int(m.group(1)), int(m.group(2)), {}
+    if not (text or "").endswith(".json") and not os.path.isfile(text or ""):
+        raise ValueError(
+            f"--cluster takes NODESxGPUS with both at least 1, e.g. 8x8, or a cluster file "
+            f"(PATH.json, format {CLUSTER_FORMAT}), got {text!r}"
+        )
+    try:
+        with open(text) as fh:
+            doc = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--cluster {text}: cannot read it: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != CLUSTER_FORMAT:
+        raise ValueError(f'--cluster {text}: not a {CLUSTER_FORMAT} file (its "format" must say so)')
+    allowed = ("format", "nodes", "gpus_per_node", *CLUSTER_LINK_KEYS)
+    unknown = sorted(set(doc) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"--cluster {text}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+        )
+    shape = [doc.get("nodes"), doc.get("gpus_per_node")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
+        raise ValueError(f"--cluster {text}: nodes and gpus_per_node must be integers >= 1, got {shape}")
+    links = {k: str(doc[k]) for k in CLUSTER_LINK_KEYS if k in doc}
+    for key, value in links.items():
+        if key in ("inter", "intra", "add_rate"):
+            parse_rate(value, f"--cluster {text}: {key}")
+        else:
+            parse_duration(value, f"--cluster {text}: {key}")
+    return int(doc["nodes"]), int(doc["gpus_per_node"]), links
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    """The nodes and GPUs per node of ``--cluster`` (see :func:`read_cluster`)."""
+    nodes, per_node, _ = read_cluster(text)
+    return nodes, per_node
 
 
 def add_arguments(p: argparse.ArgumentParser, pictures: bool = True) -> None:
@@ -47,7 +97,11 @@ def add_arguments(p: argparse.ArgumentParser, pictures: bool = True) -> None:
         "--profile", required=True, metavar="PATH.json", help="a gradsync profile (gradsync profile --out)"
     )
     p.add_argument(
-        "--cluster", default="2x8", metavar="NODESxGPUS", help="nodes x workers per node (default 2x8)"
+        "--cluster",
+        default="2x8",
+        metavar="NODESxGPUS|PATH.json",
+        help=f"nodes x workers per node (default 2x8), or a cluster file ({CLUSTER_FORMAT}: nodes, "
+        "gpus_per_node and optionally the link options inter, inter_latency, intra, intra_latency, add_rate)",
     )
     p.add_argument("--inter", help=f"the node cable's rate (default {LINK_DEFAULTS['inter']})")
     p.add_argument("--inter-latency", help=f"its start-up time (default {LINK_DEFAULTS['inter_latency']})")
@@ -126,9 +180,12 @@ LINK_DEFAULTS = {
 
 
 def link_option(args: argparse.Namespace, name: str) -> str:
-    """``--inter`` and its kin as given, else their default (:data:`LINK_DEFAULTS`)."""
+    """``--inter`` and its kin as given, else as the cluster file gives them, else their default
+    (:data:`LINK_DEFAULTS`)."""
     value = getattr(args, name)
-    return str(value) if value is not None else LINK_DEFAULTS[name]
+    if value is not None:
+        return str(value)
+    return read_cluster(args.cluster)[2].get(name, LINK_DEFAULTS[name])
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -155,10 +212,17 @@ def check(args: argparse.Namespace) -> None:
         Profile.load(args.profile)
     except OSError as e:
         raise ValueError(f"--profile {args.profile}: cannot read it: {e.strerror or e}") from None
-    parse_cluster(args.cluster)
+    from_file = read_cluster(args.cluster)[2]
     if args.costs and args.links:
         raise ValueError("--costs holds the engine's links: give --costs or --links, not both")
+    twice = [k for k in from_file if getattr(args, k) is not None]
+    if twice:
+        named = ", ".join(f"--{k.replace('_', '-')}" for k in twice)
+        raise ValueError(
+            f"--cluster {args.cluster} gives {', '.join(twice)} already: give it there or {named}"
+        )
     given = [f"--{k.replace('_', '-')}" for k in LINK_DEFAULTS if getattr(args, k) is not None]
+    given += [f"{k} in --cluster {args.cluster}" for k in from_file]
     if (args.costs or args.links) and given:
         source = "--costs" if args.costs else "--links"
         raise ValueError(
