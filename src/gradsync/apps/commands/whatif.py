@@ -179,13 +179,14 @@ LINK_DEFAULTS = {
 """The rates and start-up times of the links when neither ``--links`` nor ``--costs`` gives them."""
 
 
-def link_option(args: argparse.Namespace, name: str) -> str:
-    """``--inter`` and its kin as given, else as the cluster file gives them, else their default
-    (:data:`LINK_DEFAULTS`)."""
-    value = getattr(args, name)
-    if value is not None:
-        return str(value)
-    return read_cluster(args.cluster)[2].get(name, LINK_DEFAULTS[name])
+def link_options(args: argparse.Namespace) -> dict[str, str]:
+    """``--inter`` and its kin (the keys of :data:`LINK_DEFAULTS`) as given, else as the cluster
+    file gives them, else their defaults."""
+    from_file = read_cluster(args.cluster)[2]
+    return {
+        name: str(getattr(args, name)) if getattr(args, name) is not None else from_file.get(name, default)
+        for name, default in LINK_DEFAULTS.items()
+    }
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -233,11 +234,11 @@ def check(args: argparse.Namespace) -> None:
         from gradsync.planner.engine_costs import EngineCosts
 
         EngineCosts.load(args.costs)
-    parse_rate(link_option(args, "inter"), "--inter")
-    parse_rate(link_option(args, "intra"), "--intra")
-    parse_rate(link_option(args, "add_rate"), "--add-rate")
-    parse_duration(link_option(args, "inter_latency"), "--inter-latency")
-    parse_duration(link_option(args, "intra_latency"), "--intra-latency")
+    links = link_options(args)
+    for name in ("inter", "intra", "add_rate"):
+        parse_rate(links[name], f"--{name.replace('_', '-')}")
+    for name in ("inter_latency", "intra_latency"):
+        parse_duration(links[name], f"--{name.replace('_', '-')}")
     if args.step_time is not None and not parse_duration(args.step_time, "--step-time") > 0:
         raise ValueError(f"--step-time must be a positive duration such as 90ms, got {args.step_time!r}")
     _check_outputs(args)
@@ -293,9 +294,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.links:
         network = load_links(args.links)
     else:
-        network = from_rates(link_option(args, "inter"), link_option(args, "intra"),
-                             link_option(args, "inter_latency"), link_option(args, "intra_latency"),
-                             1.0 / parse_rate(link_option(args, "add_rate"), "--add-rate"))  # fmt: skip
+        links = link_options(args)
+        network = from_rates(links["inter"], links["intra"], links["inter_latency"], links["intra_latency"],
+                             1.0 / parse_rate(links["add_rate"], "--add-rate"))  # fmt: skip
     codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
     costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
     if engine is not None:  # the engine's own codec costs come first
