@@ -23,7 +23,7 @@ from gradsync.units import parse_rate
 from gradsync.whatif.codec_costs import CODEC_COSTS_FORMAT, CodecTable
 from gradsync.whatif.contenders import Cluster, build_program, ddp_buckets, stage_times
 from gradsync.whatif.network import LINKS_FORMAT, Network, from_rates, links_document, parse_links
-from gradsync.whatif.predict import Point, parse_sweep, points, predict_point
+from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
 from gradsync.whatif.simulate import Cpu
 from gradsync.whatif.workload import Tensor, Workload
 
@@ -263,6 +263,63 @@ def test_powersgd_with_local_aggregation_is_predicted_as_its_rounds():
     scheme = Scheme.parse("powersgd:rank=4").resolve(2, 4)
     assert scheme.local
     assert predict(scheme, model, 8e6, c) == pytest.approx(model.lowrank_locally_aggregated(8e6, c))
+
+
+def test_a_powersgd_bucket_runs_as_the_engine_runs_it():
+    """gradsync's PowerSGD meets twice per bucket (P, then Q: collectives/lowrank_rounds.py), with
+    the orthonormalization and the second projection between the two all-reduces; with local
+    aggregation a reduce onto the leader before and its broadcast after, the rounds the leaders'
+    alone. The stages add up to the ring formula written out here plus the codec's work."""
+    mb, alpha, beta = 8, 1e-5, 1e-9
+    w = workload([(mb, BWD)])
+    s = mb * MB
+    c = table()("powersgd+ef", [])
+    options = {"plan": "compress"}
+    flat = build_program("powersgd:rank=4", w, Cluster(4, 1, network(beta, alpha).params), table(), options)
+    stages = [st for task in flat.bucket_tasks[0] for st in task.stages]
+    assert [st.label for st in stages if st.seconds > 0 or st.thread != "comm"] == [
+        "pack", "encode P", "allreduce P", "encode Q", "allreduce Q", "decode", "unpack"
+    ]  # fmt: skip
+    p = 4
+    ring = 2 * (p - 1) * alpha + 2 * (p - 1) / p * (c.payload(s) / 2) * beta  # one factor's all-reduce
+    work = {st.label: st.seconds for st in stages}
+    assert work["encode P"] == pytest.approx(c.encode(s) / 2) and work["encode Q"] == pytest.approx(
+        c.encode(s) / 2
+    )
+    assert work["decode"] == pytest.approx(c.decode(s))
+    comm = sum(st.seconds for st in stages if st.thread == "comm")
+    assert comm == pytest.approx(2 * ring, rel=1e-9)
+    assert not any(st.args.get("leaders") for st in stages)
+    local = build_program("powersgd:rank=4", w, Cluster(2, 2, network(beta, alpha).params), table(), options)
+    assert local.per_node == 2
+    stages = [st for task in local.bucket_tasks[0] for st in task.stages]
+    names = [st.label for st in stages if "(in node)" not in st.label]
+    rounds = ["encode P", "allreduce P", "encode Q", "allreduce Q", "decode"]
+    assert names == ["pack", "reduce", *rounds, "broadcast", "unpack"]
+    led = [st.label for st in stages if st.args.get("leaders")]
+    assert led and all(("P" in x or "Q" in x or x == "decode") for x in led), led
+
+
+def test_the_leaders_work_alone_while_the_others_wait():
+    """Four ranks of two nodes on a host of two cores: every rank's forward and backward passes
+    share the cores (2x slower), but the leaders' PowerSGD encode runs while the others wait for
+    the broadcast, two threads on two cores: at full speed, not at the 2x every rank alike would
+    give it."""
+    w = workload([(8, BWD)])
+    pt = Point(2, 2, network(1e-12))
+    options = {"plan": "compress"}
+    c = table()("powersgd+ef", [])
+    cpu = Cpu(4, 2.0)
+    res, _, _ = simulate_contender("powersgd:rank=4", w, pt, table(), cpu, options, record=True)
+    spans = {sp.label: sp for sp in res.spans}
+    assert spans["forward"].end - spans["forward"].start == pytest.approx(2 * FWD)
+    encode = spans["encode P"]
+    assert encode.end - encode.start == pytest.approx(c.encode(8 * MB) / 2, rel=1e-9)
+    # with a core per rank there is nothing to share: the same step as one worker for all
+    alone = simulate_contender("powersgd:rank=4", w, pt, table(), Cpu(4, 4.0), options)[0].step_s
+    assert alone == pytest.approx(
+        simulate_contender("powersgd:rank=4", w, pt, table(), Cpu(), options)[0].step_s
+    )
 
 
 def test_sweeps_cross_and_name_their_options():
@@ -909,10 +966,15 @@ def test_advise_offers_no_picture_options(files, capsys):
 
 def test_plain_auto_is_no_slower_than_any_fixed_scheme_of_its_codecs():
     """Plain ``auto`` weighs its sparsifier on every strategy and PowerSGD at rank 4 with and
-    without local aggregation (AUTO_CODECS): in the simulator, on one rank per node, on 2 x 2 and
-    on 4 x 2, its step is no slower than the fastest of those fixed schemes. On 8 x 1 at
+    without local aggregation (AUTO_CODECS): in the simulator, on one rank per node and on 4 x 2,
+    its step is no slower than the fastest of those fixed schemes. On 2 x 2 it takes PowerSGD with
+    local aggregation, the cheapest per bucket by the formulas, and the simulated step is up to a
+    tenth slower than hitopk's: the leader's work between the reduce and the broadcast (both
+    projections, the decode) holds the communication thread, which the per-bucket prices do not
+    see (docs/whatif.md, Limits). On 8 x 1 at
     100 Mbit/s (the codec table's PowerSGD sends half top-k's bytes and all-reduces them) it
-    takes PowerSGD and beats every top-k strategy by far; on 2 x 2 the four buckets ready 10 ms
+    takes PowerSGD and beats every top-k strategy by a fifth or more (each bucket's two rounds
+    meeting in turn, the second projection between them); on 2 x 2 the four buckets ready 10 ms
     apart keep PowerSGD apart, as the fixed scheme runs them (merging two, as an order of work
     without the compute thread's overlap would, cost 14 %)."""
     w = workload([(8, 0.010), (8, 0.020), (8, 0.030), (8, BWD)])
@@ -926,14 +988,19 @@ def test_plain_auto_is_no_slower_than_any_fixed_scheme_of_its_codecs():
     ):
         steps = {name: step_ms(name, w, pt, options=opts) for name in sparse + low}
         auto = step_ms("auto", w, pt, options=opts)
+        if (pt.nodes, pt.per_node) == (2, 2):
+            assert auto == pytest.approx(steps["allgather+local/powersgd:rank=4"], rel=1e-9)
+            assert auto <= min(steps.values()) * 1.12, (pt, auto, steps)
+            continue
         assert auto <= min(steps.values()) * (1 + 1e-6), (pt, auto, steps)
         if pt.nodes == 8:
-            assert auto < 0.7 * min(steps[n] for n in sparse)
+            assert auto < 0.8 * min(steps[n] for n in sparse)
 
 
 def test_auto_takes_the_cheapest_strategy_of_its_codec_per_bucket():
     """``auto`` prices its codec on every strategy (all-gather, ring, PS, each with and without
-    local aggregation) and takes the cheapest per bucket: with every bucket compressed
+    local aggregation) and takes the cheapest per bucket (here its sparsifier alone, PowerSGD
+    aside: test_plain_auto_is_no_slower_than_any_fixed_scheme_of_its_codecs): with every bucket compressed
     (plan=compress), its predicted step is no slower than the best fixed strategy's, and faster
     than the default one's where another strategy wins."""
     w = workload([(8, 0.010), (8, 0.020), (8, 0.030), (8, BWD)])
@@ -948,7 +1015,7 @@ def test_auto_takes_the_cheapest_strategy_of_its_codec_per_bucket():
         (Point(4, 2, network(1 / 1.25e7, 1e-5)), True),
     ):
         steps = {name: step_ms(name, w, pt, options=opts) for name in fixed}
-        auto = step_ms("auto", w, pt, options=opts)
+        auto = step_ms("auto:candidates=mstopk:density=0.01", w, pt, options=opts)
         assert auto <= min(steps.values()) * (1 + 1e-6), (pt, auto, steps)
         own = steps[f"{default[(pt.nodes, pt.per_node)]}/mstopk:density=0.01"]
         assert (auto < 0.8 * own) == better, (pt, auto, own)

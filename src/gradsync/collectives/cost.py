@@ -245,9 +245,9 @@ class CostModel:
     def hierarchical(self, nbytes: float) -> float:
         """The ImageNet-in-four-minutes paper's algorithm: intra reduce and broadcast (binomial
         trees), ring all-reduce among leaders."""
-        return 2 * self._tree(nbytes) + self.ring_allreduce(nbytes, self.m, self.params.inter)
+        return 2 * self.tree(nbytes) + self.ring_allreduce(nbytes, self.m, self.params.inter)
 
-    def _tree(self, nbytes: float) -> float:
+    def tree(self, nbytes: float) -> float:
         """One intra-node binomial tree (a reduce, or a broadcast) of S bytes: one call, its
         transfers times the ``tree`` efficiency :func:`calibrate` measured (1 where it did not)."""
         i = self.params.intra
@@ -345,9 +345,14 @@ class CostModel:
     def lowrank(self, nbytes: float, c: CodecCost, p: int | None = None, link: Link | None = None) -> float:
         """PowerSGD's two rounds: ring all-reduces of the P and Q factors (together the payload)
         plus one encode (both products, orthogonalization) and one decode."""
-        p = p or self.p
-        link = link or self.world_link
-        return 2 * self.ring_allreduce(c.payload(nbytes) / 2, p, link) + c.encode(nbytes) + c.decode(nbytes)
+        return 2 * self.lowrank_round(nbytes, c, p, link) + c.encode(nbytes) + c.decode(nbytes)
+
+    def lowrank_round(
+        self, nbytes: float, c: CodecCost, p: int | None = None, link: Link | None = None
+    ) -> float:
+        """One of PowerSGD's two factor all-reduces (P, then Q: half the payload each) over ``p``
+        ranks (default: the world)."""
+        return self.ring_allreduce(c.payload(nbytes) / 2, p or self.p, link or self.world_link)
 
     # ------------------------------------------------------------------ PTO (MSTopK paper)
     def parallel_tensor_op(self, local_s: float, share: float, values: int, value_bytes: int = 4) -> float:
@@ -363,7 +368,7 @@ class CostModel:
     def lowrank_locally_aggregated(self, nbytes: float, c: CodecCost) -> float:
         """A low-rank codec with local aggregation: intra reduce and broadcast around the
         leaders' low-rank rounds across the nodes."""
-        return 2 * self._tree(nbytes) + self.lowrank(nbytes, c, self.m, self.params.inter)
+        return 2 * self.tree(nbytes) + self.lowrank(nbytes, c, self.m, self.params.inter)
 
     def locally_aggregated(
         self, nbytes: float, c: CodecCost, across: Callable[[float, int, Link], float]
@@ -505,7 +510,7 @@ def _tree_efficiency(topo: Topology, intra: Link, nbytes: int, reps: int) -> flo
 
     tree()  # first call not timed
     measured = time_slowest(topo, tree, reps)
-    modelled = 2 * CostModel(CostParams(intra, intra, 0.0), topo.nodes, topo.per_node)._tree(nbytes)
+    modelled = 2 * CostModel(CostParams(intra, intra, 0.0), topo.nodes, topo.per_node).tree(nbytes)
     return min(max(measured / modelled, 0.1), 100.0) if modelled > 0 else 1.0
 
 

@@ -420,13 +420,58 @@ def _powersgd_hook(
     return stages
 
 
+def lowrank_stages(
+    scheme: Scheme, model: CostModel, host: CostModel, nbytes: float, c: CodecCost, gamma: float
+) -> list[Stage]:
+    """A PowerSGD bucket as the engine runs it (:mod:`gradsync.collectives.lowrank_rounds`): the
+    projection P = M Q, the all-reduce of P, then the orthonormalization and Q = M^T P between
+    the two all-reduces (on the compute thread, after the first: the ranks meet twice), the
+    all-reduce of Q, the decode; with local aggregation a reduce onto the node's leader before
+    and its broadcast after. The codec's measured encode covers both projections (half each:
+    the same products' sizes); the communication is the scheme's prediction (efficiencies
+    included), cut in the proportions of its pieces' formulas."""
+    enc, comm, dec = stage_times(scheme, model, nbytes, c)
+    own = predict(scheme, host, nbytes, codec_work(c, False, False))
+    local = bool(scheme.local) and model.n > 1
+
+    def pieces(m: CostModel, total: float) -> tuple[float, float]:
+        """(one intra-node tree, one factor round) scaled to add up to ``total``."""
+        tree = m.tree(nbytes) if local else 0.0
+        rnd = m.lowrank_round(nbytes, c, m.m, m.params.inter) if local else m.lowrank_round(nbytes, c)
+        whole = 2 * tree + 2 * rnd
+        return (total * tree / whole, total * rnd / whole) if whole > 0 else (0.0, total / 2)
+
+    tree, rnd = pieces(model, comm)
+    tree_own, rnd_own = pieces(host, own)
+    half = c.payload(nbytes) / 2
+    stages = [Stage(COMPUTE, gamma * nbytes, "pack")]
+    rounds = [
+        Stage(COMPUTE, enc / 2, "encode P"),
+        *comm_stages("allreduce P", rnd, rnd_own, half),
+        Stage(COMPUTE, enc / 2, "encode Q"),
+        *comm_stages("allreduce Q", rnd, rnd_own, half),
+        Stage(COMPUTE, dec, "decode"),
+    ]
+    if not local:
+        return [*stages, *rounds, Stage(COMPUTE, gamma * nbytes, "unpack")]
+    for st in rounds:  # the node's leader alone, on the node's sum; the others wait for its broadcast
+        st.args["leaders"] = True
+    return [
+        *stages,
+        *comm_stages("reduce", tree, tree_own, nbytes),
+        *rounds,
+        *comm_stages("broadcast", tree, tree_own, nbytes),
+        Stage(COMPUTE, gamma * nbytes, "unpack"),
+    ]
+
+
 def _gradsync_program(
     name: str, workload: Workload, order: list[int], cluster: Cluster, model: CostModel,
     bytes_model: CostModel, host: CostModel, costs: CodecCosts, options: dict[str, str],
 ) -> StepProgram:  # fmt: skip
     config = SyncConfig.from_options({"scheme": name, **options})
     scheme = Scheme.parse(config.scheme).resolve(cluster.nodes, cluster.per_node)
-    prog = StepProgram(name)
+    prog = StepProgram(name, per_node=cluster.per_node)
     slots = _meta_slots(workload)
     codecs = [c.spec() for c in build_codecs(config, scheme)]  # as the engine runs them (+ef)
     classes = [
@@ -478,6 +523,10 @@ def _gradsync_program(
             ]
             prog.cable_bytes += predict(dense, bytes_model, s, None)
             tasks.append(Task(f"bucket {b}", b, stages))
+        elif codec_costs[bp.codec_id].lowrank:
+            c, mine = codec_costs[bp.codec_id], schemes[bp.codec_id]
+            prog.cable_bytes += predict(mine, bytes_model, s, codec_work(c, False, False))
+            tasks.append(Task(f"bucket {b}", b, lowrank_stages(mine, model, host, s, c, gamma)))
         else:
             c, mine = codec_costs[bp.codec_id], schemes[bp.codec_id]
             part = s / bp.partitions

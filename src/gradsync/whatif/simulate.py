@@ -77,6 +77,7 @@ class StepProgram:
     after_sync: float = 0.0
     cable_bytes: float = 0.0  # bytes per step over each node's cable (one direction)
     notes: list[str] = field(default_factory=list)
+    per_node: int = 1  # ranks to a node, the first of them its leader (stages marked ``leaders``)
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,16 @@ class Cpu:
     ``1 + (slowdown - 1) * transfer_weight`` times slower. ``gradsync bench whatif`` measures it
     (:func:`transfer_weight`); unknown, it is 1."""
 
-    def slowdown(self, busy: int) -> float:
+    def shared(self, busy: float) -> float:
+        """How many times slower than alone each of ``busy`` threads computing at once on the host
+        runs (the cores shared evenly)."""
         if busy <= 0 or math.isinf(self.cores):
             return 1.0
-        return max(1.0, self.ranks_per_host * busy / self.cores)
+        return max(1.0, busy / self.cores)
+
+    def slowdown(self, busy: int) -> float:
+        """:meth:`shared` with ``busy`` threads computing on each rank of the host (all alike)."""
+        return self.shared(self.ranks_per_host * busy)
 
     def call_wait(self, computing: int) -> float:
         """What a collective call starting now waits for, ``computing`` of the worker's threads
@@ -167,6 +174,7 @@ class _Work:
     task: int = -1  # index into the submitted tasks (-1: training-thread work of its own)
     ready: list[int] = field(default_factory=list)  # tensors made ready when it ends
     weight: float = 1.0  # the share of the contention it feels (Cpu.transfer_weight)
+    shared: bool = True  # a collective's part that waits for the others' (see _Meeting)
 
     def factor(self, slow: float) -> float:
         """How many times slower than alone it runs while threads contend ``slow`` times."""
@@ -211,134 +219,148 @@ def main_items(
     return items
 
 
-def simulate(
-    program: StepProgram,
-    ready: list[tuple[int, float]],
-    data: float,
-    forward: float,
-    backward: float,
-    optimizer: float,
-    cpu: Cpu = NO_CONTENTION,
-    record: bool = False,
-) -> StepResult:
-    """Simulate one step. ``ready``: (tensor index, ready offset from the backward's start)."""
-    nb = len(program.buckets)
-    bucket_of: dict[int, int] = {}
-    for b, members in enumerate(program.buckets):
-        for i in members:
-            bucket_of[i] = b
-    pending = [len(m) for m in program.buckets]
-    first_ready: list[float | None] = [None] * nb
-    release: list[float | None] = [None] * nb
-    launched: list[float] = [math.nan] * nb
-    next_bucket = 0
+class _Worker:
+    """One worker's threads in a simulated step (the state :func:`simulate` advances)."""
 
-    items = main_items(data, forward, backward, optimizer, ready)
-    pos = 0  # next own item of the training thread
-    phase = "own"  # own -> wait -> after -> optimizer -> done
-    hooks: list[tuple[int, Stage]] = []  # training-thread stages of tasks, first come first run
-    live: list[_Live] = []
-    comm_ptr = 0  # the task whose communication the comm thread serves
-    running: dict[str, _Work | None] = {MAIN: None, COMPUTE: None, COMM: None}
-    spans: list[Span] = []
-    busy = {COMPUTE: 0.0, COMM: 0.0}
-    t = 0.0
-    started_any = False
-    backward_end = wait_start = wait_end = math.nan
+    def __init__(
+        self,
+        program: StepProgram,
+        items: list[tuple[str, float, list[int]]],
+        optimizer: float,
+        record: bool,
+        leader: bool = True,
+    ) -> None:
+        self.program = program
+        self.leader = leader
+        self.items = items
+        self.optimizer = optimizer
+        self.record = record
+        nb = self.nb = len(program.buckets)
+        self.bucket_of: dict[int, int] = {i: b for b, members in enumerate(program.buckets) for i in members}
+        self.pending = [len(m) for m in program.buckets]
+        self.first_ready: list[float | None] = [None] * nb
+        self.release: list[float | None] = [None] * nb
+        self.launched: list[float] = [math.nan] * nb
+        self.next_bucket = 0
+        self.pos = 0  # next own item of the training thread
+        self.phase = "own"  # own -> wait -> after -> optimizer -> finishing -> done
+        self.hooks: list[tuple[int, Stage]] = []  # training-thread stages of tasks, first come first run
+        self.live: list[_Live] = []
+        self.seen: dict[tuple[str, int], int] = {}  # tasks submitted so far per (name, bucket)
+        self.keys: list[tuple[str, int, int]] = []  # per live task: its name, bucket, occurrence
+        self.comm_ptr = 0  # the task whose communication the comm thread serves
+        self.running: dict[str, _Work | None] = {MAIN: None, COMPUTE: None, COMM: None}
+        self.spans: list[Span] = []
+        self.busy = {COMPUTE: 0.0, COMM: 0.0}
+        self.started_any = False
+        self.backward_end = self.wait_start = self.wait_end = self.end = math.nan
 
-    def submit(tasks: list[Task]) -> None:
+    def submit(self, tasks: list[Task]) -> None:
         for task in tasks:
-            live.append(_Live(task, len(live)))
-            _queue_stage(live[-1])
+            n = self.seen.get((task.name, task.bucket), 0)
+            self.seen[(task.name, task.bucket)] = n + 1
+            self.keys.append((task.name, task.bucket, n))
+            self.live.append(_Live(task, len(self.live)))
+            self._queue_stage(self.live[-1])
 
-    def _queue_stage(lv: _Live) -> None:
+    def _queue_stage(self, lv: _Live) -> None:
         st = lv.current
         if st is not None and st.thread == MAIN:
-            hooks.append((lv.seq, st))
+            self.hooks.append((lv.seq, st))
 
-    def launch_released() -> None:
-        nonlocal next_bucket
-        while next_bucket < nb:
-            at = release[next_bucket]
+    def launch_released(self, t: float) -> None:
+        while self.next_bucket < self.nb:
+            at = self.release[self.next_bucket]
             if at is None or at > t + _EPS:
                 break
-            launched[next_bucket] = t
-            submit(program.bucket_tasks[next_bucket])
-            next_bucket += 1
+            self.launched[self.next_bucket] = t
+            self.submit(self.program.bucket_tasks[self.next_bucket])
+            self.next_bucket += 1
 
-    def on_ready(indices: list[int]) -> None:
-        nonlocal started_any
-        if indices and not started_any:
-            started_any = True
-            submit(program.start_tasks)
+    def on_ready(self, indices: list[int], t: float) -> None:
+        if indices and not self.started_any:
+            self.started_any = True
+            self.submit(self.program.start_tasks)
         for i in indices:
-            b = bucket_of.get(i)
+            b = self.bucket_of.get(i)
             if b is None:
                 continue
-            if first_ready[b] is None:
-                first_ready[b] = t
-            pending[b] -= 1
-            if pending[b] == 0:
-                hold = 0.0 if program.full[b] else program.hold_s
-                release[b] = max(t, (first_ready[b] or t) + hold)
-        launch_released()
+            if self.first_ready[b] is None:
+                self.first_ready[b] = t
+            self.pending[b] -= 1
+            if self.pending[b] == 0:
+                hold = 0.0 if self.program.full[b] else self.program.hold_s
+                self.release[b] = max(t, (self.first_ready[b] or t) + hold)
+        self.launch_released(t)
 
-    def start_idle() -> None:
-        nonlocal pos, phase, wait_start, wait_end, backward_end
-        nonlocal comm_ptr
+    def stage_key(self, lv: _Live) -> tuple[str, int, int, int]:
+        """The same stage of the same task on every worker (a collective they all take part in)."""
+        return (*self.keys[lv.seq], lv.stage)
+
+    def start_idle(self, t: float, cpu: Cpu, meet: _Meeting | None, me: int) -> None:
+        """Start work on every idle thread; ``meet``: the collectives' meeting of the workers
+        (None: this worker stands for all, every collective starts when it reaches it)."""
+        running = self.running
         # training thread
-        while running[MAIN] is None and phase != "done":
-            if hooks:
-                seq, hook = hooks.pop(0)
-                running[MAIN] = _Work(hook.label, hook.seconds, hook.cpu, t, task=seq)
-            elif phase == "own":
-                if pos < len(items):
-                    label, secs, made = items[pos]
-                    pos += 1
+        while running[MAIN] is None and self.phase != "done":
+            if self.hooks:
+                seq, hook = self.hooks.pop(0)
+                running[MAIN] = _Work(hook.label, self.seconds(hook), hook.cpu, t, task=seq)
+            elif self.phase == "own":
+                if self.pos < len(self.items):
+                    label, secs, made = self.items[self.pos]
+                    self.pos += 1
                     running[MAIN] = _Work(label, secs, True, t, ready=made)
                 else:
-                    backward_end = t
-                    submit(program.end_tasks)
-                    for b in range(nb):  # never-ready buckets (none for a profiled model) go now
-                        if release[b] is None:
-                            release[b] = t
-                    launch_released()
-                    phase, wait_start = "wait", t
-            elif phase == "wait":
-                if next_bucket == nb and all(lv.done_at is not None for lv in live):
-                    wait_end = t
-                    phase = "after"
-                    if record and wait_end > wait_start:
-                        spans.append(Span(MAIN, "sync wait", wait_start, wait_end))
+                    self.backward_end = t
+                    self.submit(self.program.end_tasks)
+                    for b in range(self.nb):  # never-ready buckets (none for a profiled model) go now
+                        if self.release[b] is None:
+                            self.release[b] = t
+                    self.launch_released(t)
+                    self.phase, self.wait_start = "wait", t
+            elif self.phase == "wait":
+                if self.next_bucket == self.nb and all(lv.done_at is not None for lv in self.live):
+                    self.wait_end = t
+                    self.phase = "after"
+                    if self.record and self.wait_end > self.wait_start:
+                        self.spans.append(Span(MAIN, "sync wait", self.wait_start, self.wait_end))
                 else:
                     break
-            elif phase == "after":
-                phase = "optimizer"
-                if program.after_sync > 0:
-                    running[MAIN] = _Work("unpack", program.after_sync, True, t)
-            elif phase == "optimizer":
-                phase = "finishing"
-                running[MAIN] = _Work("optimizer", optimizer, True, t)
-            elif phase == "finishing":
-                phase = "done"
+            elif self.phase == "after":
+                self.phase = "optimizer"
+                if self.program.after_sync > 0:
+                    running[MAIN] = _Work("unpack", self.program.after_sync, True, t)
+            elif self.phase == "optimizer":
+                self.phase = "finishing"
+                running[MAIN] = _Work("optimizer", self.optimizer, True, t)
+            elif self.phase == "finishing":
+                self.phase = "done"
+                self.end = t
         # compute thread: the oldest task whose next stage is ready compute work
         if running[COMPUTE] is None:
-            for lv in live:
+            for lv in self.live:
                 ready_stage = lv.current
                 if ready_stage is not None and lv.stage_ready and ready_stage.thread == COMPUTE:
                     running[COMPUTE] = _Work(
-                        ready_stage.label, ready_stage.seconds, ready_stage.cpu, t, task=lv.seq
+                        ready_stage.label, self.seconds(ready_stage), ready_stage.cpu, t, task=lv.seq
                     )
                     lv.stage_ready = False
                     break
         # communication thread: task after task in submission order
-        while running[COMM] is None and comm_ptr < len(live):
-            lv = live[comm_ptr]
+        while running[COMM] is None and self.comm_ptr < len(self.live):
+            lv = self.live[self.comm_ptr]
             if not lv.comm_left():
-                comm_ptr += 1
+                self.comm_ptr += 1
                 continue
             head = lv.current
             if head is not None and lv.stage_ready and head.thread == COMM:
+                if not self.runs(head):  # the leaders' part: nothing to do or wait for here
+                    running[COMM] = _Work(head.label, 0.0, False, t, task=lv.seq, shared=False)
+                    lv.stage_ready = False
+                    break
+                if meet is not None and not meet.arrive(self.stage_key(lv), head, me):
+                    break  # the collective waits for the other workers to reach it
                 seconds = head.seconds
                 if head.args.get("call"):  # a collective starts: the host's cores may make it wait
                     computing = sum(
@@ -352,64 +374,172 @@ def simulate(
                 lv.stage_ready = False
             break
 
-    def advance(lv: _Live) -> None:
+    def advance(self, lv: _Live, t: float) -> None:
         lv.stage += 1
         lv.stage_ready = True
         if lv.current is None:
             lv.done_at = t
         else:
-            _queue_stage(lv)
+            self._queue_stage(lv)
             if lv.current is not None and lv.current.thread == MAIN:
                 lv.stage_ready = False  # queued on the training thread already
 
+    def finish(self, thread: str, w: _Work, t: float, meet: _Meeting | None, workers: list[_Worker]) -> None:
+        """``w`` ended on ``thread`` at ``t``: record it and move its task on (a collective on every
+        worker once the last has ended its part)."""
+        self.running[thread] = None
+        if thread in self.busy:
+            self.busy[thread] += t - w.start
+        if self.record and t > w.start:
+            task = self.live[w.task] if w.task >= 0 else None
+            stage = task.current if task else None
+            bucket, name = (task.task.bucket, task.task.name) if task else (-1, "")
+            self.spans.append(
+                Span(thread, w.label, w.start, t, bucket, name, dict(stage.args) if stage else {})
+            )
+        if w.task >= 0:
+            lv = self.live[w.task]
+            stage = lv.current
+            if meet is not None and thread == COMM and w.shared and stage is not None:
+                key = self.stage_key(lv)
+                if meet.leave(key, stage):
+                    for other in workers:
+                        if other.runs(stage):
+                            other.advance(other.live[other.seq_of(key)], t)
+            else:
+                self.advance(lv, t)
+        elif w.ready:
+            self.on_ready(w.ready, t)
+
+    def runs(self, stage: Stage) -> bool:
+        """Whether this worker runs ``stage`` (a stage of the leaders' only on a leader)."""
+        return self.leader or not stage.args.get("leaders")
+
+    def seconds(self, stage: Stage) -> float:
+        return stage.seconds if self.runs(stage) else 0.0
+
+    def seq_of(self, key: tuple[str, int, int, int]) -> int:
+        return self.keys.index(key[:3])
+
+    def timers(self, t: float) -> list[float]:
+        return [
+            r for b, r in enumerate(self.release) if r is not None and b >= self.next_bucket and r > t + _EPS
+        ]
+
+    def result(self, t: float) -> StepResult:
+        sync_end = max((lv.done_at or 0.0 for lv in self.live), default=self.backward_end)
+        return StepResult(
+            step_s=t, backward_end_s=self.backward_end, sync_end_s=sync_end,
+            wait_s=(self.wait_end - self.wait_start) if not math.isnan(self.wait_start) else 0.0,
+            comm_busy_s=self.busy[COMM], compute_busy_s=self.busy[COMPUTE], spans=self.spans,
+            launches=self.launched,
+        )  # fmt: skip
+
+
+class _Meeting:
+    """Where the workers' communication threads meet: a collective's stage starts on every worker
+    that takes part once all of them have reached it, and ends on each once all have done their
+    part. A stage only the nodes' leaders run (``leaders`` in its args) is the leaders' meeting."""
+
+    def __init__(self, workers: int, leaders: int) -> None:
+        self.workers, self.leaders = workers, leaders
+        self.arrived: dict[tuple[str, int, int, int], set[int]] = {}
+        self.left: dict[tuple[str, int, int, int], int] = {}
+
+    def _needed(self, stage: Stage) -> int:
+        return self.leaders if stage.args.get("leaders") else self.workers
+
+    def arrive(self, key: tuple[str, int, int, int], stage: Stage, me: int) -> bool:
+        here = self.arrived.setdefault(key, set())
+        here.add(me)
+        return len(here) == self._needed(stage)
+
+    def leave(self, key: tuple[str, int, int, int], stage: Stage) -> bool:
+        self.left[key] = self.left.get(key, 0) + 1
+        return self.left[key] == self._needed(stage)
+
+
+def _run(workers: list[_Worker], cpu: Cpu, program_name: str) -> float:
+    """Advance the workers' threads from event to event until every worker's step is done; the
+    time the last one ends. With one worker it stands for every rank of the host (all alike)."""
+    meet = _Meeting(len(workers), sum(1 for wk in workers if wk.leader)) if len(workers) > 1 else None
+    many = cpu.ranks_per_host / len(workers)  # the ranks each simulated worker stands for
+    t = 0.0
+
+    def start_all() -> None:
+        for _ in range(2):  # twice: a collective the last worker reached starts on the earlier ones
+            for me, wk in enumerate(workers):
+                wk.start_idle(t, cpu, meet, me)
+
     guard = 0
-    start_idle()
-    while phase != "done":
+    start_all()
+    while any(wk.phase != "done" for wk in workers):
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("whatif: the simulation does not terminate (a bug): please report it")
-        active = [w for w in running.values() if w is not None]
-        n_cpu = sum(1 for w in active if w.cpu)
-        slow = cpu.slowdown(n_cpu)
+        slow = cpu.shared(
+            many * sum(1 for wk in workers for w in wk.running.values() if w is not None and w.cpu)
+        )
         dt = math.inf
-        for w in active:
-            dt = min(dt, w.remaining * w.factor(slow))
-        timers = [r for b, r in enumerate(release) if r is not None and b >= next_bucket and r > t + _EPS]
-        if timers:
-            dt = min(dt, min(timers) - t)
+        for wk in workers:
+            for w in wk.running.values():
+                if w is not None:
+                    dt = min(dt, w.remaining * w.factor(slow))
+            timers = wk.timers(t)
+            if timers:
+                dt = min(dt, min(timers) - t)
         if math.isinf(dt):
             raise RuntimeError(
-                f"whatif: the simulated step of {program.name} is stuck (a bug): please report it"
+                f"whatif: the simulated step of {program_name} is stuck (a bug): please report it"
             )
         t += dt
         finished = []
-        for thread, work in running.items():
-            if work is None:
-                continue
-            w = work
-            w.remaining -= dt / w.factor(slow)
-            if w.remaining <= 1e-12:
-                finished.append((thread, w))
-        for thread, w in finished:
-            running[thread] = None
-            if thread in busy:
-                busy[thread] += t - w.start
-            if record and t > w.start:
-                task = live[w.task] if w.task >= 0 else None
-                stage = task.current if task else None
-                bucket, name = (task.task.bucket, task.task.name) if task else (-1, "")
-                spans.append(
-                    Span(thread, w.label, w.start, t, bucket, name, dict(stage.args) if stage else {})
-                )
-            if w.task >= 0:
-                advance(live[w.task])
-            elif w.ready:
-                on_ready(w.ready)
-        launch_released()
-        start_idle()
-    sync_end = max((lv.done_at or 0.0 for lv in live), default=backward_end)
-    return StepResult(
-        step_s=t, backward_end_s=backward_end, sync_end_s=sync_end,
-        wait_s=(wait_end - wait_start) if not math.isnan(wait_start) else 0.0,
-        comm_busy_s=busy[COMM], compute_busy_s=busy[COMPUTE], spans=spans, launches=launched,
-    )  # fmt: skip
+        for wk in workers:
+            for thread, work in wk.running.items():
+                if work is None:
+                    continue
+                work.remaining -= dt / work.factor(slow)
+                if work.remaining <= 1e-12:
+                    finished.append((wk, thread, work))
+        for wk, thread, work in finished:
+            wk.finish(thread, work, t, meet, workers)
+        for wk in workers:
+            wk.launch_released(t)
+        start_all()
+    return t
+
+
+def simulate(
+    program: StepProgram,
+    ready: list[tuple[int, float]],
+    data: float,
+    forward: float,
+    backward: float,
+    optimizer: float,
+    cpu: Cpu = NO_CONTENTION,
+    record: bool = False,
+) -> StepResult:
+    """Simulate one step. ``ready``: (tensor index, ready offset from the backward's start).
+
+    One worker stands for every rank of the host, all alike. Where they are not (a stage only the
+    nodes' leaders run, :attr:`StepProgram.per_node` ranks to a node) and the host's ranks share
+    its cores, each rank of the host is simulated in its own phase: the leaders' work contends
+    with whatever the others do at that moment (waiting, mostly), collectives start once every
+    rank taking part has reached them, and the step ends with the last rank's (the first rank, a
+    leader, gives the spans and the other times)."""
+    items = main_items(data, forward, backward, optimizer, ready)
+    ranks = cpu.ranks_per_host if math.isfinite(cpu.cores) and _has_roles(program) else 1
+    workers = [
+        _Worker(program, items, optimizer, record and r == 0, leader=r % program.per_node == 0)
+        for r in range(max(ranks, 1))
+    ]
+    end = _run(workers, cpu, program.name)
+    return workers[0].result(end)
+
+
+def _has_roles(program: StepProgram) -> bool:
+    """Whether some stage only the nodes' leaders run, with ranks besides the leaders."""
+    if program.per_node <= 1:
+        return False
+    tasks = [*program.start_tasks, *program.end_tasks, *(t for ts in program.bucket_tasks for t in ts)]
+    return any(st.args.get("leaders") for task in tasks for st in task.stages)
