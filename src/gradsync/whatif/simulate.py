@@ -1,4 +1,5 @@
-"""The discrete-event simulation of one training step of one worker (all workers are alike).
+"""The discrete-event simulation of one training step: of one worker where all workers are alike,
+of every rank of the host where they are not (see :func:`simulate`).
 
 No clock is waited on: the simulation jumps from event to event, so a step of hundreds of buckets
 takes milliseconds to simulate.
@@ -19,7 +20,8 @@ cycles), buckets in order; launching submits its tasks, each a chain of stages o
 CPU contention: the stages that compute share the host's cores with every other busy thread. The
 worker's compute times come from a profile of one worker alone; with ``a`` of its threads busy
 and ``ranks_per_host`` workers on a host of ``cores`` cores (every worker doing the same), each
-busy thread runs ``max(1, ranks_per_host * a / cores)`` times slower. On a GPU cluster the
+busy thread runs ``max(1, ranks_per_host * a / cores)`` times slower; where every rank of the
+host is simulated, ``max(1, busy threads of all of them / cores)``. On a GPU cluster the
 compute is on the GPU and ``cores`` is unbounded (no contention); on the emulated cluster, where
 all ranks share this machine, ``cores`` is the *effective* number measured by ``gradsync bench
 whatif``: ranks x (one worker's step alone) / (every worker's step at once). A collective that
