@@ -24,7 +24,7 @@ from gradsync.whatif.codec_costs import CODEC_COSTS_FORMAT, CodecTable
 from gradsync.whatif.contenders import Cluster, build_program, ddp_buckets, stage_times
 from gradsync.whatif.network import LINKS_FORMAT, Network, from_rates, links_document, parse_links
 from gradsync.whatif.predict import Point, parse_sweep, points, predict_point, simulate_contender
-from gradsync.whatif.simulate import Cpu
+from gradsync.whatif.simulate import Cpu, Stage, StepProgram, Task, simulate
 from gradsync.whatif.workload import Tensor, Workload
 
 MB = 1 << 20
@@ -320,6 +320,37 @@ def test_the_leaders_work_alone_while_the_others_wait():
     assert alone == pytest.approx(
         simulate_contender("powersgd:rank=4", w, pt, table(), Cpu(), options)[0].step_s
     )
+    # twice the ranks on twice the cores share them alike: the same step
+    step = simulate_contender("powersgd:rank=4", w, pt, table(), cpu, options)[0].step_s
+    twice = simulate_contender("powersgd:rank=4", w, pt, table(), Cpu(8, 4.0), options)[0].step_s
+    assert twice == pytest.approx(step)
+    # a stage only the leaders run must not hold the training thread, which submits every rank's
+    # collectives in the same order: refused, not left to stall
+    hook = Stage("training", 0.01, "hook", args={"leaders": True})
+    prog = StepProgram("hooked", [[0]], [[Task("b0", 0, [hook])]], [True], per_node=2)
+    with pytest.raises(ValueError, match="only the leaders run is on the training thread"):
+        simulate(prog, [(0, 0.01)], 0.0, FWD, BWD, OPT, cpu)
+
+
+def test_powersgd_with_local_aggregation_on_one_node_encodes_nothing():
+    """On one node the engine's PowerSGD with local aggregation asked for (``+local``; plain
+    ``powersgd`` runs its rounds over the node's ranks there) reduces onto the leader and broadcasts
+    (collectives/lowrank_rounds.py: no rounds without a second node): the formula is the two
+    trees, the simulated bucket those two collectives, no encode."""
+    model = CostModel(CostParams(Link(1e-5, 1e-10), Link(5e-5, 1e-9), 1e-11), 1, 4)
+    c = table()("powersgd:rank=4", [])
+    tree = 2 * (1e-5 + 8e6 * 1e-10)  # log2(4) = 2 steps of a binomial tree
+    assert model.lowrank_locally_aggregated(8e6, c) == pytest.approx(2 * tree)
+    w = workload([(8, BWD)])
+    prog = build_program(
+        "allgather+local/powersgd:rank=4",
+        w,
+        Cluster(1, 4, network(1e-9).params),
+        table(),
+        {"plan": "compress"},
+    )
+    labels = [st.label for task in prog.bucket_tasks[0] for st in task.stages if "(in node)" not in st.label]
+    assert labels == ["pack", "reduce", "broadcast", "unpack"], labels
 
 
 def test_sweeps_cross_and_name_their_options():

@@ -367,7 +367,10 @@ class CostModel:
 
     def lowrank_locally_aggregated(self, nbytes: float, c: CodecCost) -> float:
         """A low-rank codec with local aggregation: intra reduce and broadcast around the
-        leaders' low-rank rounds across the nodes."""
+        leaders' low-rank rounds across the nodes (on one node, the reduce and the broadcast
+        alone: nothing is encoded, as the engine runs it)."""
+        if self.m <= 1:
+            return 2 * self.tree(nbytes)
         return 2 * self.tree(nbytes) + self.lowrank(nbytes, c, self.m, self.params.inter)
 
     def locally_aggregated(

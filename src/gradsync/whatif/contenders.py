@@ -429,7 +429,8 @@ def lowrank_stages(
     all-reduce of Q, the decode; with local aggregation a reduce onto the node's leader before
     and its broadcast after. The codec's measured encode covers both projections (half each:
     the same products' sizes); the communication is the scheme's prediction (efficiencies
-    included), cut in the proportions of its pieces' formulas."""
+    included), cut in the proportions of its pieces' formulas. On one node with local aggregation
+    the engine reduces and broadcasts, and encodes nothing."""
     enc, comm, dec = stage_times(scheme, model, nbytes, c)
     own = predict(scheme, host, nbytes, codec_work(c, False, False))
     local = bool(scheme.local) and model.n > 1
@@ -454,6 +455,8 @@ def lowrank_stages(
     ]
     if not local:
         return [*stages, *rounds, Stage(COMPUTE, gamma * nbytes, "unpack")]
+    if model.m <= 1:  # one node: the engine reduces and broadcasts, nothing crosses, nothing is encoded
+        rounds = []
     for st in rounds:  # the node's leader alone, on the node's sum; the others wait for its broadcast
         st.args["leaders"] = True
     return [

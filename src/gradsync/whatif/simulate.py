@@ -1,5 +1,5 @@
 """The discrete-event simulation of one training step: of one worker where all workers are alike,
-of every rank of the host where they are not (see :func:`simulate`).
+of the nodes' leaders and the other ranks apart where they are not (see :func:`simulate`).
 
 No clock is waited on: the simulation jumps from event to event, so a step of hundreds of buckets
 takes milliseconds to simulate.
@@ -20,8 +20,8 @@ cycles), buckets in order; launching submits its tasks, each a chain of stages o
 CPU contention: the stages that compute share the host's cores with every other busy thread. The
 worker's compute times come from a profile of one worker alone; with ``a`` of its threads busy
 and ``ranks_per_host`` workers on a host of ``cores`` cores (every worker doing the same), each
-busy thread runs ``max(1, ranks_per_host * a / cores)`` times slower; where every rank of the
-host is simulated, ``max(1, busy threads of all of them / cores)``. On a GPU cluster the
+busy thread runs ``max(1, ranks_per_host * a / cores)`` times slower; where the leaders and the
+others are simulated apart, ``max(1, busy threads of all the host's ranks / cores)``. On a GPU cluster the
 compute is on the GPU and ``cores`` is unbounded (no contention); on the emulated cluster, where
 all ranks share this machine, ``cores`` is the *effective* number measured by ``gradsync bench
 whatif``: ranks x (one worker's step alone) / (every worker's step at once). A collective that
@@ -461,11 +461,11 @@ class _Meeting:
         return self.left[key] == self._needed(stage)
 
 
-def _run(workers: list[_Worker], cpu: Cpu, program_name: str) -> float:
+def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: str) -> float:
     """Advance the workers' threads from event to event until every worker's step is done; the
-    time the last one ends. With one worker it stands for every rank of the host (all alike)."""
+    time the last one ends. Each worker stands for ``weights`` of the host's ranks, all alike
+    (one worker: every rank of the host)."""
     meet = _Meeting(len(workers), sum(1 for wk in workers if wk.leader)) if len(workers) > 1 else None
-    many = cpu.ranks_per_host / len(workers)  # the ranks each simulated worker stands for
     t = 0.0
 
     def start_all() -> None:
@@ -480,7 +480,10 @@ def _run(workers: list[_Worker], cpu: Cpu, program_name: str) -> float:
         if guard > 10_000_000:
             raise RuntimeError("whatif: the simulation does not terminate (a bug): please report it")
         slow = cpu.shared(
-            many * sum(1 for wk in workers for w in wk.running.values() if w is not None and w.cpu)
+            sum(
+                n * sum(1 for w in wk.running.values() if w is not None and w.cpu)
+                for n, wk in zip(weights, workers, strict=True)
+            )
         )
         dt = math.inf
         for wk in workers:
@@ -525,23 +528,36 @@ def simulate(
 
     One worker stands for every rank of the host, all alike. Where they are not (a stage only the
     nodes' leaders run, :attr:`StepProgram.per_node` ranks to a node) and the host's ranks share
-    its cores, each rank of the host is simulated in its own phase: the leaders' work contends
-    with whatever the others do at that moment (waiting, mostly), collectives start once every
-    rank taking part has reached them, and the step ends with the last rank's (the first rank, a
-    leader, gives the spans and the other times)."""
+    its cores, the leaders and the other ranks are simulated apart, each kind in its own phase (all
+    ranks of a kind alike): the leaders' work contends with whatever the others do at that moment
+    (waiting, mostly), collectives start once every kind taking part has reached them, and the step
+    ends with the later of the two (the leader gives the spans and the other times)."""
     items = main_items(data, forward, backward, optimizer, ready)
-    ranks = cpu.ranks_per_host if math.isfinite(cpu.cores) and _has_roles(program) else 1
-    workers = [
-        _Worker(program, items, optimizer, record and r == 0, leader=r % program.per_node == 0)
-        for r in range(max(ranks, 1))
-    ]
-    end = _run(workers, cpu, program.name)
+    leaders = -(-cpu.ranks_per_host // program.per_node)  # the first rank of each node on the host
+    if math.isfinite(cpu.cores) and cpu.ranks_per_host > leaders and _has_roles(program):
+        workers = [
+            _Worker(program, items, optimizer, record, leader=True),
+            _Worker(program, items, optimizer, False, leader=False),
+        ]
+        weights = [float(leaders), float(cpu.ranks_per_host - leaders)]
+    else:
+        workers, weights = [_Worker(program, items, optimizer, record)], [float(cpu.ranks_per_host)]
+    end = _run(workers, weights, cpu, program.name)
     return workers[0].result(end)
 
 
 def _has_roles(program: StepProgram) -> bool:
-    """Whether some stage only the nodes' leaders run, with ranks besides the leaders."""
+    """Whether some stage only the nodes' leaders run, with ranks besides the leaders. Such stages
+    run on the compute and communication threads only: the training thread of every rank must keep
+    the same time, since it submits the tasks (in the order every rank issues its collectives)."""
     if program.per_node <= 1:
         return False
     tasks = [*program.start_tasks, *program.end_tasks, *(t for ts in program.bucket_tasks for t in ts)]
-    return any(st.args.get("leaders") for task in tasks for st in task.stages)
+    led = [st for task in tasks for st in task.stages if st.args.get("leaders")]
+    if any(st.thread == MAIN for st in led):
+        label = next(st.label for st in led if st.thread == MAIN)
+        raise ValueError(
+            f"whatif: {program.name}: a stage only the leaders run is on the training thread ({label!r}); "
+            "it must be compute or communication work"
+        )
+    return bool(led)
