@@ -445,7 +445,7 @@ def lowrank_stages(
     tree, rnd = pieces(model, comm)
     tree_own, rnd_own = pieces(host, own)
     half = c.payload(nbytes) / 2
-    stages = [Stage(COMPUTE, gamma * nbytes, "pack")]
+    pack, unpack = Stage(COMPUTE, gamma * nbytes, "pack"), Stage(COMPUTE, gamma * nbytes, "unpack")
     rounds = [
         Stage(COMPUTE, enc / 2, "encode P"),
         *comm_stages("allreduce P", rnd, rnd_own, half),
@@ -454,18 +454,16 @@ def lowrank_stages(
         Stage(COMPUTE, dec, "decode"),
     ]
     if not local:
-        return [*stages, *rounds, Stage(COMPUTE, gamma * nbytes, "unpack")]
+        return [pack, *rounds, unpack]
     if model.m <= 1:  # one node: the engine reduces and broadcasts, nothing crosses, nothing is encoded
         rounds = []
     for st in rounds:  # the node's leader alone, on the node's sum; the others wait for its broadcast
         st.args["leaders"] = True
-    return [
-        *stages,
-        *comm_stages("reduce", tree, tree_own, nbytes),
-        *rounds,
-        *comm_stages("broadcast", tree, tree_own, nbytes),
-        Stage(COMPUTE, gamma * nbytes, "unpack"),
-    ]
+    reduce, broadcast = (
+        comm_stages("reduce", tree, tree_own, nbytes),
+        comm_stages("broadcast", tree, tree_own, nbytes),
+    )
+    return [pack, *reduce, *rounds, *broadcast, unpack]
 
 
 def _gradsync_program(

@@ -250,18 +250,20 @@ class _Worker:
         self.live: list[_Live] = []
         self.seen: dict[tuple[str, int], int] = {}  # tasks submitted so far per (name, bucket)
         self.keys: list[tuple[str, int, int]] = []  # per live task: its name, bucket, occurrence
+        self.seq_by_key: dict[tuple[str, int, int], int] = {}  # and back
         self.comm_ptr = 0  # the task whose communication the comm thread serves
         self.running: dict[str, _Work | None] = {MAIN: None, COMPUTE: None, COMM: None}
         self.spans: list[Span] = []
         self.busy = {COMPUTE: 0.0, COMM: 0.0}
         self.started_any = False
-        self.backward_end = self.wait_start = self.wait_end = self.end = math.nan
+        self.backward_end = self.wait_start = self.wait_end = math.nan
 
     def submit(self, tasks: list[Task]) -> None:
         for task in tasks:
             n = self.seen.get((task.name, task.bucket), 0)
             self.seen[(task.name, task.bucket)] = n + 1
             self.keys.append((task.name, task.bucket, n))
+            self.seq_by_key[self.keys[-1]] = len(self.live)
             self.live.append(_Live(task, len(self.live)))
             self._queue_stage(self.live[-1])
 
@@ -338,7 +340,6 @@ class _Worker:
                 running[MAIN] = _Work("optimizer", self.optimizer, True, t)
             elif self.phase == "finishing":
                 self.phase = "done"
-                self.end = t
         # compute thread: the oldest task whose next stage is ready compute work
         if running[COMPUTE] is None:
             for lv in self.live:
@@ -421,7 +422,7 @@ class _Worker:
         return stage.seconds if self.runs(stage) else 0.0
 
     def seq_of(self, key: tuple[str, int, int, int]) -> int:
-        return self.keys.index(key[:3])
+        return self.seq_by_key[key[:3]]
 
     def timers(self, t: float) -> list[float]:
         return [
