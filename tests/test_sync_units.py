@@ -373,12 +373,12 @@ def test_planner_merges_compressed_buckets_when_start_ups_outweigh_the_later_lau
 
 
 def test_the_re_cuts_span_follows_the_engines_two_threads():
-    """span() by hand: bucket A ready at 0 and B at 1 ms, each one part of (encode 4, communicate
-    10, decode 1) ms, a dense bucket D of 3 ms ready at 2 ms between them. Compute thread: A's
-    encode 0-4, B's encode 4-8 (its bucket launches after D's, at 2 ms), A's decode 14-15;
-    communication thread: A 4-14, D 14-17, B 17-27; B's decode 27-28. One after another
-    (no overlap) it would be 15 + 3 + 15 = 33 ms. With two parts each of half the stages, A's
-    second part is encoded 2-4 while its first communicates 2-7."""
+    """span() by hand (and a PowerSGD case below): bucket A ready at 0 and B at 1 ms, each one part of
+    (encode 4, communicate 10, decode 1) ms, a dense bucket D of 3 ms ready at 2 ms between them. Compute
+    thread: A's encode 0-4, B's encode 4-8 (its bucket launches after D's, at 2 ms), A's decode 14-15;
+    communication thread: A 4-14, D 14-17, B 17-27; B's decode 27-28. One after another (no overlap) it
+    would be 15 + 3 + 15 = 33 ms. With two parts each of half the stages, A's second part is encoded 2-4
+    while its first communicates 2-7."""
     from gradsync.planner.plan import BucketPlan
     from gradsync.planner.recut import span
 
@@ -395,6 +395,14 @@ def test_the_re_cuts_span_follows_the_engines_two_threads():
     # comm 15-20, 20-25; decodes 20-20.5, 25-25.5
     halves = [BucketPlan(x.slots, x.codec_id, True, 2, stages_ms=(2.0, 5.0, 0.5)) for x in (a, b)]
     assert span([halves[0], d, halves[1]], [0.0, 2e-3, 1e-3]) == pytest.approx(25.5e-3)
+    # a PowerSGD bucket X (project P 2, all-reduce 3, project Q 2, all-reduce 3, decode 1) ahead of
+    # a top-k bucket Y (4, 5, 1), both ready at 0: X's P 0-2; its all-reduce 2-5 while Y encodes
+    # 2-6; X's Q waits for the compute thread, 6-8, and the communication thread waits for it (Y's
+    # transfer may not pass X's second all-reduce); X's all-reduce 8-11, its decode 11-12 beside
+    # Y's transfer 11-16; Y's decode 16-17
+    x = BucketPlan([0], 1, True, 1, compressed_ms=11.0, stages_ms=(2.0, 3.0, 2.0, 3.0, 1.0))
+    y = BucketPlan([1], 0, True, 1, compressed_ms=10.0, stages_ms=(4.0, 5.0, 1.0))
+    assert span([x, y], [0.0, 0.0]) == pytest.approx(17e-3)
 
 
 def test_the_re_cut_merges_buckets_whose_candidates_differ():
@@ -431,6 +439,59 @@ def test_the_re_cut_merges_buckets_whose_candidates_differ():
     assert [(b.slots, b.codec_id) for b in merged.buckets] == [([0, 1], 1)]
     assert merged.buckets[0].compressed_ms == pytest.approx(c1(small + large) * 1e3)
     assert 1e-3 + c1(small + large) < c0(small) + c1(large)
+
+
+def test_each_bucket_takes_the_candidate_that_shortens_the_step():
+    """rechoose_candidates by hand: buckets X and Y ready at 0, each with option A (the
+    communication thread held 10 ms, nothing else: PowerSGD with local aggregation) or B (encode
+    6, communicate 5, decode 1 ms: a sparsifier). A is cheaper per bucket (10 < 12), so the
+    per-bucket choice is A, A: the communication thread 0-10, 10-20, span 20 ms. B, B: encodes
+    0-6 and 6-12, transfers 6-11 and 12-17, decodes 12-13 and 17-18: 18 ms. A, B: X holds the
+    thread 0-10 while Y encodes 0-6; Y's transfer 10-15, decode 15-16: 16 ms. B, A: Y's hold
+    waits for X's transfer, 11-21. The planner starts from B, B (shorter than A, A) and swaps X to
+    A (2 ms saved, more than a tenth of X's 12); asking a fifth (2.4 ms), it keeps B, B."""
+    from gradsync.planner.plan import BucketPlan
+    from gradsync.planner.recut import rechoose_candidates, span
+
+    def a(slot):
+        return BucketPlan([slot], 1, True, 1, compressed_ms=10.0, stages_ms=(0.0, 10.0, 0.0))
+
+    def b(slot):
+        return BucketPlan([slot], 0, True, 1, compressed_ms=12.0, stages_ms=(6.0, 5.0, 1.0))
+
+    def alternatives(x):
+        return [b(x.slots[0]) if x.codec_id == 1 else a(x.slots[0])]
+
+    ready = [0.0, 0.0]
+    for plan, by_hand in (((a, a), 20e-3), ((b, b), 18e-3), ((a, b), 16e-3), ((b, a), 21e-3)):
+        assert span([plan[0](0), plan[1](1)], ready) == pytest.approx(by_hand)
+    chosen = rechoose_candidates([a(0), a(1)], ready, alternatives)
+    assert [x.codec_id for x in chosen] == [1, 0]
+    strict = rechoose_candidates([a(0), a(1)], ready, alternatives, min_gain=0.2)
+    assert [x.codec_id for x in strict] == [0, 0]
+    # an alternative that is not compressed (the codec refused the bucket) is never taken
+    dense = [BucketPlan([0], 0, False, 1, dense_ms=1.0)]
+    refused = rechoose_candidates([a(0), a(1)], ready, lambda x: dense)
+    assert [x.codec_id for x in refused] == [1, 1]
+
+
+def test_plans_compare_by_their_step_in_the_engines_order_of_work():
+    """plan_seconds with ready times is the span the planner minimizes, by hand: two top-k buckets
+    ready at 0, each encode e, transfer c, decode d (c >= e, d <= c): Y's encode e-2e, X's transfer
+    e-(e+c), Y's transfer (e+c)-(e+2c), its decode to e+2c+d. Summed, 2(e+c+d)."""
+    from gradsync.planner.closed_loop import plan_seconds
+    from gradsync.planner.decide import stage_times
+
+    scheme = Scheme.parse("allgather/topk")
+    codec = CodecCost(Linear(1e-3, 1e-9), Linear(2e-4, 1e-10), Linear(0.0, 0.01))
+    model = CostModel(CostParams(Link(0.0, 1e-10), Link(5e-3, 8 / 100e6), 0.0), 4, 1)
+    size = 4 << 20
+    plan = make_plan([([0], 0), ([1], 0)], [size, size], scheme, model, {0: codec}, "compress", "auto", 1)
+    e, c, d = stage_times(scheme, model, size, codec)
+    assert c >= e and d <= c
+    args = ([size, size], scheme, model, {0: codec})
+    assert plan_seconds(plan, *args) == pytest.approx(2 * (e + c + d))
+    assert plan_seconds(plan, *args, ready=[0.0, 0.0]) == pytest.approx(e + 2 * c + d)
 
 
 def test_plan_round_trips_through_a_tensor_and_a_state():

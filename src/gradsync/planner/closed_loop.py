@@ -64,8 +64,10 @@ from gradsync.planner.decide import (
     no_compute,
     predict,
     scheme_for,
+    stage_times,
 )
 from gradsync.planner.plan import Plan
+from gradsync.planner.recut import bucket_seconds, span
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 
@@ -336,19 +338,27 @@ def _ratio(measured: float, predicted: float) -> float:
 def plan_seconds(
     plan: Plan, nbytes: list[int], scheme: Scheme, model: CostModel, codecs: dict[int, CodecCost],
     dense_overhead: Callable[[float], float] | None = None, schemes: Sequence[Scheme] | None = None,
+    ready: Sequence[float] | None = None,
 ) -> float:  # fmt: skip
-    """The plan's buckets, each as the model predicts it with the plan's own choices (summed: the
-    comparison of two plans for the same gradients)."""
-    total = 0.0
+    """The plan's buckets, each as the model predicts it with the plan's own choices: summed, or
+    with ``ready`` (each slot's ready time) the span of the engine's order of work
+    (:func:`gradsync.planner.recut.span`, what the planner minimizes): the comparison of two plans
+    for the same gradients."""
+    priced = []
     for b in plan.buckets:
         size = float(sum(nbytes[i] for i in b.slots))
         if b.compress:
             mine = scheme_for(scheme, schemes, b.codec_id)
-            total += best_partitions(mine, model, size, codecs[b.codec_id], model.m, model.n, b.partitions)[1]
+            k, t = best_partitions(mine, model, size, codecs[b.codec_id], model.m, model.n, b.partitions)
+            stages = tuple(x * 1e3 for x in stage_times(mine, model, size / k, codecs[b.codec_id]))
+            priced.append(replace(b, partitions=k, compressed_ms=t * 1e3, stages_ms=stages))
         else:
             dense = scheme if scheme.kind == "dense" else Scheme("", "dense", b.dense_algorithm)
-            total += predict(dense, model, size, None) + (dense_overhead(size) if dense_overhead else 0.0)
-    return total
+            t = predict(dense, model, size, None) + (dense_overhead(size) if dense_overhead else 0.0)
+            priced.append(replace(b, dense_ms=t * 1e3))
+    if ready is not None:
+        return span(priced, ready)
+    return sum(bucket_seconds(b) for b in priced)
 
 
 def same_plan(a: Plan, b: Plan) -> bool:

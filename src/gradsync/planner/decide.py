@@ -37,7 +37,7 @@ from gradsync.collectives.hitopk_pipeline import pipeline_chunks
 from gradsync.collectives.strategies import compressed_strategy
 from gradsync.collectives.topology import Topology
 from gradsync.planner.plan import BucketPlan, Plan
-from gradsync.planner.recut import merge_compressed
+from gradsync.planner.recut import merge_compressed, rechoose_candidates
 from gradsync.sync.buckets import Slot, build_groups
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
@@ -139,20 +139,67 @@ def codec_work(c: CodecCost, encode: bool, decode: bool) -> CodecCost:
     return replace(c, encode=c.encode if encode else zero, decode=c.decode if decode else zero)
 
 
-def stage_times(
+def split_prediction(
     scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost
 ) -> tuple[float, float, float]:
     """(encode, communication, decode) seconds of one compressed synchronization of ``nbytes``,
     read off the scheme's formula: the encode (decode) is the formula on free links with only the
     codec's encode (decode) cost, the communication what is left of the whole prediction (where
     the formula overlaps compute with transfers, as hitopk's chunk pipeline does, the overlap is
-    credited to the communication). The engine runs the first and the last on its compute
-    thread, the middle on its communication thread (:mod:`gradsync.sync.tasks`)."""
+    credited to the communication)."""
     total = predict(scheme, model, nbytes, codec)
     free = CostModel(CostParams(Link(0.0, 0.0), Link(0.0, 0.0), 0.0), model.m, model.n)
     enc = predict(scheme, free, nbytes, codec_work(codec, True, False))
     dec = predict(scheme, free, nbytes, codec_work(codec, False, True))
     return enc, max(total - enc - dec, 0.0), dec
+
+
+def lowrank_steps(
+    scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost
+) -> list[tuple[str, float]]:
+    """A low-rank bucket of ``nbytes`` as the engine runs it (:mod:`gradsync.collectives.lowrank_rounds`):
+    (label, seconds) of its steps, the compute thread's and the communication thread's in turn
+    (even places compute, odd ones communicate). The projection P = M Q, the all-reduce of P, the
+    orthonormalization and Q = M^T P, the all-reduce of Q, the decode; with local aggregation on
+    more than one rank per node a reduce onto the node's leader before them (the pack, a step of
+    no time here, ahead of it) and the leader's broadcast after (the unpack after it), the steps
+    between them the leader's alone. The codec's encode covers both projections, half each (the
+    same products' sizes); the communication is the scheme's prediction (:func:`split_prediction`)
+    cut in the proportions of its pieces' formulas. On one node with local aggregation the engine
+    reduces and broadcasts and encodes nothing."""
+    enc, comm, dec = split_prediction(scheme, model, nbytes, codec)
+    local = bool(scheme.local) and model.n > 1
+    tree = model.tree(nbytes) if local else 0.0
+    rnd = (
+        model.lowrank_round(nbytes, codec, model.m, model.params.inter)
+        if local
+        else model.lowrank_round(nbytes, codec)
+    )
+    whole = 2 * tree + 2 * rnd
+    tree, rnd = (comm * tree / whole, comm * rnd / whole) if whole > 0 else (0.0, comm / 2)
+    rounds = [
+        ("encode P", enc / 2),
+        ("allreduce P", rnd),
+        ("encode Q", enc / 2),
+        ("allreduce Q", rnd),
+        ("decode", dec),
+    ]
+    if not local:
+        return rounds
+    if model.m <= 1:  # one node: nothing crosses, nothing is encoded
+        rounds = [("", 0.0)]
+    return [("pack", 0.0), ("reduce", tree), *rounds, ("broadcast", tree), ("unpack", 0.0)]
+
+
+def stage_times(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost) -> tuple[float, ...]:
+    """One compressed synchronization of ``nbytes`` as the engine's two threads run it: seconds on
+    the compute thread and on the communication thread in turn, from the compute thread's first
+    (even places compute, odd ones communicate; :func:`gradsync.planner.recut.span` runs them).
+    A codec that sends payloads encodes, communicates and decodes (:func:`split_prediction`); a
+    low-rank codec computes between its collectives (:func:`lowrank_steps`)."""
+    if codec.lowrank:
+        return tuple(seconds for _, seconds in lowrank_steps(scheme, model, nbytes, codec))
+    return split_prediction(scheme, model, nbytes, codec)
 
 
 def encode_sizes(scheme: Scheme, nbytes: float, nodes: int, per_node: int) -> float:
@@ -241,9 +288,14 @@ def make_plan(
     ``fuse_bytes``, compressed buckets of one codec class (their chosen candidates may differ) are
     merged where the saved fixed costs
     outweigh the later launch (:func:`gradsync.planner.recut.merge_compressed`), before the dense
-    buckets are fused."""
+    buckets are fused. With ``ready`` and ``candidates``, a compressed bucket takes another of its
+    candidates where that shortens the step in the engine's order of work, before and after the
+    merges (:func:`gradsync.planner.recut.rechoose_candidates`): the cheapest total is not the
+    shortest step when it holds the communication thread longer."""
 
-    def decide(slots: list[int], codec_id: int) -> BucketPlan:
+    def decide(slots: list[int], codec_id: int, only: int | None = None) -> BucketPlan:
+        """The bucket of ``slots`` in codec class ``codec_id``, with the cheapest of its candidates
+        (``only``: with that one)."""
         size = float(sum(nbytes[s] for s in slots))
         if scheme.kind == "dense":
             return BucketPlan(slots, -1, False, 1, scheme.algorithm, predict(scheme, model, size, None) * 1e3)
@@ -255,7 +307,7 @@ def make_plan(
             b.dense_reason = "plan"
         elif codec_id >= 0:
             options = []  # (seconds, parts, codec id, refused)
-            for cid in dict.fromkeys((codec_id, *candidates)):
+            for cid in dict.fromkeys((codec_id, *candidates)) if only is None else (only,):
                 mine = scheme_for(scheme, schemes, cid)
                 k, t = best_partitions(mine, model, size, codec_costs[cid], model.m, model.n, partitions)
                 refused = rejects is not None and rejects(cid, slots, k) is not None
@@ -270,13 +322,25 @@ def make_plan(
             elif b.compress:
                 b.codec_id = cid
                 stages = stage_times(scheme_for(scheme, schemes, cid), model, size / k, codec_costs[cid])
-                b.stages_ms = (stages[0] * 1e3, stages[1] * 1e3, stages[2] * 1e3)
+                b.stages_ms = tuple(x * 1e3 for x in stages)
         return b
 
     plan = Plan([decide(slots, codec_id) for slots, codec_id in groups])
+    class_of = {s: codec_id for slots, codec_id in groups for s in slots}
+    choices = tuple(dict.fromkeys(candidates))
+
+    def alternatives(b: BucketPlan) -> list[BucketPlan]:
+        cls = class_of[b.slots[0]]
+        return [decide(b.slots, cls, cid) for cid in dict.fromkeys((cls, *choices)) if cid != b.codec_id]
+
+    if ready is not None and choices:
+        plan = Plan(rechoose_candidates(plan.buckets, ready, alternatives))
     if ready is not None and fuse_bytes is not None:
-        classes, each_kind = [c for _, c in groups], kinds or [None] * len(nbytes)
-        plan = Plan(merge_compressed(plan.buckets, classes, ready, decide, nbytes, each_kind, fuse_bytes))
+        classes, each_kind = [class_of[b.slots[0]] for b in plan.buckets], kinds or [None] * len(nbytes)
+        merged = merge_compressed(plan.buckets, classes, ready, decide, nbytes, each_kind, fuse_bytes)
+        if choices and len(merged) < len(plan.buckets):  # a merged bucket took the cheapest total
+            merged = rechoose_candidates(merged, ready, alternatives)
+        plan = Plan(merged)
     if fuse_bytes is not None:
 
         def dense_cost(size: float) -> tuple[str, float]:

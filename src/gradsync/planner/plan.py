@@ -35,10 +35,12 @@ class BucketPlan:
     dense_ms: float | None = None  # predictions, for the log
     compressed_ms: float | None = None
     dense_reason: str = ""  # one of DENSE_REASONS
-    stages_ms: tuple[float, float, float] | None = None
-    """Compressed: one part's (encode, communication, decode) predicted, for the re-cut's order of
-    work (:func:`gradsync.planner.recut.span`); not sent with the plan (a re-cut runs where the
-    plan is made)."""
+    stages_ms: tuple[float, ...] | None = None
+    """Compressed: one part's steps predicted, on the compute and the communication thread in
+    turn (encode, communication, decode; a low-rank codec has more:
+    :func:`gradsync.planner.decide.stage_times`), for the planner's order of work
+    (:func:`gradsync.planner.recut.span`); not sent with the plan (a re-cut runs where the plan is
+    made)."""
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Re-cutting compressed buckets by their ready times: fewer start-ups where they outweigh overlap.
+"""Re-cutting compressed buckets by their ready times (fewer start-ups where they outweigh overlap),
+and re-choosing their candidate codecs by the same order of work.
 
 The fusion timeout (:func:`gradsync.sync.buckets.build_groups`) cuts buckets where gradients
 become ready far apart, for the sake of overlap. On a slow network with small compressed
@@ -24,12 +25,22 @@ earlier bucket was predicted to take, so that a few microseconds of jitter in th
 times do not flip the plan from one re-plan to the next. Passes over the plan, each merging where
 it pays, keep the work near quadratic in the number of buckets (a best-merge-first search is
 cubic).
+
+The planner first takes, per bucket, the candidate whose formula predicts the least time. That
+total does not say which thread the time holds: the communication thread runs the buckets'
+collectives one after another, so a candidate that keeps it longer (PowerSGD with local
+aggregation holds it from the node's reduce to its broadcast, its leader's projections and
+decode included) can lengthen the step although its own total is the least; on a simulated 2 x 2
+at 100 Mbit/s it did by a tenth against top-k, whose encode and decode run on the compute thread
+beside the other buckets' transfers. :func:`rechoose_candidates` therefore tries each bucket's
+other candidates in :func:`span` and takes one where it shortens the step by ``MIN_GAIN`` of the
+bucket's predicted time.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from gradsync.planner.plan import BucketPlan
@@ -57,37 +68,62 @@ def bucket_seconds(b: BucketPlan) -> float:
 def span(buckets: Sequence[BucketPlan], ready: Sequence[float]) -> float:
     """Predicted seconds from the first gradient ready to the last bucket synchronized, in the
     engine's order of work (:mod:`gradsync.sync.tasks`): a bucket launches as
-    :func:`launch_times` says; each of its parts is encoded on the compute thread, communicated
-    on the communication thread (strictly bucket after bucket, part after part), then decoded on
-    the compute thread; the compute thread runs the ready work of the oldest bucket first. So a
-    bucket's encode overlaps the communication of the buckets ahead of it. A bucket without
-    stages (dense, or planned without them) is one communication of its predicted time."""
-    work = []  # per part, in plan order: (launch, encode, communication, decode)
+    :func:`launch_times` says; each of its parts runs its steps (:attr:`BucketPlan.stages_ms`,
+    compute and communication in turn, as :func:`gradsync.planner.decide.stage_times` gives
+    them) one after another. The communication thread serves the parts strictly in order, each
+    until its last collective is done, and waits for a part's compute between its collectives
+    (PowerSGD's second projection) without taking the next part's; the compute thread, when
+    free, runs the ready step of the oldest part. So a bucket's encode overlaps the
+    communication of the buckets ahead of it. A bucket without stages (dense, or planned without
+    them) is one communication of its predicted time."""
+    parts: list[tuple[float, tuple[float, ...]]] = []  # (launch, steps) in plan order
     for b, launch in zip(buckets, launch_times(buckets, ready), strict=True):
         if b.compress and b.stages_ms is not None:
-            enc, comm, dec = (x / 1e3 for x in b.stages_ms)
-            work += [(launch, enc, comm, dec)] * max(b.partitions, 1)
+            parts += [(launch, tuple(x / 1e3 for x in b.stages_ms))] * max(b.partitions, 1)
         else:
-            work.append((launch, 0.0, bucket_seconds(b), 0.0))
-    cpu = comm_free = done = 0.0
-    encode_next = 0  # encodes run in order (oldest first): the next one is work[encode_next]
-    # decodes waiting for the compute thread, (ready, seconds): communication runs in order, so
-    # they become ready in order, and the first is both the earliest and the oldest
-    decodes: deque[tuple[float, float]] = deque()
-    while encode_next < len(work) or decodes:
-        enc_ready = work[encode_next][0] if encode_next < len(work) else math.inf
-        now = max(cpu, min(enc_ready, decodes[0][0] if decodes else math.inf))
-        if decodes and decodes[0][0] <= now:  # a waiting decode is older than any encode left
-            cpu = now + decodes.popleft()[1]
-            done = max(done, cpu)
-            continue
-        _, enc, comm, dec = work[encode_next]
-        cpu = now + enc
-        comm_free = max(comm_free, cpu) + comm
-        decodes.append((comm_free, dec))
-        done = max(done, comm_free)
-        encode_next += 1
-    return done
+            parts.append((launch, (0.0, bucket_seconds(b), 0.0)))
+    n = len(parts)
+    steps = [st for _, st in parts]
+    last = [len(st) - 2 for st in steps]  # each part's last collective
+    nxt = [0] * n  # each part's next step
+    free = [launch for launch, _ in parts]  # when each part's next step may start
+    pending = [(launch, p) for p, (launch, _) in enumerate(parts)]  # compute steps, by ready time
+    heapq.heapify(pending)
+    oldest: list[int] = []  # compute steps ready now, by part
+    push, pop, inf = heapq.heappush, heapq.heappop, math.inf
+    serving = 0  # the part the communication thread serves
+    t = cpu = comm = done = 0.0
+    while True:
+        while serving < n and nxt[serving] > last[serving]:
+            serving += 1  # no collective left in that part
+        waiting = inf  # when the communication thread's next step may start
+        if serving < n and nxt[serving] % 2:
+            waiting = max(free[serving], comm)
+            if waiting <= t:
+                k = nxt[serving]
+                comm = t + steps[serving][k]
+                free[serving] = comm
+                done = max(done, comm)
+                nxt[serving] = k + 1
+                push(pending, (comm, serving))  # a part's steps end with a compute step
+                waiting = inf
+        if cpu <= t:
+            while pending and pending[0][0] <= t:
+                push(oldest, pop(pending)[1])
+            if oldest:
+                p = pop(oldest)
+                cpu = t + steps[p][nxt[p]]
+                free[p] = cpu
+                done = max(done, cpu)
+                nxt[p] += 1
+                continue
+        upcoming = inf  # the next moment either thread may start something
+        for moment in (waiting, cpu, comm, pending[0][0] if pending else inf):
+            if t < moment < upcoming:
+                upcoming = moment
+        if upcoming == inf:
+            return done
+        t = upcoming
 
 
 def merge_compressed(
@@ -147,3 +183,48 @@ def _next_of_its_class(buckets: Sequence[BucketPlan], classes: Sequence[int], i:
         if buckets[j].compress and classes[j] == classes[i]:
             return j
     return None
+
+
+def rechoose_candidates(
+    buckets: list[BucketPlan],
+    ready: Sequence[float],
+    alternatives: Callable[[BucketPlan], Sequence[BucketPlan]],
+    min_gain: float = MIN_GAIN,
+) -> list[BucketPlan]:
+    """Swap compressed buckets for other candidates while a swap shortens the predicted
+    :func:`span`.
+
+    ``alternatives(b)`` gives bucket ``b`` planned with each of its other candidates (the same
+    slots; those that are not compressed are not taken). First, where taking one candidate in
+    every bucket that can take it gives a shorter span, the plan starts from the shortest such
+    one (swaps one bucket at a time can stop short of it, each having to pay on its own). Then a
+    bucket takes the choice that shortens the span the most, when that saves at least
+    ``min_gain`` of the bucket's predicted time (so that jitter in the measured ready times does
+    not flip the plan); passes repeat until no swap is made. Every change shortens the span, so
+    the passes end. Returns the buckets."""
+    buckets = list(buckets)
+    choices = [[b, *(a for a in alternatives(b) if a.compress)] if b.compress else [b] for b in buckets]
+    current = span(buckets, ready)
+    for cid in dict.fromkeys(a.codec_id for each in choices for a in each[1:]):
+        uniform = [
+            next((a for a in each if a.codec_id == cid), b) for b, each in zip(buckets, choices, strict=True)
+        ]
+        t = span(uniform, ready)
+        if t < current:
+            buckets, current = uniform, t
+    changed = True
+    while changed:
+        changed = False
+        for i, b in enumerate(buckets):
+            best: tuple[float, BucketPlan] | None = None
+            for alt in choices[i]:
+                if alt is b:
+                    continue
+                t = span([*buckets[:i], alt, *buckets[i + 1 :]], ready)
+                pays = t < current and current - t >= min_gain * bucket_seconds(b)
+                if pays and (best is None or t < best[0]):
+                    best = (t, alt)
+            if best is not None:
+                current, buckets[i] = best
+                changed = True
+    return buckets

@@ -175,8 +175,9 @@ class Replanner:
             margin=1.0 - cfg.replan_gain, dense_overhead=fit.dense_overhead, schemes=c.schemes,
             candidates=c.candidates, ready=launch_ready(ready),
         )  # fmt: skip
+        launch = launch_ready(ready)
         before, after = (
-            plan_seconds(p, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead, c.schemes)
+            plan_seconds(p, nbytes, self.scheme, model, fit.codecs, fit.dense_overhead, c.schemes, launch)
             for p in (old, candidate)
         )
         record.update(refit=fit.describe(), predicted_ms=[before * 1e3, after * 1e3])

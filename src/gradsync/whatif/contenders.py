@@ -21,8 +21,8 @@ Contenders (the names ``gradsync whatif --scheme`` and ``bench train --contender
   codec's measured cost. Each bucket (or each of its parts) is a task: pack and encode on the
   compute thread, the scheme's collectives on the communication thread, decode and unpack on the
   compute thread. How a part's predicted time splits into encode, communication and decode is
-  read off the same formula (:func:`gradsync.planner.decide.stage_times`, which the planner's
-  re-cut reads too).
+  read off the same formula (:func:`gradsync.planner.decide.split_prediction`, from which the
+  planner's order of work takes its stages too).
 
 Every collective's time is a :class:`gradsync.collectives.cost.CostModel` formula: the planner,
 ``bench collectives`` and this simulator share them.
@@ -48,10 +48,11 @@ from gradsync.planner.decide import (
     codec_work,
     first_step_groups,
     launch_ready,
+    lowrank_steps,
     make_plan,
     no_compute,
     predict,
-    stage_times,
+    split_prediction,
 )
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
@@ -339,7 +340,7 @@ def _self_syncing_program(
         prog.notes.append("a local step: no exchange")
         return prog
     c = costs(spec, [s])
-    enc, comm, dec = stage_times(scheme, model, s, c)
+    enc, comm, dec = split_prediction(scheme, model, s, c)
     own = predict(scheme, host, s, no_compute(c))
     flags = FLAG_BYTES * sum(1 for t in workload.tensors if t.ready is not None)
     stages = [
@@ -423,47 +424,31 @@ def _powersgd_hook(
 def lowrank_stages(
     scheme: Scheme, model: CostModel, host: CostModel, nbytes: float, c: CodecCost, gamma: float
 ) -> list[Stage]:
-    """A PowerSGD bucket as the engine runs it (:mod:`gradsync.collectives.lowrank_rounds`): the
-    projection P = M Q, the all-reduce of P, then the orthonormalization and Q = M^T P between
-    the two all-reduces (on the compute thread, after the first: the ranks meet twice), the
-    all-reduce of Q, the decode; with local aggregation a reduce onto the node's leader before
-    and its broadcast after. The codec's measured encode covers both projections (half each:
-    the same products' sizes); the communication is the scheme's prediction (efficiencies
-    included), cut in the proportions of its pieces' formulas. On one node with local aggregation
-    the engine reduces and broadcasts, and encodes nothing."""
-    enc, comm, dec = stage_times(scheme, model, nbytes, c)
-    own = predict(scheme, host, nbytes, codec_work(c, False, False))
+    """A PowerSGD bucket as the engine runs it: the planner's steps
+    (:func:`gradsync.planner.decide.lowrank_steps`: two projections and two all-reduces, the
+    decode, with local aggregation a reduce before and a broadcast after), each collective's node
+    part read off the same steps on the node's own links, the pack and the unpack at the host's
+    copy rate. With local aggregation the steps between the reduce and the broadcast are marked as
+    the node's leader's: the others wait for its broadcast."""
+    steps = lowrank_steps(scheme, model, nbytes, c)
+    own = lowrank_steps(scheme, host, nbytes, codec_work(c, False, False))
     local = bool(scheme.local) and model.n > 1
-
-    def pieces(m: CostModel, total: float) -> tuple[float, float]:
-        """(one intra-node tree, one factor round) scaled to add up to ``total``."""
-        tree = m.tree(nbytes) if local else 0.0
-        rnd = m.lowrank_round(nbytes, c, m.m, m.params.inter) if local else m.lowrank_round(nbytes, c)
-        whole = 2 * tree + 2 * rnd
-        return (total * tree / whole, total * rnd / whole) if whole > 0 else (0.0, total / 2)
-
-    tree, rnd = pieces(model, comm)
-    tree_own, rnd_own = pieces(host, own)
-    half = c.payload(nbytes) / 2
-    pack, unpack = Stage(COMPUTE, gamma * nbytes, "pack"), Stage(COMPUTE, gamma * nbytes, "unpack")
-    rounds = [
-        Stage(COMPUTE, enc / 2, "encode P"),
-        *comm_stages("allreduce P", rnd, rnd_own, half),
-        Stage(COMPUTE, enc / 2, "encode Q"),
-        *comm_stages("allreduce Q", rnd, rnd_own, half),
-        Stage(COMPUTE, dec, "decode"),
-    ]
+    out = []
+    for i, ((label, seconds), (_, mine)) in enumerate(zip(steps, own, strict=True)):
+        if label in ("pack", "unpack"):
+            out.append(Stage(COMPUTE, gamma * nbytes, label))
+        elif i % 2 == 0:
+            if label:  # (not the empty step between a reduce and a broadcast on one node)
+                out.append(Stage(COMPUTE, seconds, label))
+        else:
+            moved = nbytes if label in ("reduce", "broadcast") else c.payload(nbytes) / 2
+            out += comm_stages(label, seconds, mine, moved)
     if not local:
-        return [pack, *rounds, unpack]
-    if model.m <= 1:  # one node: the engine reduces and broadcasts, nothing crosses, nothing is encoded
-        rounds = []
-    for st in rounds:  # the node's leader alone, on the node's sum; the others wait for its broadcast
-        st.args["leaders"] = True
-    reduce, broadcast = (
-        comm_stages("reduce", tree, tree_own, nbytes),
-        comm_stages("broadcast", tree, tree_own, nbytes),
-    )
-    return [pack, *reduce, *rounds, *broadcast, unpack]
+        return [Stage(COMPUTE, gamma * nbytes, "pack"), *out, Stage(COMPUTE, gamma * nbytes, "unpack")]
+    for st in out[1:-1]:  # the node's leader alone, on the node's sum; the others wait for its broadcast
+        if not st.label.startswith(("reduce", "broadcast")):
+            st.args["leaders"] = True
+    return out
 
 
 def _gradsync_program(
@@ -531,7 +516,7 @@ def _gradsync_program(
         else:
             c, mine = codec_costs[bp.codec_id], schemes[bp.codec_id]
             part = s / bp.partitions
-            enc, comm, dec = stage_times(mine, model, part, c)
+            enc, comm, dec = split_prediction(mine, model, part, c)
             own = predict(mine, host, part, codec_work(c, False, False))
             for j in range(bp.partitions):
                 first, last = j == 0, j == bp.partitions - 1
