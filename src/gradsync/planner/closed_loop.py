@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from gradsync.collectives.cost import (
     CALIBRATED_KINDS,
+    COLLECTIVE_KINDS,
     CodecCost,
     CostModel,
     CostParams,
@@ -98,6 +99,9 @@ class Refit:
     comm_error_before: float  # the fitted error (refit_links), calibrated links
     comm_error_after: float  # ... refitted links
     encode_scale: dict[int, float] = field(default_factory=dict)
+    unmeasured: tuple[str, ...] = ()
+    """Efficiency classes no bucket measured, given the measured classes' factor
+    (:func:`with_unmeasured_classes`)."""
 
     def dense_overhead(self, nbytes: float) -> float:
         return self.pack(nbytes) if self.pack is not None else 0.0
@@ -110,7 +114,10 @@ class Refit:
         p = self.params
         parts = [level("intra", p.intra), level("inter", p.inter), f"{p.call * 1e3:.2f} ms per call"]
         parts += [f"codec {c} encode x{k:.2f}" for c, k in sorted(self.encode_scale.items())]
-        parts += [f"{key} x{f:.2f}" for key, f in p.efficiency]
+        parts += [f"{key} x{f:.2f}" for key, f in p.efficiency if key not in self.unmeasured]
+        if self.unmeasured:
+            given = sorted({f"x{f:.2f}" for key, f in p.efficiency if key in self.unmeasured})
+            parts.append(f"unmeasured classes as the measured ({', '.join(given)})")
         before, after = 100 * self.comm_error_before, 100 * self.comm_error_after
         parts.append(f"communication error {before:.0f} % -> {after:.0f} %")
         return "; ".join(parts)
@@ -287,6 +294,7 @@ def refit(
     fitted, before, after = refit_links(
         samples, scheme, params, nodes, per_node, codecs, schemes=schemes, efficiency=True
     )
+    fitted, unmeasured = with_unmeasured_classes(fitted)
     scaled: dict[int, CodecCost] = dict(codecs)
     enc_scale: dict[int, float] = {}
     for cid, c in codecs.items():
@@ -312,7 +320,32 @@ def refit(
         xs = [s.nbytes for s in dense]
         ys = [s.compute_s + s.decode_s for s in dense]
         pack = Linear.fit(xs, ys) if len(set(xs)) > 1 else Linear(0.0, sum(ys) / max(sum(xs), 1.0))
-    return Refit(fitted, scaled, pack, before, after, enc_scale)
+    return Refit(fitted, scaled, pack, before, after, enc_scale, unmeasured)
+
+
+def with_unmeasured_classes(params: CostParams) -> tuple[CostParams, tuple[str, ...]]:
+    """``params`` with a factor for every efficiency class the refit did not measure (a kind of
+    collective no bucket of the plan ran, such as a candidate's strategy): the geometric mean of
+    the measured classes of the same size, or of all of them where none is of that size; and
+    those classes. The measured factors say how this cluster runs collectives beside its
+    training steps; a kind nobody ran is more likely to do as they do than as the formula says,
+    and left at 1 it would look cheaper than every measured one to the next plan (the same rule
+    as the codecs that did not run, :func:`refit`). The calibrated kinds
+    (:data:`~gradsync.collectives.cost.CALIBRATED_KINDS`) are left as they are."""
+    measured = {k: v for k, v in params.efficiency if k.split("/")[0] not in CALIBRATED_KINDS}
+    if not measured:
+        return params, ()
+    added = []
+    for kind in COLLECTIVE_KINDS:
+        if kind in CALIBRATED_KINDS:
+            continue
+        for size in ("small", "large"):
+            key = f"{kind}/{size}"
+            if key in measured:
+                continue
+            alike = [v for k, v in measured.items() if k.endswith(f"/{size}")] or list(measured.values())
+            added.append((key, math.exp(statistics.fmean(math.log(v) for v in alike))))
+    return replace(params, efficiency=params.efficiency + tuple(added)), tuple(k for k, _ in added)
 
 
 EFFICIENCY_BOUNDS = (0.25, 4.0)
