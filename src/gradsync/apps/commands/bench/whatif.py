@@ -25,6 +25,7 @@ the headline the largest and the median absolute error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import os
@@ -32,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -152,11 +153,14 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
     }  # fmt: skip
 
 
-def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
+def node_transfer_ratio(topo: Topology, reps: int = 5, beside_compute: bool = False) -> float | None:
     """A node-internal all-reduce of :data:`~gradsync.collectives.cost.INTRA_LARGE_BYTES` with
     every node of the host at once over the first node's alone (the median of ``reps`` timings of
     the slowest rank each): how the host's nodes' copies slow each other, which sets
-    :attr:`~gradsync.whatif.simulate.Cpu.transfer_weight`. None with one rank per node."""
+    :attr:`~gradsync.whatif.simulate.Cpu.transfer_weight`. ``beside_compute``: every rank also runs
+    one thread of matrix products while the nodes all-reduce at once, as a rank's backward pass
+    runs beside its bucket's transfer, which sets
+    :attr:`~gradsync.whatif.simulate.Cpu.busy_transfer_weight`. None with one rank per node."""
     from gradsync.collectives import primitives as P
     from gradsync.collectives.cost import INTRA_LARGE_BYTES, time_slowest
 
@@ -170,8 +174,35 @@ def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
             P.all_reduce(buf, topo.intra_group, "calibrate")
 
     alone = time_slowest(topo, lambda: ring(False), reps)
-    together = time_slowest(topo, lambda: ring(True), reps)
+    if not beside_compute:
+        together = time_slowest(topo, lambda: ring(True), reps)
+    else:
+        with computing_threads(1):
+            together = time_slowest(topo, lambda: ring(True), reps)
     return together / alone if alone > 0 else None
+
+
+@contextlib.contextmanager
+def computing_threads(count: int) -> Iterator[None]:
+    """``count`` threads of 512 x 512 matrix products in this process while the block runs
+    (compute that holds no lock of Python's, as the backward pass and an encode keep a worker's
+    threads busy)."""
+    stop = threading.Event()
+
+    def burn() -> None:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        while not stop.is_set():
+            torch.mm(a, b)
+
+    workers = [threading.Thread(target=burn, daemon=True) for _ in range(count)]
+    for w in workers:
+        w.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
 
 
 HOST_PROBE_ELEMENTS = 16 << 20
@@ -250,24 +281,11 @@ def busy_calls(threads: int = 2, reps: int = 41) -> list[float]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def burn(stop: threading.Event) -> None:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        while not stop.is_set():
-            torch.mm(a, b)
-
     idle = timed()
     waits = []
     for k in range(1, threads + 1):
-        stop = threading.Event()
-        workers = [threading.Thread(target=burn, args=(stop,), daemon=True) for _ in range(k)]
-        for w in workers:
-            w.start()
-        try:
+        with computing_threads(k):
             waits.append(max(timed() - idle, 0.0))
-        finally:
-            stop.set()
-            for w in workers:
-                w.join()
     return waits
 
 
@@ -331,8 +349,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         say(f"  a small collective waits {', '.join(f'{w:.1f}' for w in busy_call_ms)} ms more "
             f"with 1, 2 threads computing per rank")  # fmt: skip
     transfers = None if torch.cuda.is_available() else node_transfer_ratio(topo)
+    busy_transfers = None if transfers is None else node_transfer_ratio(topo, beside_compute=True)
     if transfers is not None:
-        say(f"  the node's all-reduce with every node at once: {transfers:.2f}x one node's alone")
+        say(f"  the node's all-reduce with every node at once: {transfers:.2f}x one node's alone, "
+            f"{busy_transfers:.2f}x with a thread computing in every rank as well")  # fmt: skip
     costs = CodecTable()
     if engine is not None:  # the codecs as they ran in the engine; others are timed here
         costs.entries.update(engine.codecs)
@@ -363,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
         "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms,
-                       "node_transfer_ratio": transfers, "cpus": host_cpus(), "rounds": host},
+                       "node_transfer_ratio": transfers, "node_transfer_busy_ratio": busy_transfers,
+                       "cpus": host_cpus(), "rounds": host},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
@@ -451,7 +472,12 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     effective = cores if cores is not None else bounded_cores(cont["effective_cores"], cont)
     # absent in older results: a node-internal transfer feels the contention as a thread computing
     weight = transfer_weight(cont.get("node_transfer_ratio"), cont["ranks_per_host"], effective)
-    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight)
+    # absent in older results: the same beside every rank's compute (None: as without)
+    busy_ratio = cont.get("node_transfer_busy_ratio")
+    busy_weight = (
+        None if busy_ratio is None else transfer_weight(busy_ratio, cont["ranks_per_host"], effective, True)
+    )
+    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight, busy_weight)
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
@@ -474,7 +500,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
         })  # fmt: skip
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention",
-            "transfer_weight": cpu.transfer_weight,
+            "transfer_weight": cpu.transfer_weight, "busy_transfer_weight": cpu.busy_transfer_weight,
             "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call]}  # fmt: skip
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
