@@ -166,35 +166,34 @@ def test_transfer_weight_makes_every_rank_transferring_take_the_measured_ratio()
     assert transfer_weight(1.5, 4, math.inf) == 1.0
 
 
-def test_a_node_transfer_beside_its_own_ranks_compute_feels_the_busy_weight():
-    """4 ranks on 2 cores, one 10 ms copy inside the node (``in_node``) per step, transfer weight 0.5,
-    and 2 while the transferring worker's own training thread computes (a loopback transfer's
-    hand-overs wait behind its own rank's backward pass). Written out by hand:
+def test_a_node_transfer_beside_its_own_ranks_compute_contends_as_a_computing_thread():
+    """4 ranks on 2 cores, one 10 ms copy inside the node (``in_node``) per step, transfer weight 0.5
+    (measured beside the other nodes' transfers). While the transferring worker's own training
+    thread computes, the copy contends as a computing thread (``busy_transfer_weight``, 1 by
+    default: its hand-overs wait for the rank's turn behind the backward pass). By hand:
 
     - started with the backward pass (its tensor ready at offset 0): two busy threads per rank,
-      8 on 2 cores, so the backward runs 4x slower and the copy 1 + 3 x 2 = 7x: 70 ms, in which
-      the backward does 17.5 of its 40 ms; the rest alone, 2x: 45 ms. The step: forward 2 x 20,
-      backward 70 + 45, optimizer 2 x 5 = 165 ms (without the busy weight: the copy 1 + 3 x 0.5,
-      25 ms, in which 6.25 ms of the backward; 40 + 25 + 67.5 + 10 = 142.5 ms);
+      8 on 2 cores, so the backward and the copy both run 4x slower: 40 ms, in which the backward
+      does 10 of its 40 ms; the rest alone, 2x: 60 ms. The step: forward 2 x 20, backward 40 + 60,
+      optimizer 2 x 5 = 150 ms (with the idle weight beside the compute too, 0.5: the copy
+      1 + 3 x 0.5 = 2.5x, 25 ms, in which 6.25 ms of the backward; 40 + 25 + 67.5 + 10 = 142.5 ms);
     - started once the backward pass has ended (ready at its end): the rank computes nothing
       beside it, one busy thread per rank, 2x shared, 1 + 1 x 0.5 = 1.5x: 15 ms either way."""
-    from gradsync.whatif.simulate import transfer_weight
-
     copy = Stage("comm", 0.010, "reduce (in node)", True, {"in_node": True})
     prog = StepProgram("copy", [[0]], [[Task("b0", 0, [copy])]], [True])
-    busy, plain = Cpu(4, 2.0, transfer_weight=0.5, busy_transfer_weight=2.0), Cpu(4, 2.0, transfer_weight=0.5)
-    assert simulate(prog, [(0, 0.0)], 0.0, FWD, BWD, OPT, busy).step_s == pytest.approx(0.165)
-    assert simulate(prog, [(0, 0.0)], 0.0, FWD, BWD, OPT, plain).step_s == pytest.approx(0.1425)
+    default = Cpu(4, 2.0, transfer_weight=0.5)
+    idle = Cpu(4, 2.0, transfer_weight=0.5, busy_transfer_weight=0.5)
+    assert default.busy_transfer_weight == 1.0
+    assert simulate(prog, [(0, 0.0)], 0.0, FWD, BWD, OPT, default).step_s == pytest.approx(0.150)
+    assert simulate(prog, [(0, 0.0)], 0.0, FWD, BWD, OPT, idle).step_s == pytest.approx(0.1425)
     after = 2 * (FWD + BWD) + 0.015 + 2 * OPT
-    for cpu in (busy, plain):
+    for cpu in (default, idle):
         assert simulate(prog, [(0, BWD)], 0.0, FWD, BWD, OPT, cpu).step_s == pytest.approx(after)
-    # the weight from the probe: every node's all-reduce beside one computing thread per rank,
-    # two busy threads each, 1 + (2 x 4 / 2 - 1) w; more than a computing thread's share allowed
-    assert transfer_weight(7.0, 4, 2.0, busy=True) == pytest.approx(2.0)
-    assert transfer_weight(2.5, 4, 2.0, busy=True) == pytest.approx(0.5)
-    assert transfer_weight(100.0, 4, 2.0, busy=True) == 4.0  # a disturbed probe, bounded
-    assert transfer_weight(None, 4, 2.0, busy=True) == 1.0
-    assert Cpu().busy_transfer_weight is None  # not measured (older results): the idle weight
+    # a copy that is not inside the node (the cable's time) is not slowed at all
+    cable = Stage("comm", 0.010, "ring", False, {})
+    wire = StepProgram("wire", [[0]], [[Task("b0", 0, [cable])]], [True])
+    contended = 2 * (FWD + BWD + OPT)
+    assert simulate(wire, [(0, 0.0)], 0.0, FWD, BWD, OPT, default).step_s == pytest.approx(contended)
 
 
 def test_the_powersgd_hook_charges_its_measured_work():

@@ -103,13 +103,16 @@ class Cpu:
     ``1 + (slowdown - 1) * transfer_weight`` times slower. ``gradsync bench whatif`` measures it
     (:func:`transfer_weight`); unknown, it is 1."""
 
-    busy_transfer_weight: float | None = None
+    busy_transfer_weight: float = 1.0
     """:attr:`transfer_weight` while the transferring worker's own training or compute thread
-    computes (None: the same). On an oversubscribed host a loopback transfer's every hand-over
-    then waits for its rank's turn on the cores behind that rank's own compute: on this
-    project's 2-core machine a node's 24 MiB all-reduce took 1.3-1.5x its time alone beside the
-    other node's, 5.7-8.6x with one compute thread in every rank as well (issue 44), more than a
-    computing thread slows, so this weight may exceed 1 (:func:`transfer_weight`'s ``busy``)."""
+    computes: by default as much as a computing thread (1), the processor sharing every other busy
+    thread gets. The measured :attr:`transfer_weight` is a transfer's share beside other
+    transfers, which leaves cores free between its hand-overs; beside its own rank's backward
+    pass a loopback copy's hand-overs wait for that rank's turn on the cores. On this project's
+    2-core machine a node's 24 MiB all-reduce took 1.3-1.5x its time alone beside the other
+    node's, and 4.4-5.9x with one thread computing in every rank (issue 44, tenth session:
+    ``docs/results/experiments/issue44-busy-transfers/``); charged the idle weight there, the
+    outer loop's inner step inside the node came out 10-20 % fast on the 2 x 2 cluster."""
 
     def shared(self, busy: float) -> float:
         """How many times slower than alone each of ``busy`` threads computing at once on the host
@@ -133,24 +136,15 @@ class Cpu:
 NO_CONTENTION = Cpu()
 
 
-MAX_BUSY_TRANSFER_WEIGHT = 4.0
-"""The most :attr:`Cpu.busy_transfer_weight` is taken to be (a reading beyond it is a disturbed
-probe rather than the host)."""
-
-
-def transfer_weight(ratio: float | None, ranks_per_host: int, cores: float, busy: bool = False) -> float:
+def transfer_weight(ratio: float | None, ranks_per_host: int, cores: float) -> float:
     """:attr:`Cpu.transfer_weight` from ``ratio``: a node-internal all-reduce's time with every node
     of the host at once over one node's alone. With every rank transferring (one busy thread each)
     the simulator slows a transfer by ``1 + (ranks / cores - 1) w``; ``w`` makes that the measured
-    ratio (within 0 and 1). ``busy``: :attr:`Cpu.busy_transfer_weight` from the same all-reduces
-    with one thread computing in every rank as well (two busy threads each: ``1 + (2 ranks / cores
-    - 1) w``, ``w`` within 0 and :data:`MAX_BUSY_TRANSFER_WEIGHT`). 1 where nothing was measured or
-    the host is not oversubscribed."""
-    threads = 2 if busy else 1
-    over = threads * ranks_per_host / cores if cores > 0 and math.isfinite(cores) else 1.0
+    ratio (within 0 and 1). 1 where nothing was measured or the host is not oversubscribed."""
+    over = ranks_per_host / cores if cores > 0 and math.isfinite(cores) else 1.0
     if ratio is None or not math.isfinite(ratio) or over <= 1.0:
         return 1.0
-    return min(max((ratio - 1.0) / (over - 1.0), 0.0), MAX_BUSY_TRANSFER_WEIGHT if busy else 1.0)
+    return min(max((ratio - 1.0) / (over - 1.0), 0.0), 1.0)
 
 
 @dataclass
@@ -194,15 +188,14 @@ class _Work:
     ready: list[int] = field(default_factory=list)  # tensors made ready when it ends
     weight: float = 1.0  # the share of the contention it feels (Cpu.transfer_weight)
     shared: bool = True  # a collective's part that waits for the others' (see _Meeting)
-    busy_weight: float | None = None  # the share while its own worker computes (Cpu.busy_transfer_weight)
+    busy_weight: float = 1.0  # the share while its own worker computes (Cpu.busy_transfer_weight)
 
     def factor(self, slow: float, own_busy: bool = False) -> float:
         """How many times slower than alone it runs while threads contend ``slow`` times
         (``own_busy``: while its own worker's other threads compute)."""
         if not self.cpu:
             return 1.0
-        w = self.busy_weight if own_busy and self.busy_weight is not None else self.weight
-        return 1.0 + (slow - 1.0) * w
+        return 1.0 + (slow - 1.0) * (self.busy_weight if own_busy else self.weight)
 
 
 @dataclass
@@ -394,7 +387,7 @@ class _Worker:
                     seconds += cpu.call_wait(computing)
                 in_node = bool(head.args.get("in_node"))
                 weight = cpu.transfer_weight if in_node else 1.0
-                busy_w = cpu.busy_transfer_weight if in_node else None
+                busy_w = cpu.busy_transfer_weight if in_node else 1.0
                 running[COMM] = _Work(
                     head.label, seconds, head.cpu, t, task=lv.seq, weight=weight, busy_weight=busy_w
                 )

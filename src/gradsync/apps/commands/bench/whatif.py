@@ -153,14 +153,15 @@ def contention(base: nn.Module, x: torch.Tensor, y: torch.Tensor, ranks: int, st
     }  # fmt: skip
 
 
-def node_transfer_ratio(topo: Topology, reps: int = 5, beside_compute: bool = False) -> float | None:
+def node_transfer_ratio(topo: Topology, reps: int = 5) -> float | None:
     """A node-internal all-reduce of :data:`~gradsync.collectives.cost.INTRA_LARGE_BYTES` with
     every node of the host at once over the first node's alone (the median of ``reps`` timings of
     the slowest rank each): how the host's nodes' copies slow each other, which sets
-    :attr:`~gradsync.whatif.simulate.Cpu.transfer_weight`. ``beside_compute``: every rank also runs
-    one thread of matrix products while the nodes all-reduce at once, as a rank's backward pass
-    runs beside its bucket's transfer, which sets
-    :attr:`~gradsync.whatif.simulate.Cpu.busy_transfer_weight`. None with one rank per node."""
+    :attr:`~gradsync.whatif.simulate.Cpu.transfer_weight`. None with one rank per node.
+
+    (The same beside a thread computing in every rank, tried for
+    :attr:`~gradsync.whatif.simulate.Cpu.busy_transfer_weight`, read 2.96x in one run and 81x in
+    the next on this project's machine: not a number to predict from, issue 44.)"""
     from gradsync.collectives import primitives as P
     from gradsync.collectives.cost import INTRA_LARGE_BYTES, time_slowest
 
@@ -174,11 +175,7 @@ def node_transfer_ratio(topo: Topology, reps: int = 5, beside_compute: bool = Fa
             P.all_reduce(buf, topo.intra_group, "calibrate")
 
     alone = time_slowest(topo, lambda: ring(False), reps)
-    if not beside_compute:
-        together = time_slowest(topo, lambda: ring(True), reps)
-    else:
-        with computing_threads(1):
-            together = time_slowest(topo, lambda: ring(True), reps)
+    together = time_slowest(topo, lambda: ring(True), reps)
     return together / alone if alone > 0 else None
 
 
@@ -349,10 +346,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         say(f"  a small collective waits {', '.join(f'{w:.1f}' for w in busy_call_ms)} ms more "
             f"with 1, 2 threads computing per rank")  # fmt: skip
     transfers = None if torch.cuda.is_available() else node_transfer_ratio(topo)
-    busy_transfers = None if transfers is None else node_transfer_ratio(topo, beside_compute=True)
     if transfers is not None:
-        say(f"  the node's all-reduce with every node at once: {transfers:.2f}x one node's alone, "
-            f"{busy_transfers:.2f}x with a thread computing in every rank as well")  # fmt: skip
+        say(f"  the node's all-reduce with every node at once: {transfers:.2f}x one node's alone")
     costs = CodecTable()
     if engine is not None:  # the codecs as they ran in the engine; others are timed here
         costs.entries.update(engine.codecs)
@@ -383,8 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "links": {"intra": asdict(params.intra), "inter": asdict(params.inter), "gamma": params.gamma,
                   "call": params.call, "efficiency": dict(params.efficiency)},
         "contention": {**cont, "ranks_per_host": ranks_per_host, "busy_call_ms": busy_call_ms,
-                       "node_transfer_ratio": transfers, "node_transfer_busy_ratio": busy_transfers,
-                       "cpus": host_cpus(), "rounds": host},
+                       "node_transfer_ratio": transfers, "cpus": host_cpus(), "rounds": host},
         "profile_step_ms": profile.phases["step"].median * 1e3,
         "profile": profile.to_dict(),
         "codecs": costs.to_dict(),
@@ -472,12 +466,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     effective = cores if cores is not None else bounded_cores(cont["effective_cores"], cont)
     # absent in older results: a node-internal transfer feels the contention as a thread computing
     weight = transfer_weight(cont.get("node_transfer_ratio"), cont["ranks_per_host"], effective)
-    # absent in older results: the same beside every rank's compute (None: as without)
-    busy_ratio = cont.get("node_transfer_busy_ratio")
-    busy_weight = (
-        None if busy_ratio is None else transfer_weight(busy_ratio, cont["ranks_per_host"], effective, True)
-    )
-    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight, busy_weight)
+    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight)
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
