@@ -109,8 +109,8 @@ class Cpu:
     thread gets. The measured :attr:`transfer_weight` is a transfer's share beside other
     transfers, which leaves cores free between its hand-overs; beside its own rank's backward
     pass a loopback copy's hand-overs wait for that rank's turn on the cores. On this project's
-    2-core machine a node's 24 MiB all-reduce took 1.3-1.5x its time alone beside the other
-    node's, and 4.4-5.9x with one thread computing in every rank (issue 44, tenth session:
+    2-core machine a node's 24 MiB all-reduce took 1.3-1.4x its time alone beside the other
+    node's, and 4.3-6.0x with one thread computing in every rank (issue 44, tenth session:
     ``docs/results/experiments/issue44-busy-transfers/``); charged the idle weight there, the
     outer loop's inner step inside the node came out 10-20 % fast on the 2 x 2 cluster."""
 
