@@ -510,9 +510,9 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
                 for n, wk in zip(weights, workers, strict=True)
             )
         )
+        owns = [wk.computing() for wk in workers]  # the same for the whole interval
         dt = math.inf
-        for wk in workers:
-            own = wk.computing()
+        for wk, own in zip(workers, owns, strict=True):
             for w in wk.running.values():
                 if w is not None:
                     dt = min(dt, w.remaining * w.factor(slow, own))
@@ -525,8 +525,7 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
             )
         t += dt
         finished = []
-        for wk in workers:
-            own = wk.computing()
+        for wk, own in zip(workers, owns, strict=True):
             for thread, work in wk.running.items():
                 if work is None:
                     continue
