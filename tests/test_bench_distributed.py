@@ -94,6 +94,22 @@ def check_whatif_bench(tmp):
     # the ranks' mean, which cannot exceed it
     c = w["contention"]
     assert 0 < c["together_mean_ms"] <= c["together_ms"] * (1 + 1e-9), c
+    # local's ranks' mean step next to its slowest rank's, the ranks' lag the simulator charges
+    # at each meeting (Cpu.lag_s): read from local (the same rounds as the effective cores), else
+    # from the contention measurement, else none (older results)
+    local = next(r for r in w["measured"] if r["contender"] == "local")
+    assert 0 < local["mean_step_ms"] <= local["step_ms"] * (1 + 1e-9), local
+    used = w["contention_used"]
+    if local["step_ms"] > local["mean_step_ms"]:
+        assert used["lag_from"] == "local" and used["lag_span_ms"] == pytest.approx(local["step_ms"])
+        assert used["lag_ms"] == pytest.approx(local["step_ms"] - local["mean_step_ms"])
+    no_local = {**stored, "measured": [{**r, "mean_step_ms": None} for r in stored["measured"]]}
+    if c["together_ms"] > c["together_mean_ms"]:
+        assert compare(no_local)["contention_used"]["lag_ms"] == pytest.approx(
+            c["together_ms"] - c["together_mean_ms"]
+        )
+    neither = {**no_local, "contention": {k: v for k, v in c.items() if k != "together_mean_ms"}}
+    assert compare(neither)["contention_used"]["lag_ms"] == 0.0
     # the host probed before each round (one here) for streaming and computing work, the spread
     # reported: each reading ranks x alone / together, so within (0, ranks] up to timing noise
     probes = w["contention"]["rounds"]
@@ -476,6 +492,7 @@ def test_rounds_merge_and_ratios_by_hand():
     assert merged.step_ms == 20.0 and merged.backward_ms == 6.0 and merged.exposed_ms == 2.0
     assert merged.sent_mb == {"inter": 3.0} and merged.cable_mb is None
     assert merged.round_step_ms == [10.0, 30.0, 20.0] and merged.steps == 9
+    assert merged.mean_step_ms is None  # the rounds recorded no ranks' mean
     assert merged.compressed_buckets == "2/4"  # the last round's plan
     fast = {"round_step_ms": [10.0, 20.0, 40.0]}
     slow = {"round_step_ms": [11.0, 30.0, 40.0]}

@@ -196,6 +196,44 @@ def test_a_node_transfer_beside_its_own_ranks_compute_contends_as_a_computing_th
     assert simulate(wire, [(0, 0.0)], 0.0, FWD, BWD, OPT, default).step_s == pytest.approx(contended)
 
 
+def test_each_meeting_waits_for_the_ranks_lag_since_the_last_one():
+    """4 ranks on 2 cores (each busy thread 2x slower), the slowest rank 30 ms behind the ranks'
+    mean over a step it took 240 ms for. Two 5 ms collectives over the cable, one rank per node: the first
+    ready 10 ms into the backward pass (alone), the second at its end. By hand, in wall time:
+    the forward 40 ms, the first meeting at 60 ms, after 60 ms computed: the lag then is
+    30 sqrt(60/240) = 15 ms, of which the step's slowest-rank cores already carry 30 x 60/240 =
+    7.5 ms, so it waits 7.5 ms (hidden behind the backward pass); the second at 120 ms, 60 ms after
+    the first: again 7.5 ms, on the step's path. Step: 120 + 5 + 7.5 + 10 (the optimizer) ms."""
+    assert Cpu(lag_s=0.030, lag_span_s=0.240).meeting_wait(0.020) == pytest.approx(
+        0.030 * (math.sqrt(0.020 / 0.240) - 0.020 / 0.240), rel=1e-12
+    )
+    # 2 ms computed: the square root's 2.74 ms is more than a rank can fall behind in 2 ms
+    lagging = Cpu(4, 2.0, lag_s=0.030, lag_span_s=0.240)
+    assert lagging.meeting_wait(0.002) == pytest.approx(0.002 - 0.030 * 0.002 / 0.240)
+    for computed in (0.0, 0.240, 0.500):  # nothing computed, or a span and more: nothing left
+        assert Cpu(lag_s=0.030, lag_span_s=0.240).meeting_wait(computed) == 0.0
+    ring = Stage("comm", 0.005, "ring", False, {"call": True})
+    tasks = [[Task("b0", 0, [ring])], [Task("b1", 1, [ring])]]
+    prog = StepProgram("two", [[0], [1]], tasks, [True, True])
+    steady = Cpu(4, 2.0)
+    ready = [(0, 0.010), (1, BWD)]
+    res = simulate(prog, ready, 0.0, FWD, BWD, OPT, lagging, record=True)
+    assert res.step_s == pytest.approx(2 * (FWD + BWD) + 0.005 + 0.0075 + 2 * OPT, rel=1e-9)
+    rings = [sp for sp in res.spans if sp.thread == "comm"]
+    assert [t for sp in rings for t in (sp.start, sp.end)] == pytest.approx([0.060, 0.0725, 0.120, 0.1325])
+    assert simulate(prog, ready, 0.0, FWD, BWD, OPT, steady).step_s == pytest.approx(
+        2 * (FWD + BWD) + 0.005 + 2 * OPT, rel=1e-9
+    )
+    # ranks sharing a node: a collective that starts with a copy inside the node is already
+    # charged as a computing thread beside the backward pass (busy_transfer_weight), no lag on top
+    copy = Stage("comm", 0.005, "reduce (in node)", False, {"call": True, "in_node": True})
+    shared = StepProgram("node", [[0], [1]], [[Task("b0", 0, [copy])], [Task("b1", 1, [copy])]],
+                         [True, True], per_node=2)  # fmt: skip
+    assert simulate(shared, ready, 0.0, FWD, BWD, OPT, lagging).step_s == pytest.approx(
+        simulate(shared, ready, 0.0, FWD, BWD, OPT, steady).step_s, rel=1e-12
+    )
+
+
 def test_the_powersgd_hook_charges_its_measured_work():
     """With the hook's work measured running (seconds per bucket byte), a bucket's hook compute
     stages add up to that rate times the bucket, split as the codec's timing splits them (half of the

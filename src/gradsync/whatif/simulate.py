@@ -27,7 +27,11 @@ all ranks share this machine, ``cores`` is the *effective* number measured by ``
 whatif``: ranks x (one worker's step alone) / (every worker's step at once). A collective that
 starts while the worker's threads compute also waits for the peers' communication threads to get
 a core (:attr:`Cpu.busy_call`, by the phase each worker is in at that moment: the backward pass
-alone, or the backward pass and an encode), which the idle probes of the links do not see.
+alone, or the backward pass and an encode), which the idle probes of the links do not see. Ranks
+that share cores also drift apart while they compute, and a collective over the cables waits for
+the last of them: the wait grows with the time computed since the ranks last met
+(:meth:`Cpu.meeting_wait`), so a step that meets often pays more than its one slowest-rank
+step shows.
 """
 
 from __future__ import annotations
@@ -114,6 +118,31 @@ class Cpu:
     ``docs/results/experiments/issue44-busy-transfers/``); charged the idle weight there, the
     outer loop's inner step inside the node came out 10-20 % fast on the 2 x 2 cluster."""
 
+    lag_s: float = 0.0
+    """How far the slowest rank falls behind the ranks' mean over a step of every rank computing at
+    once (seconds; 0: the ranks keep step, as on a GPU cluster or a host with a core per thread).
+    Threads that share cores progress by the scheduler's slices, so the ranks drift apart while
+    they compute and every collective waits for the last of them (:meth:`meeting_wait`).
+    ``gradsync bench whatif`` measures it as the slowest rank's step minus the ranks' mean step."""
+
+    lag_span_s: float = 0.0
+    """The step :attr:`lag_s` was measured over, timed by its slowest rank (the pace the effective
+    :attr:`cores` are read at, so the pace the simulated worker computes at)."""
+
+    def meeting_wait(self, computed: float) -> float:
+        """What a collective waits for the slowest rank when the simulated worker has computed
+        ``computed`` seconds since the ranks last met. The ranks drift apart as a random walk
+        does, the lag growing as the square root of the time, ``lag_s * sqrt(computed /
+        lag_span_s)``, and never faster than the time itself (a rank cannot fall behind by more
+        than it computed). The effective :attr:`cores` come from steps timed by their slowest rank,
+        so the simulated compute already carries ``lag_s`` spread evenly over the span (a share
+        growing linearly with the time); a meeting waits for the rest. Meetings close together
+        thus pay more in all than one per step: the lag grows fastest right after the ranks part."""
+        if self.lag_s <= 0 or self.lag_span_s <= 0 or computed <= 0:
+            return 0.0
+        x = computed / self.lag_span_s
+        return max(min(self.lag_s * math.sqrt(x), computed) - self.lag_s * x, 0.0)
+
     def shared(self, busy: float) -> float:
         """How many times slower than alone each of ``busy`` threads computing at once on the host
         runs (the cores shared evenly)."""
@@ -189,6 +218,23 @@ class _Work:
     weight: float = 1.0  # the share of the contention it feels (Cpu.transfer_weight)
     shared: bool = True  # a collective's part that waits for the others' (see _Meeting)
     busy_weight: float = 1.0  # the share while its own worker computes (Cpu.busy_transfer_weight)
+    wait: float = 0.0
+    """Seconds of the clock before the work proper: a collective's wait for its peers to reach it
+    (:meth:`Cpu.call_wait`, :meth:`Cpu.meeting_wait`). It takes no core, so contention neither
+    slows it nor counts it as a busy thread."""
+
+    def busy(self) -> bool:
+        """Whether it takes a share of the cores now."""
+        return self.cpu and self.wait <= _EPS
+
+    def time_left(self, slow: float, own_busy: bool = False) -> float:
+        return self.wait + self.remaining * self.factor(slow, own_busy)
+
+    def run_for(self, dt: float, slow: float, own_busy: bool = False) -> None:
+        """Advance by ``dt`` seconds of the clock: the wait first, then the work."""
+        waited = min(dt, self.wait)
+        self.wait -= waited
+        self.remaining -= (dt - waited) / self.factor(slow, own_busy)
 
     def factor(self, slow: float, own_busy: bool = False) -> float:
         """How many times slower than alone it runs while threads contend ``slow`` times
@@ -269,6 +315,7 @@ class _Worker:
         self.spans: list[Span] = []
         self.busy = {COMPUTE: 0.0, COMM: 0.0}
         self.started_any = False
+        self.computed = 0.0  # seconds its threads computed since its collectives last met (Cpu.lag_s)
         self.backward_end = self.wait_start = self.wait_end = math.nan
 
     def submit(self, tasks: list[Task]) -> None:
@@ -377,20 +424,26 @@ class _Worker:
                     break
                 if meet is not None and not meet.arrive(self.stage_key(lv), head, me):
                     break  # the collective waits for the other workers to reach it
-                seconds = head.seconds
+                in_node = bool(head.args.get("in_node"))
+                wait = 0.0
                 if head.args.get("call"):  # a collective starts: the host's cores may make it wait
                     computing = sum(
                         1
                         for w in (running[MAIN], running[COMPUTE])
                         if w is not None and w.cpu and w.remaining > _EPS
                     )
-                    seconds += cpu.call_wait(computing)
-                in_node = bool(head.args.get("in_node"))
+                    wait += cpu.call_wait(computing)
+                    # the ranks' lag, where no copy inside the node (charged as a computing thread
+                    # beside the backward pass, Cpu.busy_transfer_weight) already waits for them
+                    if not in_node or self.program.per_node <= 1:
+                        wait += cpu.meeting_wait(self.computed)
+                    self.computed = 0.0
                 weight = cpu.transfer_weight if in_node else 1.0
                 busy_w = cpu.busy_transfer_weight if in_node else 1.0
                 running[COMM] = _Work(
-                    head.label, seconds, head.cpu, t, task=lv.seq, weight=weight, busy_weight=busy_w
-                )
+                    head.label, head.seconds, head.cpu, t, task=lv.seq, weight=weight, busy_weight=busy_w,
+                    wait=wait,
+                )  # fmt: skip
                 lv.stage_ready = False
             break
 
@@ -506,7 +559,7 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
             raise RuntimeError("whatif: the simulation does not terminate (a bug): please report it")
         slow = cpu.shared(
             sum(
-                n * sum(1 for w in wk.running.values() if w is not None and w.cpu)
+                n * sum(1 for w in wk.running.values() if w is not None and w.busy())
                 for n, wk in zip(weights, workers, strict=True)
             )
         )
@@ -515,7 +568,7 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
         for wk, own in zip(workers, owns, strict=True):
             for w in wk.running.values():
                 if w is not None:
-                    dt = min(dt, w.remaining * w.factor(slow, own))
+                    dt = min(dt, w.time_left(slow, own))
             timers = wk.timers(t)
             if timers:
                 dt = min(dt, min(timers) - t)
@@ -524,13 +577,16 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
                 f"whatif: the simulated step of {program_name} is stuck (a bug): please report it"
             )
         t += dt
+        for wk, own in zip(workers, owns, strict=True):
+            if own:
+                wk.computed += dt
         finished = []
         for wk, own in zip(workers, owns, strict=True):
             for thread, work in wk.running.items():
                 if work is None:
                     continue
-                work.remaining -= dt / work.factor(slow, own)
-                if work.remaining <= 1e-12:
+                work.run_for(dt, slow, own)
+                if work.remaining <= 1e-12 and work.wait <= 1e-12:
                     finished.append((wk, thread, work))
         for wk, thread, work in finished:
             wk.finish(thread, work, t, meet, workers)

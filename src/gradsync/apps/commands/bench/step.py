@@ -45,7 +45,7 @@ from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.sharding import shard_model
-from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, max_over_ranks
+from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, slowest_and_mean
 from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
@@ -80,6 +80,9 @@ class StepRow:
     steps: int = 0
     round_step_ms: list[float] = field(default_factory=list)
     """With interleaved rounds: the step time of each round (``step_ms`` is their median)."""
+    mean_step_ms: float | None = None
+    """The ranks' mean step, where ``step_ms`` is the slowest rank's: how far the slowest rank lags
+    (``gradsync bench whatif`` reads it from ``local``, :attr:`gradsync.whatif.simulate.Cpu.lag_s`)."""
     # with --nic (see gradsync.apps.commands.bench.nic): the communication phase's throughput, mean over nodes
     nic_mb_per_s: float | None = None
     nic_link_pct: float | None = None
@@ -276,6 +279,7 @@ def measure_contender(
     else:
         opt = inner_optimizer(model, args)
     samples: list[list[float]] = []
+    mean_steps: list[float] = []  # the ranks' mean step (each step's ``samples`` are the slowest rank's)
     sent: list[dict[str, int]] = []
     meter = CableMeter(topo)
     probe = bench_nic.NicProbe(args, topo)
@@ -305,9 +309,10 @@ def measure_contender(
             probe.record(t0, t1, end, t3)
         row = [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
         row += [st.exposed_s, st.compute_s + st.decode_s, st.comm_s] if st is not None else [0.0, 0.0, 0.0]
-        row = max_over_ranks(row)
+        row, mean = slowest_and_mean(row)
         if measuring:
             samples.append(row)
+            mean_steps.append(mean[0])
             if st is not None:
                 sent.append(st.sent_bytes)
             elif outer is not None:
@@ -334,6 +339,7 @@ def measure_contender(
         compress_ms=med[5] if synced is not None else None, comm_ms=med[6] if synced is not None else None,
         sent_mb={k: middle(s.get(k, 0) for s in sent) / 2**20 for k in levels},
         cable_mb=cable / 2**20 if cable is not None else None, steps=count,
+        mean_step_ms=middle(mean_steps) * 1e3,
     )  # fmt: skip
     for key, value in nic_row.items():
         setattr(result, key, value)

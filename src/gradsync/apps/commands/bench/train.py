@@ -94,8 +94,8 @@ def round_order(contenders: list[str], r: int) -> list[str]:
     return list(contenders) if r % 2 == 0 else list(reversed(contenders))
 
 
-_MEDIAN_FIELDS = ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "exposed_ms", "compress_ms",
-                  "comm_ms", "cable_mb", *bench_nic.ROW_FIELDS)  # fmt: skip
+_MEDIAN_FIELDS = ("step_ms", "mean_step_ms", "forward_ms", "backward_ms", "optimizer_ms", "exposed_ms",
+                  "compress_ms", "comm_ms", "cable_mb", *bench_nic.ROW_FIELDS)  # fmt: skip
 
 
 def merge_rounds(rounds: list[bench_step.StepRow]) -> bench_step.StepRow:

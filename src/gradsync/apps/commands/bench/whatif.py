@@ -12,7 +12,9 @@ none of it is a contender's own step time:
    gradient's ready time and the phases;
 3. CPU contention (the emulated nodes share this machine's cores): one worker's training step
    alone and every worker's at once; the effective cores are ranks x alone / together
-   (:class:`gradsync.whatif.simulate.Cpu`); and what a small collective waits for while one or
+   (:class:`gradsync.whatif.simulate.Cpu`), read from ``local``'s rounds where it is a contender
+   (:func:`cores_from_local`); how far the slowest rank lags the ranks' mean over such a step,
+   from the same rounds (:func:`ranks_lag`); and what a small collective waits for while one or
    two threads of every rank compute (:func:`busy_calls`; recorded, charged only with
    ``--charge-busy-calls``);
 4. the codecs: their encode and decode timed alone on rank 0.
@@ -437,6 +439,23 @@ def host_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def ranks_lag(cont: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """:attr:`~gradsync.whatif.simulate.Cpu.lag_s` and ``lag_span_s``: the slowest rank's step minus
+    the ranks' mean step, and the slowest rank's step, of ``local`` (every rank computing at once, in the
+    same interleaved rounds as the effective cores of :func:`cores_from_local`), else of the
+    contention measurement before the rounds; ``from`` says which. Empty where neither recorded
+    the ranks' mean (older results) or the ranks did not fall behind each other."""
+    local = next((r for r in rows if r["contender"] == "local"), None)
+    pairs = [("local", local.get("step_ms"), local.get("mean_step_ms")) if local else ("local", None, None),
+             ("contention", cont.get("together_ms"), cont.get("together_mean_ms"))]  # fmt: skip
+    for source, slowest, mean in pairs:
+        if slowest and mean:
+            if slowest <= mean:
+                return {}
+            return {"lag_s": (slowest - mean) / 1e3, "lag_span_s": slowest / 1e3, "from": source}
+    return {}
+
+
 def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str, Any]:
     """Simulate every measured contender from the result's stored measurements and put the
     predictions next to the measured steps (``rows``, ``summary``, ``predicted``). With
@@ -466,7 +485,9 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     effective = cores if cores is not None else bounded_cores(cont["effective_cores"], cont)
     # absent in older results: a node-internal transfer feels the contention as a thread computing
     weight = transfer_weight(cont.get("node_transfer_ratio"), cont["ranks_per_host"], effective)
-    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight)
+    lag = ranks_lag(cont, rows)
+    cpu = Cpu(cont["ranks_per_host"], effective, busy_call, weight,
+              lag_s=lag.get("lag_s", 0.0), lag_span_s=lag.get("lag_span_s", 0.0))  # fmt: skip
     point = Point(result["nodes"], result["per_node"], Network(params, "calibrated in the run"))
     contenders = [r["contender"] for r in rows]
     one_bucket = int(workload.nbytes + (1 << 20))  # bench step's PowerSGD hook runs on one bucket (gloo)
@@ -490,7 +511,9 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     errors = [abs(r["error"]) for r in table if r["contender"] != "local"]
     used = {"effective_cores_used": cpu.cores, "from": "local" if cores is not None else "contention",
             "transfer_weight": cpu.transfer_weight, "busy_transfer_weight": cpu.busy_transfer_weight,
-            "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call]}  # fmt: skip
+            "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call],
+            "lag_ms": cpu.lag_s * 1e3, "lag_span_ms": cpu.lag_span_s * 1e3,
+            "lag_from": lag.get("from")}  # fmt: skip
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
     summary.update(advise_check(rows, predicted))

@@ -48,6 +48,16 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def slowest_and_mean(values: list[float]) -> tuple[list[float], list[float]]:
+    """Each value's maximum over the ranks (the slowest rank's times) and its mean over them, from
+    one all-gather."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    stacked = torch.stack(every)
+    return stacked.max(dim=0).values.tolist(), stacked.mean(dim=0).tolist()
+
+
 def link_bytes_per_s(rate: str | None) -> float | None:
     """``100mbit`` -> 12.5e6 bytes/s; None for unset or unshaped links."""
     if not rate:
