@@ -232,6 +232,14 @@ def test_each_meeting_waits_for_the_ranks_lag_since_the_last_one():
     assert simulate(shared, ready, 0.0, FWD, BWD, OPT, lagging).step_s == pytest.approx(
         simulate(shared, ready, 0.0, FWD, BWD, OPT, steady).step_s, rel=1e-12
     )
+    # the same through the contenders' programs: DDP's first collective (its bucket ready with
+    # the backward pass) meets over the cables on 4 x 1 and waits; on 2 x 2 it starts with the
+    # node's copy and does not
+    w = workload([(8, 0.010), (1, BWD)])
+    for nodes, per_node, slower in ((4, 1, True), (2, 2, False)):
+        pt = Point(nodes, per_node, network(1 / 1.25e8, 1e-4, 1e-10))
+        lag, plain = step_ms("ddp", w, pt, lagging), step_ms("ddp", w, pt, steady)
+        assert (lag > plain + 1e-6) if slower else lag == pytest.approx(plain, rel=1e-12), (nodes, lag, plain)
 
 
 def test_the_powersgd_hook_charges_its_measured_work():

@@ -273,7 +273,7 @@ def build_program(
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
     gamma = cluster.params.gamma
-    prog = StepProgram(name)
+    prog = StepProgram(name, per_node=cluster.per_node)
     if k == "local" or cluster.world == 1:
         return prog
     if k in ("horovod", "paper02"):
@@ -331,7 +331,7 @@ def _self_syncing_program(
     ``exchange`` False: 0/1 Adam's local step, its own work alone."""
     scheme, spec = self_syncing_exchange(name)
     scheme = scheme.resolve(model.m, model.n)
-    prog = StepProgram(name)
+    prog = StepProgram(name, per_node=model.n)
     s = float(workload.nbytes)
     own_work = [Stage(MAIN, work_rate * s, "optimizer's own step")] if work_rate else []
     if not exchange:
@@ -360,7 +360,7 @@ def _ddp_program(
     name: str, workload: Workload, order: list[int], model: CostModel, bytes_model: CostModel,
     host: CostModel, costs: CodecCosts, cap: int, gamma: float, hook_rate: float | None = None,
 ) -> StepProgram:  # fmt: skip
-    prog = StepProgram(name)
+    prog = StepProgram(name, per_node=model.n)
     prog.buckets = ddp_buckets(workload, order, cap, min(DDP_FIRST_BUCKET_BYTES, cap))
     prog.full = [True] * len(prog.buckets)
     total = 0.0
