@@ -16,7 +16,8 @@ size the Transformer).
 
 Per contender it reports the median over the measured steps of the slowest rank's times:
 forward, backward (``loss.backward()``, which includes waiting for the synchronization), the
-optimizer step, and the whole step; the **exposed synchronization** (the part of the step the
+optimizer step, and the whole step (with the ranks' mean step beside it, how far the slowest
+rank lags); the **exposed synchronization** (the part of the step the
 synchronization added: for gradsync the engine's measurement from the end of the backward pass
 to the last synchronized gradient, for DDP its backward time minus ``local``'s); gradsync's
 compression time (packing, encoding, decoding on its threads) and communication time; the bytes
