@@ -198,8 +198,8 @@ def test_a_node_transfer_beside_its_own_ranks_compute_contends_as_a_computing_th
 
 def test_each_meeting_waits_for_the_ranks_lag_since_the_last_one():
     """4 ranks on 2 cores (each busy thread 2x slower), the slowest rank 30 ms behind the ranks'
-    mean over a step it took 240 ms for. Two 5 ms collectives over the cable, one rank per node: the first
-    ready 10 ms into the backward pass (alone), the second at its end. By hand, in wall time:
+    mean over a step it took 240 ms for. Two 5 ms collectives over the cable, one rank per node:
+    the first ready 10 ms into the backward pass (alone), the second at its end. By hand, in wall time:
     the forward 40 ms, the first meeting at 60 ms, after 60 ms computed: the lag then is
     30 sqrt(60/240) = 15 ms, of which the step's slowest-rank cores already carry 30 x 60/240 =
     7.5 ms, so it waits 7.5 ms (hidden behind the backward pass); the second at 120 ms, 60 ms after

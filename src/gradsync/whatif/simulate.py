@@ -577,11 +577,10 @@ def _run(workers: list[_Worker], weights: list[float], cpu: Cpu, program_name: s
                 f"whatif: the simulated step of {program_name} is stuck (a bug): please report it"
             )
         t += dt
+        finished = []
         for wk, own in zip(workers, owns, strict=True):
             if own:
                 wk.computed += dt
-        finished = []
-        for wk, own in zip(workers, owns, strict=True):
             for thread, work in wk.running.items():
                 if work is None:
                     continue

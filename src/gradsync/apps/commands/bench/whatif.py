@@ -441,13 +441,14 @@ def host_cpus() -> int:
 
 def ranks_lag(cont: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """:attr:`~gradsync.whatif.simulate.Cpu.lag_s` and ``lag_span_s``: the slowest rank's step minus
-    the ranks' mean step, and the slowest rank's step, of ``local`` (every rank computing at once, in the
-    same interleaved rounds as the effective cores of :func:`cores_from_local`), else of the
-    contention measurement before the rounds; ``from`` says which. Empty where neither recorded
-    the ranks' mean (older results) or the ranks did not fall behind each other."""
+    the ranks' mean step, and the slowest rank's step, of ``local`` (every rank computing at once,
+    in the same interleaved rounds as the effective cores of :func:`cores_from_local`), else of
+    the contention measurement before the rounds; ``from`` says which. Empty where neither
+    recorded the ranks' mean (older results) or the ranks did not fall behind each other."""
+    pairs = [("contention", cont.get("together_ms"), cont.get("together_mean_ms"))]
     local = next((r for r in rows if r["contender"] == "local"), None)
-    pairs = [("local", local.get("step_ms"), local.get("mean_step_ms")) if local else ("local", None, None),
-             ("contention", cont.get("together_ms"), cont.get("together_mean_ms"))]  # fmt: skip
+    if local is not None:
+        pairs.insert(0, ("local", local.get("step_ms"), local.get("mean_step_ms")))
     for source, slowest, mean in pairs:
         if slowest and mean:
             if slowest <= mean:
