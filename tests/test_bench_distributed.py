@@ -543,10 +543,12 @@ def test_a_contender_carries_its_own_sync_options():
         bench_step.check_contender("auto@replan=-1")
 
 
-def test_a_self_syncing_optimizer_warms_up_afresh_every_round():
+def test_self_syncing_optimizers_and_outer_loops_warm_up_afresh_every_round():
     """Round after round the engine's state is carried (one unmeasured step), but a self-syncing
     optimizer is made afresh: every round skips its dense warm-up and its first compressed step
-    (which allocates its buffers), so the measured steps are its steady state in every round."""
+    (which allocates its buffers), so the measured steps are its steady state in every round. So
+    is an outer loop: every round skips a whole period and the delay, so every fragment's first
+    meeting (its outer optimizer's buffers made) and landing are unmeasured."""
     from gradsync.apps.commands.bench.step import ROUND_WARMUP, unmeasured_steps
 
     assert unmeasured_steps("hitopk:density=0.01", 2, later=False) == 2
@@ -555,3 +557,6 @@ def test_a_self_syncing_optimizer_warms_up_afresh_every_round():
     assert unmeasured_steps("onebit-adam@freeze_step=5", 2, later=False) == 6
     assert unmeasured_steps("zeroone-adam@var_freeze_step=8", 2, later=True) == 9
     assert unmeasured_steps("onebit-lamb", 4, later=True) == 4
+    assert unmeasured_steps("outer@every=10", 2, later=False) == 10
+    assert unmeasured_steps("outer@every=10@fragments=4@delay=2", 1, later=True) == 12
+    assert unmeasured_steps("outer@every=2", 5, later=True) == 5
