@@ -6,6 +6,9 @@ compressed pseudo-gradient, and the errors for bad input."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -147,6 +150,14 @@ def check_resuming_is_bit_for_bit():
     outer.close()
     for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+    # a state whose fragments were cut elsewhere (an older cut) is refused, naming the cut: its
+    # exchanges in flight hold other tensors than this loop's fragments
+    assert state["outer"]["config"]["cut"] == [0, 1]  # a.weight alone, then the rest
+    other = {**state["outer"], "config": {**state["outer"]["config"], "cut": [0, 2]}}
+    outer = OuterLoop(Net(), topology=Topology(nodes=NODES, per_node=PER_NODE), **kw)
+    with pytest.raises(ValueError, match=r"another configuration \(cut: saved \[0, 2\] vs now \[0, 1\]\)"):
+        outer.load_state_dict(other)
+    outer.close()
 
 
 def check_compressed_pseudo_gradients_agree_and_send_less():
@@ -308,10 +319,29 @@ def test_the_outer_loop_in_a_world_of_two_nodes():
     run_world(NODES * PER_NODE, _world)
 
 
-def test_fragments_are_contiguous_and_balanced():
+def test_fragments_are_contiguous_and_their_largest_is_the_smallest_a_cut_allows():
     assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
     assert split_fragments([1, 1, 1], 3) == [[0], [1], [2]]
+    # VGG's tensors: the 16.8 M classifier layer alone, not with the 4.6 M before it
+    vgg = [864, 32, 32, 18432, 64, 64, 73728, 128, 128, 294912, 256, 256, 4194304, 4096, 16777216, 4096,
+           40960, 10]  # fmt: skip
+    assert [g[0] for g in split_fragments(vgg, 4)] == [0, 14, 15, 17]
+    # against every cut, searched exhaustively
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 7)
+        sizes = [rng.choice([0, 1, 2, 5, 50, 100]) for _ in range(n)]
+        k = rng.randint(1, n)
+        groups = split_fragments(sizes, k)
+        assert len(groups) == k and all(groups) and [i for g in groups for i in g] == list(range(n)), (
+            sizes,
+            k,
+            groups,
+        )
+        bounds = [(0, *c, n) for c in itertools.combinations(range(1, n), k - 1)]
+        best = min(max(sum(sizes[a:b]) for a, b in itertools.pairwise(c)) for c in bounds)
+        assert max(sum(sizes[i] for i in g) for g in groups) == best, (sizes, k, groups)
     with pytest.raises(ValueError, match="between 1 and"):
         split_fragments([1, 2], 3)
 

@@ -418,7 +418,9 @@ class OuterLoop:
         ]
 
     def _config(self) -> dict[str, Any]:
+        cut = {"cut": [g[0] for g in self.fragments]} if self.fragments_n > 1 else {}  # first tensors
         return {
+            **cut,
             "every": self.every,
             "fragments": self.fragments_n,
             "delay": self.delay,
