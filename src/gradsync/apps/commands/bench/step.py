@@ -233,7 +233,7 @@ def unmeasured_steps(name: str, warmup: int, later: bool) -> int:
     step whatif predicts. An outer loop is made afresh every round too, and its first meeting of
     each fragment allocates and first touches the outer optimizer's buffers (on VGG alone 108 ms
     of the loop's own work in the first period, 45-55 ms in the later ones; on the 4 x 1 cluster
-    0.3-0.4 s more for the exchange step): every round it warms up through a whole period and its
+    0.15-0.5 s more for the exchange step): every round it warms up through a whole period and its
     delay, so that every fragment has met and landed once."""
     if is_self_syncing(name):
         options = self_syncing_options(name)
