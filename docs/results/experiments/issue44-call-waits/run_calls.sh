@@ -5,12 +5,5 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 nodes=$1 rate=$2
 shift 2
-gradsync cluster up --nodes "$nodes" --rate "$rate" > /dev/null
-trap 'gradsync cluster down > /dev/null' EXIT
-for i in $(seq 0 $((nodes - 1))); do
-  GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec gs-n$i python -m torch.distributed.run \
-    --nnodes="$nodes" --nproc-per-node=1 --node-rank="$i" --master-addr=10.78.0.1 --master-port=29543 \
-    "$here/busy_call_training.py" "$@" > "/tmp/call-probe-$i.log" 2>&1 &
-done
-wait
+bash "$here/../on_cluster.sh" "$nodes" "$rate" call-probe "$here/busy_call_training.py" "$@"
 grep round /tmp/call-probe-0.log || tail -20 /tmp/call-probe-0.log

@@ -67,11 +67,12 @@ def _step_seconds(opt: Any, model: Any, x: Any, y: Any, warmup: int = 2, whole: 
     return statistics.median(times)
 
 
-def _outer_seconds_per_byte(
+def outer_work_periods(
     name: str, base: Any, x: Any, y: Any, args: argparse.Namespace, topo: Any
-) -> float:
-    """The outer loop's own work per float32 byte of a fragment at each of its meetings: its
-    ``step()`` timed by itself over whole periods of inner steps (see the module)."""
+) -> list[float]:
+    """Seconds the outer loop ``name``'s ``step()`` takes by itself in each period of inner steps
+    (``every`` of them; the first holds the delay too): at least two whole periods after the first,
+    which makes and first touches the loop's buffers at its first meetings."""
     from gradsync.apps.commands.bench import step as bench_step
     from gradsync.observe.profiler import default_loss
     from gradsync.outer import OuterLoop
@@ -84,7 +85,6 @@ def _outer_seconds_per_byte(
     opt = bench_step.inner_optimizer(model, args)
     loop = OuterLoop(model, topology=topo, **o)
     spent = []
-    # the first period (and the delay) unmeasured: the loop's buffers are made and touched
     for _ in range(every + delay + periods * every):
         default_loss(model(x), y).backward()
         opt.step()
@@ -93,8 +93,16 @@ def _outer_seconds_per_byte(
         loop.step()
         spent.append(time.perf_counter() - t0)
     loop.close()
-    measured = spent[every + delay :]
-    per_period = statistics.median(sum(measured[i : i + every]) for i in range(0, len(measured), every))
+    first = every + delay
+    return [sum(spent[:first])] + [sum(spent[i : i + every]) for i in range(first, len(spent), every)]
+
+
+def _outer_seconds_per_byte(
+    name: str, base: Any, x: Any, y: Any, args: argparse.Namespace, topo: Any
+) -> float:
+    """The outer loop's own work per float32 byte of a fragment at each of its meetings: the median
+    period after the first of :func:`outer_work_periods` (see the module)."""
+    per_period = statistics.median(outer_work_periods(name, base, x, y, args, topo)[1:])
     numel = sum(p.numel() for p in base.parameters() if p.requires_grad)
     return per_period / max(4 * numel, 1)  # each byte meets once per period
 
