@@ -28,7 +28,9 @@ from gradsync.planner.closed_loop import (
     refit_links,
     same_plan,
 )
+from gradsync.planner.decide import make_plan
 from gradsync.planner.plan import BucketPlan, Plan
+from gradsync.planner.trials import codec_families, trial_plans
 from gradsync.sync import Scheme, SyncConfig
 from worlds import named_check, run_checks, run_world
 
@@ -362,9 +364,61 @@ def test_the_ready_profile_is_the_median_of_the_measured_steps():
     assert loop.ready_profile() is None
 
 
+def test_codec_families_group_the_codec_ids_of_each_codec():
+    specs = ["topk:density=0.01+ef", "powersgd+ef", "topk:density=0.01+ef", "topk:density=0.01+ef"]
+    assert codec_families(specs, [1, 2, 3]) == {"topk:density=0.01+ef": (0, 2, 3), "powersgd+ef": (1,)}
+    assert codec_families(specs, []) == {}  # no candidates: nothing to try
+    assert codec_families(specs[2:], [1]) == {}  # one codec on several strategies: nothing to try
+
+
+def test_trial_plans_are_ordered_by_prediction_and_skip_what_was_measured():
+    def plan(*codec_ids: int) -> Plan:
+        return Plan([BucketPlan([i], cid, True) for i, cid in enumerate(codec_ids)])
+
+    plans = {"a": plan(0, 0), "b": plan(1, 1), "c": plan(2, 2), "d": plan(1, 1)}
+    seconds = {"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.5}
+    families = {name: (i,) for i, name in enumerate(plans)}
+    by_ids = {ids: name for name, ids in families.items()}
+
+    def make(ids):
+        return copy.deepcopy(plans[by_ids[ids]])
+
+    def price(p):
+        return next(seconds[n] for n, q in plans.items() if same_plan(p, q))
+
+    # d's plan is b's, priced as b's (0.5 s is never reached): b, c, d tie on plan b; c is measured
+    got = trial_plans(families, make, price, [plans["c"]], count=5)
+    assert [(f, s) for f, _, s in got] == [("b", 2.0), ("a", 3.0)]
+    assert [f for f, _, _ in trial_plans(families, make, price, [], tried=["b", "d"], count=1)] == ["c"]
+    assert trial_plans(families, make, price, [plans[n] for n in plans]) == []
+
+
+def test_a_plan_allowed_one_family_uses_only_its_codecs():
+    """``make_plan(allowed=...)``: every compressed bucket takes a codec of the family, the
+    cheapest of them; a family that holds none of a bucket's options leaves it its own."""
+    model = CostModel(CostParams(Link(1e-6, 1e-12), Link(1e-6, 1e-6), 0.0), 2, 1)
+    cheap, dear = CODEC, replace(CODEC, encode=Linear(1e-3, 1e-9))
+    scheme = Scheme.parse("allgather/topk:density=0.05")
+    groups = [([0], 0), ([1], 0), ([2], -1)]
+    nbytes = [1 << 20, 1 << 18, 64]
+    codecs = {0: dear, 1: cheap, 2: dear}
+    common = dict(schemes=[scheme] * 3, candidates=[1, 2])
+    free = make_plan(groups, nbytes, scheme, model, codecs, "auto", "hybrid", 1, **common)
+    assert [b.codec_id for b in free.buckets if b.compress] == [1, 1]
+    only = make_plan(groups, nbytes, scheme, model, codecs, "auto", "hybrid", 1, allowed=(0, 2), **common)
+    assert [b.codec_id for b in only.buckets if b.compress] == [0, 0]
+    other = make_plan(groups, nbytes, scheme, model, codecs, "auto", "hybrid", 1, allowed=(7,), **common)
+    assert [b.codec_id for b in other.buckets if b.compress] == [1, 1]
+
+
 @pytest.mark.parametrize(
     "option, value, allowed",
-    [("replan", -1, "[0, 20]"), ("replan_steps", 0, "[1, 1000]"), ("replan_gain", 0.95, "[0, 0.9]")],
+    [
+        ("replan", -1, "[0, 20]"),
+        ("replan_steps", 0, "[1, 1000]"),
+        ("replan_gain", 0.95, "[0, 0.9]"),
+        ("replan_trials", -1, "[0, 20]"),
+    ],
 )
 def test_bad_closed_loop_options_name_the_option(option, value, allowed):
     with pytest.raises(ValueError, match=rf"{option}.*{re_escape(allowed)}"):
@@ -656,8 +710,101 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     model.close()
 
 
+def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
+    """The trials (gradsync.planner.trials): the forced refit keeps a mixed plan (top-k on the
+    small weights, PowerSGD on the large one); the loop then measures the PowerSGD-only and the
+    top-k-only plans and settles on the one whose span measured shortest. The spans are scaled
+    by the plan's codecs (``fastest`` measures 8 ms, the mixed plan 9 ms, the others 10 ms; the
+    buckets' times stay real). Every rank ends on the same plan; rank 0's history names the
+    trials; a state saved during the trials resumes them."""
+    from gradsync.planner import decide as planner_module
+    from gradsync.planner import replan as replan_module
+
+    real = replan_module.refit
+    real_measure = planner_module.measure_codec
+    replan_module.refit = _forced_refits([_topk_small_powersgd_large] * 4)
+    planner_module.measure_codec = lambda *a, **k: replace(
+        real_measure(*a, **k), encode=Linear(1.0, 0.0), decode=Linear(1.0, 0.0)
+    )  # the first plan dense, as in the check above
+    common = dict(
+        topology=Topology(nodes=2, per_node=1), calibrate=False, bucket_bytes=200_000, partitions=1,
+        log_plan=False, replan=2, replan_steps=2,
+    )  # fmt: skip
+    failed: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            failed.append(what)
+
+    def codecs_of(engine) -> str:
+        used = {engine.codecs[b.codec_id].spec().split(":")[0] for b in engine.plan.buckets if b.compress}
+        if used == {"powersgd"}:
+            return "powersgd"
+        return "topk" if used == {"topk"} else "mixed"
+
+    def scaled(engine):
+        agreed = engine.loop.agreed
+
+        def spans(topo, buckets):
+            measured, _ = agreed(topo, buckets)
+            kind = codecs_of(engine)
+            return measured, 0.01 * (0.8 if kind == fastest else 0.9 if kind == "mixed" else 1.0)
+
+        return spans
+
+    try:
+        model = gradsync.wrap(_model(), scheme=CANDIDATES, **common)
+        engine = model.engine
+        engine.loop.agreed = scaled(engine)
+        seen, state = [], None
+        for step in range(40):
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            if engine.plan is not None:
+                seen.append(codecs_of(engine))
+            if engine.loop.trial and state is None:
+                state = (step, engine.state_dict(), copy.deepcopy(model.module))
+            if engine.loop.settled:
+                break
+        expect(engine.loop.settled, f"the loop did not settle in 40 steps (plans {seen})")
+        expect({"mixed", "topk", "powersgd"} <= set(seen), f"the plans measured: {seen}")
+        expect(codecs_of(engine) == fastest, f"settled on {codecs_of(engine)}, {fastest} measured fastest")
+        expect(engine.loop.trials_done == 2, f"{engine.loop.trials_done} trials")
+        ends = [None] * dist.get_world_size()
+        dist.all_gather_object(ends, engine.plan.to_state())
+        expect(all(e == ends[0] for e in ends), "the ranks settled on different plans")
+        if dist.get_rank() == 0:
+            trials = [r.get("trial") for r in engine.loop.history if "trial" in r]
+            expect(len(trials) == 2 and all("+ef" in t for t in trials), f"trials {trials}")
+        # a run resumed during the trials goes on with them and ends on the same plan
+        assert state is not None
+        step0, saved, module = state
+        resumed = gradsync.wrap(module, scheme=CANDIDATES, **common)
+        resumed.engine.load_state_dict(saved)
+        resumed.engine.loop.agreed = scaled(resumed.engine)
+        for step in range(step0 + 1, step0 + 40):
+            x, y = _batch(step)
+            nn.functional.mse_loss(resumed(x), y).backward()
+            resumed.zero_grad(set_to_none=True)
+            if resumed.engine.loop.settled:
+                break
+        expect(resumed.engine.loop.settled, "the resumed run did not settle")
+        ended = codecs_of(resumed.engine)
+        expect(ended == fastest, f"the resumed run settled on {ended}")
+    finally:
+        replan_module.refit = real
+        planner_module.measure_codec = real_measure
+    assert not failed, f"{len(failed)} failed:\n" + "\n".join(failed)
+    model.close()
+    resumed.close()
+
+
 def closed_loop_world():
     run_checks(
+        named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "topk", label="topk"),
+        named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "mixed", label="mixed"),
+        named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "powersgd", label="powersgd"),
         named_check(check_switches_carry_state_and_match_the_reference),
         named_check(check_a_switch_that_measured_slower_is_undone),
         named_check(check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone),

@@ -8,6 +8,8 @@
 - :mod:`~gradsync.planner.recut`: merging compressed buckets whose launches would queue.
 - :mod:`~gradsync.planner.closed_loop` and :mod:`~gradsync.planner.replan`: re-planning while
   training, from what the buckets cost in the running engine (the refit of the links).
+- :mod:`~gradsync.planner.trials`: the closed loop's trials, plans of one codec alone measured
+  in the running engine (the fastest measured plan stays).
 - :mod:`~gradsync.planner.explain`: why each parameter went where it went.
 - :mod:`~gradsync.planner.engine_costs`: the refit saved for ``gradsync whatif --costs``.
 

@@ -25,8 +25,11 @@ measures every bucket for a few steps: the time inside its collectives, on the c
 5. **Guard.** Every switch is measured once more: the median time from a step's first ready
    gradient to the end of its synchronization (agreed as the maximum over the ranks). If the new
    plan measured more than ``1 + replan_gain`` times the old one, the model was wrong, and every
-   rank goes back to the old plan and settles. After ``replan`` switches the round after the
-   last one only runs this guard.
+   rank goes back to the old plan. After ``replan`` switches the round after the last one only
+   runs this guard.
+6. **Trials** (``auto`` with candidates of more than one codec, :mod:`gradsync.planner.trials`):
+   up to ``replan_trials`` plans that run one codec alone, each measured like any plan; the loop
+   settles on whichever plan measured the shortest span.
 
 A switch keeps the compression state of every bucket it leaves as it was: same tensors,
 compressed, same codec, same number of parts (PowerSGD's per-tensor streams stay while their
@@ -463,6 +466,18 @@ class ClosedLoop:
     """A switch is undone when the new plan measured more than this many times the old one."""
     before: tuple[Plan, float] | None = None
     """The plan before the last switch and its measured seconds per step (see :meth:`span`)."""
+    trials: int = 0
+    """Plans of one codec alone measured after the re-plans (:mod:`gradsync.planner.trials`)."""
+    trials_done: int = 0
+    trial: bool = False
+    """Whether the plan now measured is a trial."""
+    best: tuple[Plan, float] | None = None
+    """The plan that measured the shortest span so far in the trials' phase, and that span."""
+    tried: list[str] = field(default_factory=list)
+    """The families tried (rank 0 decides the trials; the other ranks' list stays empty)."""
+    queue: list[tuple[str, Plan]] | None = None
+    """Rank 0: the trials still to run (family, plan), chosen all at once when the re-plans end
+    (None before)."""
     _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _spans: list[float] = field(default_factory=list)
     _ready: list[list[float | None]] = field(default_factory=list)  # per measured step: per slot
@@ -545,11 +560,18 @@ class ClosedLoop:
     def state_dict(self) -> dict[str, Any]:
         """The count, whether the loop settled, and the revert guard: the plan before the last
         switch with its measured span (a run resumed between a switch and its check still
-        reverts a switch that measures slower)."""
+        reverts a switch that measures slower); the trials done, whether the plan is one, and
+        the fastest plan measured in them (a run resumed during the trials still ends on it)."""
         state: dict[str, Any] = {"replans": self.replans, "settled": self.settled}
         if self.before is not None:
             state["before_plan"] = self.before[0].to_state()
             state["before_span"] = float(self.before[1])
+        state.update(trials_done=self.trials_done, trial=self.trial, tried=list(self.tried))
+        if self.queue is not None:
+            state["queue"] = [{"family": f, "plan": p.to_state()} for f, p in self.queue]
+        if self.best is not None:
+            state["best_plan"] = self.best[0].to_state()
+            state["best_span"] = float(self.best[1])
         return state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -559,6 +581,15 @@ class ClosedLoop:
         self.settled = bool(state.get("settled", False))
         plan, span = state.get("before_plan"), state.get("before_span")
         self.before = None if plan is None or span is None else (Plan.from_state(plan), float(span))
+        self.trials_done = int(state.get("trials_done", 0))
+        self.trial = bool(state.get("trial", False))
+        self.tried = [str(f) for f in state.get("tried", [])]
+        queue = state.get("queue")
+        self.queue = (
+            None if queue is None else [(str(q["family"]), Plan.from_state(q["plan"])) for q in queue]
+        )
+        plan, span = state.get("best_plan"), state.get("best_span")
+        self.best = None if plan is None or span is None else (Plan.from_state(plan), float(span))
         self.restart()
 
 

@@ -24,7 +24,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -261,6 +261,7 @@ def make_plan(
     schemes: Sequence[Scheme] | None = None,
     candidates: Sequence[int] = (),
     ready: Sequence[float] | None = None,
+    allowed: Collection[int] | None = None,
 ) -> Plan:
     """Decide every bucket. ``groups`` are (slot indices, codec id) in launch order.
 
@@ -291,7 +292,18 @@ def make_plan(
     buckets are fused. With ``ready`` and ``candidates``, a compressed bucket takes another of its
     candidates where that shortens the step in the engine's order of work, before and after the
     merges (:func:`gradsync.planner.recut.rechoose_candidates`): the cheapest total is not the
-    shortest step when it holds the communication thread longer."""
+    shortest step when it holds the communication thread longer.
+
+    ``allowed``: the codec ids a bucket may take (the closed loop's trial of one codec,
+    :mod:`gradsync.planner.trials`); a bucket whose class and candidates hold none of them keeps
+    its own."""
+
+    def options_of(codec_id: int) -> tuple[int, ...]:
+        """The codec ids a bucket of class ``codec_id`` may take."""
+        ids = tuple(dict.fromkeys((codec_id, *candidates)))
+        if allowed is None:
+            return ids
+        return tuple(i for i in ids if i in allowed) or ids
 
     def decide(slots: list[int], codec_id: int, only: int | None = None) -> BucketPlan:
         """The bucket of ``slots`` in codec class ``codec_id``, with the cheapest of its candidates
@@ -307,7 +319,7 @@ def make_plan(
             b.dense_reason = "plan"
         elif codec_id >= 0:
             options = []  # (seconds, parts, codec id, refused)
-            for cid in dict.fromkeys((codec_id, *candidates)) if only is None else (only,):
+            for cid in options_of(codec_id) if only is None else (only,):
                 mine = scheme_for(scheme, schemes, cid)
                 k, t = best_partitions(mine, model, size, codec_costs[cid], model.m, model.n, partitions)
                 refused = rejects is not None and rejects(cid, slots, k) is not None
@@ -331,7 +343,7 @@ def make_plan(
 
     def alternatives(b: BucketPlan) -> list[BucketPlan]:
         cls = class_of[b.slots[0]]
-        return [decide(b.slots, cls, cid) for cid in dict.fromkeys((cls, *choices)) if cid != b.codec_id]
+        return [decide(b.slots, cls, cid) for cid in options_of(cls) if cid != b.codec_id]
 
     if ready is not None and choices:
         plan = Plan(rechoose_candidates(plan.buckets, ready, alternatives))

@@ -19,6 +19,7 @@ from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.topology import Topology
 from gradsync.planner.closed_loop import ClosedLoop, Refit, plan_seconds, refit, same_plan, samples_of
 from gradsync.planner.decide import (
+    COMPRESS_MARGIN,
     FirstStep,
     first_step_groups,
     launch_ready,
@@ -28,6 +29,7 @@ from gradsync.planner.decide import (
     time_codecs,
 )
 from gradsync.planner.plan import Plan
+from gradsync.planner.trials import codec_families, trial_plans
 from gradsync.sync.buckets import Slot
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
@@ -52,9 +54,11 @@ class Replanner:
         self.codecs = codecs
         self.slots = slots
         loop_on = config.plan == "auto" and scheme.kind != "dense" and bool(codecs.codecs)
+        self.families = codec_families([codec.spec() for codec in codecs.codecs], codecs.candidates)
+        """Codec ids by codec, where the loop's trials have more than one to try."""
         self.loop = ClosedLoop(
             config.replan if loop_on else 0, config.replan_steps, config.replan_gain,
-            revert_above=1.0 + config.replan_gain,
+            revert_above=1.0 + config.replan_gain, trials=config.replan_trials if self.families else 0,
         )  # fmt: skip
         """The closed loop's state: re-plans done, settled, what each round decided."""
         self.params: CostParams | None = None  # the links as calibrated after the first step
@@ -101,40 +105,38 @@ class Replanner:
 
     def round(self, plan: Plan, buckets: int, step: int, switch: Switch) -> bool:
         """The closed loop's round: agree on the measured bucket costs, refit and re-plan on
-        rank 0, and switch every rank to the new plan (through ``switch``), or settle on the
-        current one. The guard goes back to the plan before the last switch when that switch
-        measured slower. True when the plan changed."""
+        rank 0, and switch every rank to the new plan (through ``switch``). The guard goes back
+        to the plan before the last switch when that switch measured slower. When the re-plans
+        are done, the trials (:meth:`_conclude`), then settle on the plan measured fastest. True
+        when the plan changed."""
         assert self.first is not None and self.params is not None
         t0 = time.perf_counter()
         cfg, loop = self.config, self.loop
         measured, span = loop.agreed(self.topo, buckets)
         record: dict[str, Any] = {"step": step, "measured_ms": span * 1e3}
-        if loop.worse_than_before(span):
-            self._revert(record, t0, switch, step)
-            return True
+        if loop.trial:  # the plan measured is a trial: keep it or go on
+            return self._conclude(plan, [(plan, span)], record, t0, switch, step)
+        if loop.worse_than_before(span):  # the last re-plan measured slower: back, then trials
+            assert loop.before is not None
+            before, loop.before = loop.before, None
+            record["reverted"] = True
+            return self._conclude(plan, [before], record, t0, switch, step)
         if loop.replans >= loop.replan:  # the last switch measured no slower: keep it
-            loop.settled, loop.before = True, None
-            record.update(switched=False, verified=True, seconds=time.perf_counter() - t0)
-            loop.history.append(record)
+            loop.before = None
+            record["verified"] = True
+            return self._conclude(plan, [(plan, span)], record, t0, switch, step)
+        new = share_plan(self.topo, lambda: self._decide(plan, measured, record))
+        if new is None:
             if self._log:
                 log.info(
-                    "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step, no "
-                    "slower than before it; the plan stays", step, span * 1e3,
+                    "gradsync closed loop at step %d: the model keeps the plan (%s; predicted %.1f -> "
+                    "%.1f ms of synchronization per step, a switch needs %.0f %%)", step,
+                    record.get("refit"), *record.get("predicted_ms", [0.0, 0.0]), 100 * cfg.replan_gain,
                 )  # fmt: skip
-            return False
-        new = share_plan(self.topo, lambda: self._decide(plan, measured, record))
-        record["switched"] = new is not None
+            return self._conclude(plan, [(plan, span)], record, t0, switch, step)
+        record["switched"] = True
         record["seconds"] = time.perf_counter() - t0
         loop.history.append(record)
-        if new is None:
-            loop.settled = True
-            if self._log:
-                log.info(
-                    "gradsync closed loop at step %d: the plan stays (%s; predicted %.1f -> %.1f ms "
-                    "of synchronization per step, a switch needs %.0f %%)", step, record.get("refit"),
-                    *record.get("predicted_ms", [0.0, 0.0]), 100 * cfg.replan_gain,
-                )  # fmt: skip
-            return False
         loop.replans += 1
         carried = switch(new)
         # every switch is measured once more before the loop settles: the guard compares the
@@ -186,24 +188,110 @@ class Replanner:
         self.first = ready  # what a later round (or a resumed run) cuts from
         return candidate
 
-    def _revert(self, record: dict[str, Any], t0: float, switch: Switch, step: int) -> None:
-        """The guard of the closed loop: the last switch measured slower than the plan before
-        it (the refitted model was wrong), so go back to that plan, on every rank, and settle."""
+    def _conclude(
+        self, installed: Plan, measured: list[tuple[Plan, float]], record: dict[str, Any], t0: float,
+        switch: Switch, step: int,
+    ) -> bool:  # fmt: skip
+        """The re-plans are done (or a trial was measured): fold ``measured`` (plans with their
+        measured spans) into the fastest so far, then switch every rank to the next trial, or
+        settle on the fastest plan measured. True when the plan changed."""
         loop = self.loop
-        assert loop.before is not None
-        old, old_span = loop.before
-        loop.before = None
-        loop.settled = True
-        carried = switch(old)
-        record.update(switched=True, reverted=True, seconds=time.perf_counter() - t0)
+        trial, loop.trial = loop.trial, False
+        for plan, span in measured:
+            if span > 0 and (loop.best is None or span < loop.best[1]):
+                loop.best = (plan, span)
+                record["best"] = True
+        if trial:
+            record["trial"] = loop.tried[-1] if loop.tried else True
+            record["kept"] = bool(record.get("best"))
+        target = None
+        if loop.trials_done < loop.trials and loop.best is not None:
+            target = share_plan(self.topo, lambda: self._next_trial(installed, record))
+        if target is not None:
+            loop.trials_done += 1
+            loop.trial = True
+        else:
+            loop.settled = True
+            best = loop.best[0] if loop.best is not None else installed
+            target = None if same_plan(best, installed) else best
+        record.update(switched=target is not None, seconds=time.perf_counter() - t0)
         loop.history.append(record)
         if self._log:
-            log.info(
-                "gradsync closed loop at step %d: the last re-plan measured %.1f ms per step against "
-                "%.1f ms before it; going back to the previous plan and settling (%d compression "
-                "streams end, what they owed is carried)", step, record["measured_ms"], old_span * 1e3,
-                len(carried),
+            self._log_conclusion(record, step, loop.trial)
+        if target is None:
+            return False
+        switch(target)
+        return True
+
+    def _log_conclusion(self, record: dict[str, Any], step: int, trying: bool) -> None:
+        best = self.loop.best
+        what = (
+            f"the trial of {record['trial']} measured {record['measured_ms']:.1f} ms per step"
+            if "trial" in record
+            else f"the plan measured {record['measured_ms']:.1f} ms per step"
+        )
+        if record.get("reverted"):
+            what = (
+                f"the last re-plan measured {record['measured_ms']:.1f} ms per step, slower than the plan "
+                f"before it ({best[1] * 1e3 if best else 0.0:.1f} ms)"
+            )
+        if trying:
+            nxt = f"now measuring a plan of {record.get('next_trial', 'one codec')} alone"
+        elif record["switched"]:
+            nxt = f"settling on the fastest plan measured ({best[1] * 1e3 if best else 0.0:.1f} ms)"
+        else:
+            nxt = "the plan stays"
+        log.info("gradsync closed loop at step %d: %s; %s", step, what, nxt)
+
+    def _next_trial(self, installed: Plan, record: dict[str, Any]) -> Plan | None:
+        """Rank 0: the next trial's plan, or None when none is left. The trials are chosen when
+        first asked for (:meth:`_trial_queue`); one whose plan was measured since is passed over."""
+        loop, best = self.loop, self.loop.best
+        assert best is not None
+        if loop.queue is None:
+            loop.queue = self._trial_queue([installed, best[0]], loop.trials - loop.trials_done)
+        while loop.queue:
+            family, plan = loop.queue.pop(0)
+            if not same_plan(plan, installed) and not same_plan(plan, best[0]):
+                loop.tried.append(family)
+                record["next_trial"] = family
+                return plan
+        return None
+
+    def _trial_queue(self, measured: list[Plan], count: int) -> list[tuple[str, Plan]]:
+        """Rank 0: the codec families' plans to try (:func:`trial_plans`), fastest predicted
+        first, by the refitted model where a round refitted one (else the first plan's)."""
+        assert self.first is not None and self.params is not None
+        cfg, c, t = self.config, self.codecs, self.topo
+        nbytes = [s.nbytes for s in self.slots]
+        ready = self.loop.ready_profile() or self.first
+        groups = first_step_groups(
+            list(self.slots), ready, self._classes(), cfg.bucket_bytes, cfg.bucket_timeout_ms / 1e3
+        )
+        if not self.codec_costs:  # a run resumed from a checkpoint: time the codecs now
+            self.codec_costs = time_codecs(
+                t, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
+            )
+        fit = self.last_refit
+        params, codecs = (fit.params, fit.codecs) if fit is not None else (self.params, self.codec_costs)
+        overhead = fit.dense_overhead if fit is not None else None
+        model = CostModel(params, t.nodes, t.per_node)
+        launch = launch_ready(ready)
+
+        def make(ids: tuple[int, ...]) -> Plan:
+            return make_plan(
+                groups, nbytes, self.scheme, model, codecs, cfg.plan, cfg.dense_algorithm, cfg.partitions,
+                fuse_bytes=cfg.bucket_bytes, kinds=[s.group for s in self.slots], rejects=self.rejects,
+                margin=1.0 - cfg.replan_gain if fit is not None else COMPRESS_MARGIN,
+                dense_overhead=overhead, schemes=c.schemes, candidates=c.candidates, ready=launch,
+                allowed=ids,
             )  # fmt: skip
+
+        def price(plan: Plan) -> float:
+            return plan_seconds(plan, nbytes, self.scheme, model, codecs, overhead, c.schemes, launch)
+
+        found = trial_plans(self.families, make, price, measured, self.loop.tried, count)
+        return [(family, plan) for family, plan, _ in found]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

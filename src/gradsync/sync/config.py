@@ -68,6 +68,10 @@ class SyncConfig(OptionsConfig):
     """A re-plan also cuts the buckets anew, from when the gradients became ready in the measured
     steps (the first plan cuts them from the first step, a single cold measurement); False keeps
     the first step's cuts."""
+    replan_trials: int = 2
+    """After its re-plans, the closed loop measures up to this many plans that run one of the
+    candidate codecs alone (``auto`` with candidates, :mod:`gradsync.planner.trials`) and keeps
+    the plan that measured fastest; 0 keeps the re-plans' outcome."""
     clip_local: float | None = None
     """Local gradient clipping (:mod:`gradsync.sync.clipping`, RedSync paper): clip each rank's own
     gradient to ``clip_local / sqrt(world)`` before it is added to the error-feedback residual
@@ -161,6 +165,7 @@ class SyncConfig(OptionsConfig):
         check_range(self.codec, "replan", self.replan, 0, 20)
         check_range(self.codec, "replan_steps", self.replan_steps, 1, 1000)
         check_range(self.codec, "replan_gain", self.replan_gain, 0.0, 0.9)
+        check_range(self.codec, "replan_trials", self.replan_trials, 0, 20)
         check_range(self.codec, "bucket_bytes", self.bucket_bytes, 1)
         check_range(self.codec, "bucket_timeout_ms", self.bucket_timeout_ms, 0.0)
         check_range(self.codec, "min_compress_bytes", self.min_compress_bytes, 0)

@@ -43,6 +43,7 @@ import torch
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.dense import dense_algorithm_names
+from gradsync.planner.closed_loop import plan_seconds
 from gradsync.planner.decide import (
     FirstStep,
     codec_work,
@@ -54,6 +55,8 @@ from gradsync.planner.decide import (
     predict,
     split_prediction,
 )
+from gradsync.planner.plan import Plan
+from gradsync.planner.trials import codec_families, trial_plans
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import SyncConfig
@@ -262,13 +265,15 @@ def build_program(
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES,
     hook_rate: float | None = None,
     exchange: bool = True,
+    allowed: tuple[int, ...] | None = None,
 ) -> StepProgram:
     """The simulated step of contender ``name`` (see the module docstring). ``hook_rate``: for
     PyTorch's PowerSGD hook, its work as measured running (seconds per byte of a bucket,
     :func:`gradsync.observe.hook_costs.powersgd_hook_rate`) instead of gradsync's codec's timing;
     for a self-syncing optimizer, its own step's work beyond the profiled optimizer's (seconds per
     gradient byte). ``exchange`` False: a self-syncing optimizer's step without its exchange (0/1
-    Adam's local step)."""
+    Adam's local step). ``allowed``: a gradsync contender's plan with only those codec ids (a
+    trial of the closed loop, :func:`trial_families`)."""
     k = kind(name)
     order = workload.ready_order()
     model, bytes_model, host = cluster.model(), cluster.bytes_model(), cluster.host_model()
@@ -310,7 +315,7 @@ def build_program(
             name, workload, order, model, bytes_model, host, costs, ddp_bucket_bytes, gamma, hook_rate
         )
     return _gradsync_program(
-        name, workload, order, cluster, model, bytes_model, host, costs, sync_options or {}
+        name, workload, order, cluster, model, bytes_model, host, costs, sync_options or {}, allowed
     )
 
 
@@ -451,13 +456,26 @@ def lowrank_stages(
     return out
 
 
-def _gradsync_program(
-    name: str, workload: Workload, order: list[int], cluster: Cluster, model: CostModel,
-    bytes_model: CostModel, host: CostModel, costs: CodecCosts, options: dict[str, str],
-) -> StepProgram:  # fmt: skip
+@dataclass
+class _Planning:
+    """What gradsync's planner sees of a contender on the simulated cluster, and how it plans."""
+
+    config: SyncConfig
+    scheme: Scheme
+    schemes: list[Scheme]  # per codec id
+    codecs: list[str]  # each codec id's spec, as the engine runs it (+ef)
+    codec_costs: dict[int, CodecCost]
+    make: Callable[[tuple[int, ...] | None], Plan]  # a plan, with only those codec ids (None: any)
+    price: Callable[[Plan], float]  # the planner's predicted span of a plan
+    candidates: list[int]
+
+
+def _planning(
+    name: str, workload: Workload, order: list[int], cluster: Cluster, model: CostModel, costs: CodecCosts,
+    options: dict[str, str],
+) -> _Planning:  # fmt: skip
     config = SyncConfig.from_options({"scheme": name, **options})
     scheme = Scheme.parse(config.scheme).resolve(cluster.nodes, cluster.per_node)
-    prog = StepProgram(name, per_node=cluster.per_node)
     slots = _meta_slots(workload)
     codecs = [c.spec() for c in build_codecs(config, scheme)]  # as the engine runs them (+ef)
     classes = [
@@ -475,18 +493,62 @@ def _gradsync_program(
     groups = first_step_groups(
         slots, FirstStep(order, ready), classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3
     )
-    gamma = cluster.params.gamma
     sizes: dict[int, list[float]] = {}
     for members, cid in groups:
         for held in [cid, *candidates] if cid >= 0 else []:
             sizes.setdefault(held, []).append(_bytes_of(workload, members))
     codec_costs = {cid: costs(codecs[cid], sizes[cid]) for cid in sizes}
     nbytes = [s.nbytes for s in slots]
-    plan = make_plan(
-        groups, nbytes, scheme, model, codec_costs, config.plan, config.dense_algorithm, config.partitions,
-        fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], schemes=schemes,
-        candidates=candidates, ready=launch_ready(FirstStep(order, ready)),
-    )  # fmt: skip
+    launch = launch_ready(FirstStep(order, ready))
+
+    def make(allowed: tuple[int, ...] | None) -> Plan:
+        return make_plan(
+            groups, nbytes, scheme, model, codec_costs, config.plan, config.dense_algorithm,
+            config.partitions, fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots],
+            schemes=schemes, candidates=candidates, ready=launch, allowed=allowed,
+        )  # fmt: skip
+
+    def price(plan: Plan) -> float:
+        return plan_seconds(plan, nbytes, scheme, model, codec_costs, None, schemes, launch)
+
+    return _Planning(config, scheme, schemes, codecs, codec_costs, make, price, candidates)
+
+
+def trial_families(
+    name: str,
+    workload: Workload,
+    cluster: Cluster,
+    costs: CodecCosts,
+    sync_options: dict[str, str] | None = None,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The codec families whose plans gradsync's closed loop would measure after its first plan
+    (:mod:`gradsync.planner.trials`, ``replan_trials``; none without candidates, or with the loop
+    off), fastest predicted first, each as (codec spec, its codec ids for ``build_program``'s
+    ``allowed``)."""
+    if kind(name) != "gradsync" or cluster.world == 1:
+        return []
+    pl = _planning(
+        name, workload, workload.ready_order(), cluster, cluster.model(), costs, sync_options or {}
+    )
+    cfg = pl.config
+    families = codec_families(pl.codecs, pl.candidates)
+    if not families or cfg.plan != "auto" or cfg.replan <= 0 or cfg.replan_trials <= 0:
+        return []
+    found = trial_plans(families, pl.make, pl.price, [pl.make(None)], count=cfg.replan_trials)
+    return [(family, families[family]) for family, _, _ in found]
+
+
+def _gradsync_program(
+    name: str, workload: Workload, order: list[int], cluster: Cluster, model: CostModel,
+    bytes_model: CostModel, host: CostModel, costs: CodecCosts, options: dict[str, str],
+    allowed: tuple[int, ...] | None = None,
+) -> StepProgram:  # fmt: skip
+    pl = _planning(name, workload, order, cluster, model, costs, options)
+    config, scheme, schemes, codec_costs = pl.config, pl.scheme, pl.schemes, pl.codec_costs
+    prog = StepProgram(name, per_node=cluster.per_node)
+    slots = _meta_slots(workload)
+    gamma = cluster.params.gamma
+    plan = pl.make(allowed)
     for b, bp in enumerate(plan.buckets):
         members = [m for m in bp.slots if workload.tensors[m].ready is not None]
         if not members:

@@ -211,8 +211,8 @@ def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -
 
 SETTLE_STEPS = 24
 """At most this many more unmeasured steps while a gradsync contender's closed loop is still
-re-planning (by default it settles within 2 x 4 steps of the first plan): the measured steps are
-those of the plan the run goes on with."""
+re-planning (by default it settles within 5 x 4 steps of the first plan, its trials included):
+the measured steps are those of the plan the run goes on with."""
 
 
 def _settling(synced: gradsync.GradSync | None) -> bool:
