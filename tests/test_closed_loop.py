@@ -26,11 +26,12 @@ from gradsync.planner.closed_loop import (
     kept_streams,
     refit,
     refit_links,
+    relative_spread,
     same_plan,
 )
 from gradsync.planner.decide import make_plan
 from gradsync.planner.plan import BucketPlan, Plan
-from gradsync.planner.trials import codec_families, trial_plans
+from gradsync.planner.trials import MAX_TRIAL_STEPS, codec_families, trial_plans, trial_steps
 from gradsync.sync import Scheme, SyncConfig
 from worlds import named_check, run_checks, run_world
 
@@ -393,6 +394,17 @@ def test_trial_plans_are_ordered_by_prediction_and_skip_what_was_measured():
     assert trial_plans(families, make, price, [plans[n] for n in plans]) == []
 
 
+def test_the_trials_length_follows_the_spread_of_the_steps():
+    # the median absolute deviation of 1.0, 1.1, 0.9, 1.2, 0.8 about 1.0 is 0.1: 1.4826 x 0.1
+    assert relative_spread([1.0, 1.1, 0.9, 1.2, 0.8]) == pytest.approx(0.14826)
+    assert relative_spread([2.0]) == 0.0
+    # n = ceil(2 (2.5 s / g)^2): s = 0.02, g = 0.05 -> 2, so the least; s = 0.03 -> 4.5 -> 5
+    assert trial_steps(0.02, 0.05, 3) == 3
+    assert trial_steps(0.03, 0.05, 3) == 5
+    assert trial_steps(0.5, 0.05, 3) == MAX_TRIAL_STEPS
+    assert trial_steps(0.0, 0.0, 3) == MAX_TRIAL_STEPS  # no gain asked for: as long as allowed
+
+
 def test_a_plan_allowed_one_family_uses_only_its_codecs():
     """``make_plan(allowed=...)``: every compressed bucket takes a codec of the family, the
     cheapest of them; a family that holds none of a bucket's options leaves it its own."""
@@ -710,13 +722,16 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     model.close()
 
 
-def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
+def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str, spread: float = 0.0):
     """The trials (gradsync.planner.trials): the forced refit keeps a mixed plan (top-k on the
     small weights, PowerSGD on the large one); the loop then measures the PowerSGD-only and the
     top-k-only plans and settles on the one whose span measured shortest. The spans are scaled
     by the plan's codecs (``fastest`` measures 8 ms, the mixed plan 9 ms, the others 10 ms; the
     buckets' times stay real). Every rank ends on the same plan; rank 0's history names the
-    trials; a state saved during the trials resumes them."""
+    trials; a state saved during the trials resumes them. With a ``spread`` of the steps' spans
+    (set, like the spans) the plan to beat is measured again at the trials' length first, and
+    every trial is measured that long (0.03 at a gain of 5 %: 5 steps, against ``replan_steps``
+    2)."""
     from gradsync.planner import decide as planner_module
     from gradsync.planner import replan as replan_module
 
@@ -747,6 +762,7 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
 
         def spans(topo, buckets):
             measured, _ = agreed(topo, buckets)
+            engine.loop.spread = spread
             kind = codecs_of(engine)
             return measured, 0.01 * (0.8 if kind == fastest else 0.9 if kind == "mixed" else 1.0)
 
@@ -757,7 +773,7 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
         engine = model.engine
         engine.loop.agreed = scaled(engine)
         seen, state = [], None
-        for step in range(40):
+        for step in range(60):
             x, y = _batch(step)
             nn.functional.mse_loss(model(x), y).backward()
             model.zero_grad(set_to_none=True)
@@ -767,10 +783,17 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
                 state = (step, engine.state_dict(), copy.deepcopy(model.module))
             if engine.loop.settled:
                 break
-        expect(engine.loop.settled, f"the loop did not settle in 40 steps (plans {seen})")
+        expect(engine.loop.settled, f"the loop did not settle in 60 steps (plans {seen})")
         expect({"mixed", "topk", "powersgd"} <= set(seen), f"the plans measured: {seen}")
         expect(codecs_of(engine) == fastest, f"settled on {codecs_of(engine)}, {fastest} measured fastest")
         expect(engine.loop.trials_done == 2, f"{engine.loop.trials_done} trials")
+        steps = 5 if spread else 2
+        expect(
+            engine.loop.measure_steps == steps,
+            f"trials measured {engine.loop.measure_steps} steps, not {steps}",
+        )
+        baseline = [r for r in engine.loop.history if r.get("baseline")]
+        expect(len(baseline) == (1 if spread else 0), f"{len(baseline)} measurements of the plan to beat")
         ends = [None] * dist.get_world_size()
         dist.all_gather_object(ends, engine.plan.to_state())
         expect(all(e == ends[0] for e in ends), "the ranks settled on different plans")
@@ -783,7 +806,7 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str):
         resumed = gradsync.wrap(module, scheme=CANDIDATES, **common)
         resumed.engine.load_state_dict(saved)
         resumed.engine.loop.agreed = scaled(resumed.engine)
-        for step in range(step0 + 1, step0 + 40):
+        for step in range(step0 + 1, step0 + 60):
             x, y = _batch(step)
             nn.functional.mse_loss(resumed(x), y).backward()
             resumed.zero_grad(set_to_none=True)
@@ -805,6 +828,7 @@ def closed_loop_world():
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "topk", label="topk"),
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "mixed", label="mixed"),
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "powersgd", label="powersgd"),
+        named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "topk", 0.03, label="noisy"),
         named_check(check_switches_carry_state_and_match_the_reference),
         named_check(check_a_switch_that_measured_slower_is_undone),
         named_check(check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone),

@@ -478,6 +478,14 @@ class ClosedLoop:
     queue: list[tuple[str, Plan]] | None = None
     """Rank 0: the trials still to run (family, plan), chosen all at once when the re-plans end
     (None before)."""
+    measure_steps: int = 0
+    """Steps the current plan is measured for, where a trial's comparison needs more than
+    ``steps`` (:func:`gradsync.planner.trials.trial_steps`; 0: ``steps``)."""
+    baseline: bool = False
+    """Whether the plan now measured is the plan the trials must beat, measured at their length."""
+    spread: float = 0.0
+    """The largest agreed spread of the measured steps' spans so far (robust, relative; the
+    maximum over the ranks and the rounds)."""
     _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _spans: list[float] = field(default_factory=list)
     _ready: list[list[float | None]] = field(default_factory=list)  # per measured step: per slot
@@ -505,7 +513,7 @@ class ClosedLoop:
             self._spans.append(stats.backward_s + stats.exposed_s)
             if ready_at is not None:
                 self._ready.append(list(ready_at))
-        return self.counted >= self.steps + 1
+        return self.counted >= (self.measure_steps or self.steps) + 1
 
     def ready_profile(self) -> FirstStep | None:
         """When each gradient became ready in the measured steps, as the first step's order and
@@ -529,7 +537,9 @@ class ClosedLoop:
         a bucket no rank measured); and the plan's measured span, the median of the steps' time
         from their first ready gradient to the end of synchronization, maximum over the ranks
         (the part of a step the plan changes; -1 when nothing was measured). One collective on
-        the control group, so every rank holds the same numbers."""
+        the control group, so every rank holds the same numbers; it also agrees the spans'
+        spread (:func:`relative_spread`, the maximum over the ranks), kept in :attr:`spread` when it
+        is the largest yet."""
         t = torch.full((buckets + 1, 3), MISSING, dtype=torch.float64)
         rows = [r for r in self._rows if len(r) == buckets]
         for b in range(buckets):
@@ -537,6 +547,7 @@ class ClosedLoop:
                 t[b] = torch.tensor([statistics.median(r[b][k] for r in rows) for k in range(3)])
         if self._spans:
             t[buckets, 0] = statistics.median(self._spans)
+            t[buckets, 1] = relative_spread(self._spans)
         t = t.to(topo.comm_device)
         if topo.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.control_group)
@@ -544,6 +555,7 @@ class ClosedLoop:
         rows_out = t.cpu().tolist()
         for row in rows_out[:buckets]:
             out.append(None if row[0] < 0 else (row[0], row[1], row[2]))
+        self.spread = max(rows_out[buckets][1], self.spread)
         return out, rows_out[buckets][0]
 
     def worse_than_before(self, span: float) -> bool:
@@ -566,7 +578,10 @@ class ClosedLoop:
         if self.before is not None:
             state["before_plan"] = self.before[0].to_state()
             state["before_span"] = float(self.before[1])
-        state.update(trials_done=self.trials_done, trial=self.trial, tried=list(self.tried))
+        state.update(
+            trials_done=self.trials_done, trial=self.trial, tried=list(self.tried),
+            measure_steps=self.measure_steps, baseline=self.baseline,
+        )  # fmt: skip
         if self.queue is not None:
             state["queue"] = [{"family": f, "plan": p.to_state()} for f, p in self.queue]
         if self.best is not None:
@@ -584,6 +599,8 @@ class ClosedLoop:
         self.trials_done = int(state.get("trials_done", 0))
         self.trial = bool(state.get("trial", False))
         self.tried = [str(f) for f in state.get("tried", [])]
+        self.measure_steps = int(state.get("measure_steps", 0))
+        self.baseline = bool(state.get("baseline", False))
         queue = state.get("queue")
         self.queue = (
             None if queue is None else [(str(q["family"]), Plan.from_state(q["plan"])) for q in queue]
@@ -591,6 +608,17 @@ class ClosedLoop:
         plan, span = state.get("best_plan"), state.get("best_span")
         self.best = None if plan is None or span is None else (Plan.from_state(plan), float(span))
         self.restart()
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """A robust relative spread of ``values``: 1.4826 x their median absolute deviation over their
+    median (the standard deviation over the mean, for normal values; 0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    mid = statistics.median(values)
+    if mid <= 0:
+        return 0.0
+    return 1.4826 * statistics.median(abs(v - mid) for v in values) / mid
 
 
 def samples_of(

@@ -29,7 +29,7 @@ from gradsync.planner.decide import (
     time_codecs,
 )
 from gradsync.planner.plan import Plan
-from gradsync.planner.trials import codec_families, trial_plans
+from gradsync.planner.trials import codec_families, trial_plans, trial_steps
 from gradsync.sync.buckets import Slot
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
@@ -192,12 +192,20 @@ class Replanner:
         self, installed: Plan, measured: list[tuple[Plan, float]], record: dict[str, Any], t0: float,
         switch: Switch, step: int,
     ) -> bool:  # fmt: skip
-        """The re-plans are done (or a trial was measured): fold ``measured`` (plans with their
-        measured spans) into the fastest so far, then switch every rank to the next trial, or
-        settle on the fastest plan measured. True when the plan changed."""
+        """The re-plans are done, or a trial (or the plan the trials must beat) was measured:
+        fold ``measured`` (plans with their measured spans) into the fastest so far; then measure
+        the fastest again at the trials' length where the steps are too noisy for
+        ``replan_steps`` (:func:`trial_steps`), switch every rank to the next trial, or settle on
+        the fastest plan measured. True when the plan changed."""
         loop = self.loop
-        trial, loop.trial = loop.trial, False
-        for plan, span in measured:
+        trial, baseline = loop.trial, loop.baseline
+        loop.trial = loop.baseline = False
+        if baseline:  # the plan to beat, measured at the trials' length: that span stands
+            plan, span = measured[0]
+            if span > 0:
+                loop.best = (plan, span)
+            record["baseline"] = True
+        for plan, span in [] if baseline else measured:
             if span > 0 and (loop.best is None or span < loop.best[1]):
                 loop.best = (plan, span)
                 record["best"] = True
@@ -206,39 +214,55 @@ class Replanner:
             record["kept"] = bool(record.get("best"))
         target = None
         if loop.trials_done < loop.trials and loop.best is not None:
-            target = share_plan(self.topo, lambda: self._next_trial(installed, record))
-        if target is not None:
-            loop.trials_done += 1
-            loop.trial = True
-        else:
+            if not loop.measure_steps:  # the trials' length, from the spread of the steps so far
+                loop.measure_steps = trial_steps(loop.spread, self.config.replan_gain, loop.steps)
+                record["trial_steps"] = loop.measure_steps
+                loop.baseline = loop.measure_steps > loop.steps
+            if loop.baseline:
+                target = None if same_plan(loop.best[0], installed) else loop.best[0]
+            else:
+                target = share_plan(self.topo, lambda: self._next_trial(installed, record))
+                loop.trial = target is not None
+                loop.trials_done += int(loop.trial)
+        if not loop.trial and not loop.baseline:
             loop.settled = True
             best = loop.best[0] if loop.best is not None else installed
             target = None if same_plan(best, installed) else best
         record.update(switched=target is not None, seconds=time.perf_counter() - t0)
         loop.history.append(record)
         if self._log:
-            self._log_conclusion(record, step, loop.trial)
+            self._log_conclusion(record, step)
         if target is None:
+            if loop.baseline:
+                loop.restart()  # the same plan, measured afresh at the trials' length
             return False
         switch(target)
         return True
 
-    def _log_conclusion(self, record: dict[str, Any], step: int, trying: bool) -> None:
-        best = self.loop.best
-        what = (
-            f"the trial of {record['trial']} measured {record['measured_ms']:.1f} ms per step"
-            if "trial" in record
-            else f"the plan measured {record['measured_ms']:.1f} ms per step"
-        )
+    def _log_conclusion(self, record: dict[str, Any], step: int) -> None:
+        loop, best = self.loop, self.loop.best
+        best_ms = best[1] * 1e3 if best is not None else 0.0
+        ms = record["measured_ms"]
         if record.get("reverted"):
             what = (
-                f"the last re-plan measured {record['measured_ms']:.1f} ms per step, slower than the plan "
-                f"before it ({best[1] * 1e3 if best else 0.0:.1f} ms)"
+                f"the last re-plan measured {ms:.1f} ms per step, slower than the plan before it "
+                f"({best_ms:.1f} ms)"
             )
-        if trying:
+        elif "trial" in record:
+            what = f"the trial of {record['trial']} alone measured {ms:.1f} ms per step"
+        elif record.get("baseline"):
+            what = f"the plan to beat measured {ms:.1f} ms per step over {loop.measure_steps} steps"
+        else:
+            what = f"the plan measured {ms:.1f} ms per step"
+        if loop.baseline:
+            nxt = (
+                f"the steps' spans spread {100 * loop.spread:.0f} %, so every trial is measured over "
+                f"{loop.measure_steps} steps, and first the plan to beat"
+            )
+        elif loop.trial:
             nxt = f"now measuring a plan of {record.get('next_trial', 'one codec')} alone"
         elif record["switched"]:
-            nxt = f"settling on the fastest plan measured ({best[1] * 1e3 if best else 0.0:.1f} ms)"
+            nxt = f"settling on the fastest plan measured ({best_ms:.1f} ms)"
         else:
             nxt = "the plan stays"
         log.info("gradsync closed loop at step %d: %s; %s", step, what, nxt)

@@ -209,10 +209,12 @@ def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -
     return ddp
 
 
-SETTLE_STEPS = 24
+SETTLE_STEPS = 120
 """At most this many more unmeasured steps while a gradsync contender's closed loop is still
-re-planning (by default it settles within 5 x 4 steps of the first plan, its trials included):
-the measured steps are those of the plan the run goes on with."""
+re-planning (by default it settles within 5 x 4 steps of the first plan, its trials included,
+and where the steps are noisy within 3 x 4 + 3 x 31: the trials and the plan they must beat are
+then measured over up to 30 steps each): the measured steps are those of the plan the run goes
+on with."""
 
 
 def _settling(synced: gradsync.GradSync | None) -> bool:

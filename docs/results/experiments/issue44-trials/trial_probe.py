@@ -1,0 +1,88 @@
+"""How well a few measured steps tell two plans apart on an emulated N x 1 cluster (run_trials.sh
+starts it on every node). Every step as ``bench`` runs it (barrier, forward, backward, SGD step),
+VGG batch 16, in ROUNDS interleaved rounds; each round wraps a fresh model for each contender and
+runs it until its closed loop settles, then STEPS more steps. Contenders: hitopk, powersgd:rank=4,
+``auto`` without trials (its first plan and re-plans), ``auto`` with them (the default). Rank 0
+prints per contender and round: the median step (slowest rank) and the median span (from the
+first ready gradient to the end of the synchronization, the closed loop's measure, slowest rank)
+over the steps after the closed loop settled; for ``auto`` the closed loop's rounds (measured
+span, trial, kept) and the plan it settled on (codec per compressed bucket)."""
+
+import copy
+import datetime
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+from gradsync.apps.models import build_model_for
+from gradsync.observe.profiler import default_loss
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+rank = dist.get_rank()
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 35
+CONTENDERS = {
+    "hitopk": dict(scheme="hitopk:density=0.01"),
+    "powersgd": dict(scheme="powersgd:rank=4"),
+    "auto-notrials": dict(scheme="auto", replan_trials=0),
+    "auto": dict(scheme="auto"),
+}
+torch.manual_seed(0)
+base = build_model_for("vgg", "classify", (3, 32, 32), 10)
+g = torch.Generator().manual_seed(rank)
+x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def slowest(*v: float) -> list[float]:
+    t = torch.tensor(v, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def plan_codecs(synced: gradsync.GradSync) -> str:
+    e = synced.engine
+    names = [e.codecs[b.codec_id].spec().split(":")[0] for b in e.plan.buckets if b.compress]
+    return ",".join(n.split("+")[0] for n in names)
+
+
+for r in range(ROUNDS):
+    for name, options in CONTENDERS.items():
+        model = copy.deepcopy(base)
+        synced = gradsync.wrap(model, log_plan=False, **options)
+        opt = torch.optim.SGD(synced.parameters(), lr=0.01, momentum=0.9)
+        steps, spans, settled_at = [], [], None
+        i = 0
+        while len(steps) < STEPS:  # until the closed loop settles, then STEPS more
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = default_loss(synced(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            st = synced.last_stats
+            step, span = slowest(time.perf_counter() - t0, st.backward_s + st.exposed_s)
+            if settled_at is None and synced.engine.plan is not None and not synced.engine.loop.active:
+                settled_at = i
+            elif settled_at is not None:
+                steps.append(step)
+                spans.append(span)
+            i += 1
+        if rank == 0:
+            hist = [
+                (round(h["measured_ms"]), h.get("trial", "r" if h.get("reverted") else ""), h.get("kept", ""))
+                for h in synced.engine.loop.history
+            ]
+            step_ms, span_ms = 1e3 * statistics.median(steps), 1e3 * statistics.median(spans)
+            print(
+                f"round {r + 1} {name:14s} settled after step {settled_at}: step {step_ms:.0f} ms, span "
+                f"{span_ms:.0f} ms over {len(steps)} steps (spans {min(spans) * 1e3:.0f}-"
+                f"{max(spans) * 1e3:.0f}); plan {plan_codecs(synced)}; loop {hist}",
+                flush=True,
+            )
+        synced.close()
+dist.destroy_process_group()
