@@ -722,7 +722,9 @@ def check_a_replan_cuts_the_buckets_from_the_measured_ready_times(recut: bool):
     model.close()
 
 
-def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str, spread: float = 0.0):
+def check_trials_measure_one_codec_plans_and_keep_the_fastest(
+    fastest: str, spread: float = 0.0, revert: bool = False
+):
     """The trials (gradsync.planner.trials): the forced refit keeps a mixed plan (top-k on the
     small weights, PowerSGD on the large one); the loop then measures the PowerSGD-only and the
     top-k-only plans and settles on the one whose span measured shortest. The spans are scaled
@@ -731,13 +733,14 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str, spre
     trials; a state saved during the trials resumes them. With a ``spread`` of the steps' spans
     (set, like the spans) the plan to beat is measured again at the trials' length first, and
     every trial is measured that long (0.03 at a gain of 5 %: 5 steps, against ``replan_steps``
-    2)."""
+    2). With ``revert``, the first re-plan measures 50 ms: the guard goes back to the first plan
+    (dense), and the trials follow (the plan to beat measured again first, not re-planned)."""
     from gradsync.planner import decide as planner_module
     from gradsync.planner import replan as replan_module
 
     real = replan_module.refit
     real_measure = planner_module.measure_codec
-    replan_module.refit = _forced_refits([_topk_small_powersgd_large] * 4)
+    replan_module.refit = _forced_refits([_topk_small_powersgd_large] * 6)
     planner_module.measure_codec = lambda *a, **k: replace(
         real_measure(*a, **k), encode=Linear(1.0, 0.0), decode=Linear(1.0, 0.0)
     )  # the first plan dense, as in the check above
@@ -764,6 +767,8 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str, spre
             measured, _ = agreed(topo, buckets)
             engine.loop.spread = spread
             kind = codecs_of(engine)
+            if revert and len(engine.loop.history) == 1:  # the first re-plan
+                return measured, 0.05
             return measured, 0.01 * (0.8 if kind == fastest else 0.9 if kind == "mixed" else 1.0)
 
         return spans
@@ -794,6 +799,9 @@ def check_trials_measure_one_codec_plans_and_keep_the_fastest(fastest: str, spre
         )
         baseline = [r for r in engine.loop.history if r.get("baseline")]
         expect(len(baseline) == (1 if spread else 0), f"{len(baseline)} measurements of the plan to beat")
+        reverted = [r for r in engine.loop.history if r.get("reverted")]
+        expect(len(reverted) == int(revert), f"{len(reverted)} reverts")
+        expect(engine.loop.replans == 1, f"{engine.loop.replans} re-plans")
         ends = [None] * dist.get_world_size()
         dist.all_gather_object(ends, engine.plan.to_state())
         expect(all(e == ends[0] for e in ends), "the ranks settled on different plans")
@@ -829,6 +837,9 @@ def closed_loop_world():
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "mixed", label="mixed"),
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "powersgd", label="powersgd"),
         named_check(check_trials_measure_one_codec_plans_and_keep_the_fastest, "topk", 0.03, label="noisy"),
+        named_check(
+            check_trials_measure_one_codec_plans_and_keep_the_fastest, "powersgd", 0.03, True, label="revert"
+        ),
         named_check(check_switches_carry_state_and_match_the_reference),
         named_check(check_a_switch_that_measured_slower_is_undone),
         named_check(check_candidates_are_picked_per_bucket_and_run_as_their_scheme_alone),

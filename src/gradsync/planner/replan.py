@@ -114,7 +114,7 @@ class Replanner:
         cfg, loop = self.config, self.loop
         measured, span = loop.agreed(self.topo, buckets)
         record: dict[str, Any] = {"step": step, "measured_ms": span * 1e3}
-        if loop.trial:  # the plan measured is a trial: keep it or go on
+        if loop.trial or loop.baseline:  # a trial, or the plan the trials must beat, was measured
             return self._conclude(plan, [(plan, span)], record, t0, switch, step)
         if loop.worse_than_before(span):  # the last re-plan measured slower: back, then trials
             assert loop.before is not None
@@ -267,6 +267,18 @@ class Replanner:
             nxt = "the plan stays"
         log.info("gradsync closed loop at step %d: %s; %s", step, what, nxt)
 
+    def describe(self, plan: Plan) -> str:
+        """A plan in one line: each compressed bucket's size, scheme and parts, in order."""
+        out = []
+        for b in plan.buckets:
+            if b.compress:
+                mib = sum(self.slots[i].nbytes for i in b.slots) / 2**20
+                parts = f" x{b.partitions}" if b.partitions > 1 else ""
+                spec, strategy, local = self.codecs.schemes[b.codec_id].route()
+                route = f"{strategy or 'rounds'}{'+local' if local else ''}/{spec}"
+                out.append(f"{mib:.2f} MiB {route}{parts}")
+        return "; ".join(out) or "dense"
+
     def _next_trial(self, installed: Plan, record: dict[str, Any]) -> Plan | None:
         """Rank 0: the next trial's plan, or None when none is left. The trials are chosen when
         first asked for (:meth:`_trial_queue`); one whose plan was measured since is passed over."""
@@ -278,7 +290,7 @@ class Replanner:
             family, plan = loop.queue.pop(0)
             if not same_plan(plan, installed) and not same_plan(plan, best[0]):
                 loop.tried.append(family)
-                record["next_trial"] = family
+                record.update(next_trial=family, next_trial_plan=self.describe(plan))
                 return plan
         return None
 
