@@ -106,6 +106,15 @@ def test_ddp_buckets_follow_its_limits():
     assert ddp_buckets(w, w.ready_order(), 25 * MB, MB) == [[0, 1], [2, 3], [4]]
 
 
+def test_the_profile_runs_at_the_speed_of_the_worker_timed_alone_before_the_rounds():
+    from gradsync.apps.commands.bench.whatif import compute_speed
+
+    # the profile's step 150 ms, the worker alone 120 ms just before the rounds: 0.8
+    assert compute_speed({"profile_step_ms": 150.0, "contention": {"alone_ms": 120.0}}) == pytest.approx(0.8)
+    assert compute_speed({"profile_step_ms": 150.0, "contention": {}}) == 1.0  # older results
+    assert compute_speed({"contention": {"alone_ms": 120.0}}) == 1.0
+
+
 def test_effective_cores_from_local_are_bounded_by_the_hosts_cpus():
     """bench whatif's effective cores: ranks x one worker alone / every worker at once (``local``),
     at most the CPUs the ranks share where the result records them (a larger reading is the

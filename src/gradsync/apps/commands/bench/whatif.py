@@ -409,6 +409,20 @@ def cores_from_local(cont: dict[str, Any], rows: list[dict[str, Any]]) -> float 
     return bounded_cores(float(cont["ranks_per_host"] * cont["alone_ms"] / local[0]["step_ms"]), cont)
 
 
+def compute_speed(result: dict[str, Any]) -> float:
+    """The factor on the profile's compute times: one worker's step alone as timed just before the
+    rounds (the contention measurement's ``alone_ms``, the same step as the profile's, taken by
+    the same loop) over the profile's step, timed minutes earlier. The effective cores are read
+    against that same ``alone_ms`` (:func:`cores_from_local`), so the profile's speed must be its
+    too; this machine's speed drifts by 10-30 % between such moments (issue 44, thirteenth
+    session: the profile's step took 125-165 ms, the worker alone 117-150, between 0.71 and 1.14
+    times the profile). 1 where either is missing (older results)."""
+    alone, profiled = (result.get("contention") or {}).get("alone_ms"), result.get("profile_step_ms")
+    if not alone or not profiled or alone <= 0 or profiled <= 0:
+        return 1.0
+    return float(alone) / float(profiled)
+
+
 def bounded_cores(cores: float, cont: dict[str, Any]) -> float:
     """``cores`` at most the CPUs the ranks run on, where the result records them."""
     cpus = cont.get("cpus")
@@ -470,7 +484,8 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     from gradsync.whatif.simulate import Cpu, transfer_weight
     from gradsync.whatif.workload import Workload
 
-    workload = Workload.from_profile(Profile.from_dict(result["profile"]))
+    speed = compute_speed(result)
+    workload = Workload.from_profile(Profile.from_dict(result["profile"])).scaled(speed)
     links = result["links"]
     efficiency = tuple((str(k), float(v)) for k, v in (links.get("efficiency") or {}).items())
     params = CostParams(
@@ -514,7 +529,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
             "transfer_weight": cpu.transfer_weight, "busy_transfer_weight": cpu.busy_transfer_weight,
             "busy_call_ms_charged": [w * 1e3 for w in cpu.busy_call],
             "lag_ms": cpu.lag_s * 1e3, "lag_span_ms": cpu.lag_span_s * 1e3,
-            "lag_from": lag.get("from")}  # fmt: skip
+            "lag_from": lag.get("from"), "compute_scale": speed}  # fmt: skip
     summary: dict[str, Any] = {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors)}
     summary.update(worst_round(rows, predicted))
     summary.update(advise_check(rows, predicted))
