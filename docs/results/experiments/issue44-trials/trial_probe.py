@@ -1,4 +1,4 @@
-"""How well a few measured steps tell two plans apart on an emulated N x 1 cluster (run_trials.sh
+"""How well a few measured steps tell two plans apart on an emulated N x 1 cluster (../on_cluster.sh
 starts it on every node). Every step as ``bench`` runs it (barrier, forward, backward, SGD step),
 VGG batch 16, in ROUNDS interleaved rounds; each round wraps a fresh model for each contender and
 runs it until its closed loop settles, then STEPS more steps. Contenders: hitopk, powersgd:rank=4,
