@@ -151,6 +151,22 @@ class Replanner:
             )  # fmt: skip
         return True
 
+    def _measured_groups(self) -> tuple[FirstStep, list[tuple[list[int], int]]]:
+        """Rank 0: the gradients' ready times of the measured steps (the first step's are cold;
+        those where nothing was measured yet) and the buckets cut from them; the codecs timed now
+        where a run resumed from a checkpoint has no timing of them."""
+        assert self.first is not None
+        cfg, c = self.config, self.codecs
+        ready = self.loop.ready_profile() or self.first
+        groups = first_step_groups(
+            list(self.slots), ready, self._classes(), cfg.bucket_bytes, cfg.bucket_timeout_ms / 1e3
+        )
+        if not self.codec_costs:
+            self.codec_costs = time_codecs(
+                self.topo, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
+            )
+        return ready, groups
+
     def _decide(
         self, old: Plan, measured: list[tuple[float, float, float] | None], record: dict[str, Any]
     ) -> Plan | None:
@@ -159,14 +175,7 @@ class Replanner:
         assert self.first is not None and self.params is not None
         cfg, c, t = self.config, self.codecs, self.topo
         nbytes = [s.nbytes for s in self.slots]
-        timeout = cfg.bucket_timeout_ms / 1e3
-        # the buckets are cut from the measured steps' ready times (the first step's are cold)
-        ready = self.loop.ready_profile() or self.first
-        groups = first_step_groups(list(self.slots), ready, self._classes(), cfg.bucket_bytes, timeout)
-        if not self.codec_costs:  # a run resumed from a checkpoint: time the codecs now
-            self.codec_costs = time_codecs(
-                t, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
-            )
+        ready, groups = self._measured_groups()
         samples = samples_of(old, nbytes, measured)
         fit = refit(samples, self.scheme, self.params, t.nodes, t.per_node, self.codec_costs, c.schemes)
         self.last_refit = fit
@@ -297,17 +306,10 @@ class Replanner:
     def _trial_queue(self, measured: list[Plan], count: int) -> list[tuple[str, Plan]]:
         """Rank 0: the codec families' plans to try (:func:`trial_plans`), fastest predicted
         first, by the refitted model where a round refitted one (else the first plan's)."""
-        assert self.first is not None and self.params is not None
+        assert self.params is not None
         cfg, c, t = self.config, self.codecs, self.topo
         nbytes = [s.nbytes for s in self.slots]
-        ready = self.loop.ready_profile() or self.first
-        groups = first_step_groups(
-            list(self.slots), ready, self._classes(), cfg.bucket_bytes, cfg.bucket_timeout_ms / 1e3
-        )
-        if not self.codec_costs:  # a run resumed from a checkpoint: time the codecs now
-            self.codec_costs = time_codecs(
-                t, self.scheme, list(self.slots), c.codecs, groups, c.schemes, c.candidates
-            )
+        ready, groups = self._measured_groups()
         fit = self.last_refit
         params, codecs = (fit.params, fit.codecs) if fit is not None else (self.params, self.codec_costs)
         overhead = fit.dense_overhead if fit is not None else None
