@@ -39,6 +39,7 @@ from gradsync.apps.data import DataBundle, PrefetchLoader, ShardedSampler, build
 from gradsync.apps.data.cache.partition import PartitionSampler
 from gradsync.apps.data.loader import load_batch
 from gradsync.apps.models import build_model_for, parameter_count
+from gradsync.apps.process_group import init_default_group
 from gradsync.apps.train import checkpoint
 from gradsync.apps.train.epoch_plan import epoch_plan
 from gradsync.apps.train.metrics import EpochMeter, cache_figures, epoch_record
@@ -256,20 +257,16 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _join(self) -> torch.device:
         if not dist.is_initialized():
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             timeout = datetime.timedelta(seconds=self.args.timeout)
-            backend = "nccl" if cuda else "gloo"
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             if attempt is None:
-                dist.init_process_group(backend, timeout=timeout)
+                init_default_group(timeout)
             else:
                 # torchrun keeps its store across restarts: without a prefix per attempt, the
                 # restarted workers would find (and try to connect to) the dead workers' addresses
                 store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
                 store = dist.PrefixStore(f"gradsync/attempt-{attempt}", store)
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+                init_default_group(timeout, store, rank, world)
         dev = comm_device(None)
         return dev
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.apps.command_line import passed_down
+from gradsync.apps.process_group import init_default_group
 from gradsync.collectives import Topology
 from gradsync.units import parse_rate
 
@@ -26,10 +27,7 @@ def join_world(timeout_s: float, nodes: int | None, per_node: int | None) -> Top
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ValueError("launch with torchrun or launch.sh (RANK, WORLD_SIZE, MASTER_ADDR are not set)")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        init_default_group(datetime.timedelta(seconds=timeout_s))
     return Topology(nodes, per_node) if nodes else Topology()
 
 
