@@ -72,6 +72,7 @@ from gradsync.planner.decide import (
 )
 from gradsync.planner.plan import Plan
 from gradsync.planner.recut import bucket_seconds, span
+from gradsync.planner.trials import Duel, duel_block_steps
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 
@@ -397,12 +398,6 @@ def plan_seconds(
     return sum(bucket_seconds(b) for b in priced)
 
 
-def same_plan(a: Plan, b: Plan) -> bool:
-    """The same buckets synchronized the same way (predictions aside)."""
-    key = [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in a.buckets]
-    return key == [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in b.buckets]
-
-
 def kept_streams(
     old: Plan,
     old_keys: Sequence[str],
@@ -469,20 +464,19 @@ class ClosedLoop:
     trials: int = 0
     """Plans of one codec alone measured after the re-plans (:mod:`gradsync.planner.trials`)."""
     trials_done: int = 0
-    trial: bool = False
-    """Whether the plan now measured is a trial."""
+    duel: Duel | None = None
+    """The trial in progress, measured in turns against the plan it must beat (None: none)."""
     best: tuple[Plan, float] | None = None
-    """The plan that measured the shortest span so far in the trials' phase, and that span."""
+    """The plan that measured the shortest span so far in the trials' phase (the winner of the
+    last duel), and that span."""
     tried: list[str] = field(default_factory=list)
     """The families tried (rank 0 decides the trials; the other ranks' list stays empty)."""
     queue: list[tuple[str, Plan]] | None = None
     """Rank 0: the trials still to run (family, plan), chosen all at once when the re-plans end
     (None before)."""
     measure_steps: int = 0
-    """Steps the current plan is measured for, where a trial's comparison needs more than
-    ``steps`` (:func:`gradsync.planner.trials.trial_steps`; 0: ``steps``)."""
-    baseline: bool = False
-    """Whether the plan now measured is the plan the trials must beat, measured at their length."""
+    """Steps each side of a duel is measured for (:func:`gradsync.planner.trials.trial_steps`;
+    0 before the trials)."""
     spread: float = 0.0
     """The largest agreed spread of the measured steps' spans so far (robust, relative; the
     maximum over the ranks and the rounds)."""
@@ -513,7 +507,13 @@ class ClosedLoop:
             self._spans.append(stats.backward_s + stats.exposed_s)
             if ready_at is not None:
                 self._ready.append(list(ready_at))
-        return self.counted >= (self.measure_steps or self.steps) + 1
+        return self.counted >= self.round_steps() + 1
+
+    def round_steps(self) -> int:
+        """Measured steps in the current round: ``steps``, or the duel's block in progress."""
+        if self.duel is None:
+            return self.steps
+        return self.duel.steps(duel_block_steps(self.measure_steps or self.steps))
 
     def ready_profile(self) -> FirstStep | None:
         """When each gradient became ready in the measured steps, as the first step's order and
@@ -572,16 +572,17 @@ class ClosedLoop:
     def state_dict(self) -> dict[str, Any]:
         """The count, whether the loop settled, and the revert guard: the plan before the last
         switch with its measured span (a run resumed between a switch and its check still
-        reverts a switch that measures slower); the trials done, whether the plan is one, and
+        reverts a switch that measures slower); the trials done, the duel in progress, and
         the fastest plan measured in them (a run resumed during the trials still ends on it)."""
         state: dict[str, Any] = {"replans": self.replans, "settled": self.settled}
         if self.before is not None:
             state["before_plan"] = self.before[0].to_state()
             state["before_span"] = float(self.before[1])
         state.update(
-            trials_done=self.trials_done, trial=self.trial, tried=list(self.tried),
-            measure_steps=self.measure_steps, baseline=self.baseline,
+            trials_done=self.trials_done, tried=list(self.tried), measure_steps=self.measure_steps,
         )  # fmt: skip
+        if self.duel is not None:
+            state["duel"] = self.duel.to_state()
         if self.queue is not None:
             state["queue"] = [{"family": f, "plan": p.to_state()} for f, p in self.queue]
         if self.best is not None:
@@ -590,17 +591,19 @@ class ClosedLoop:
         return state
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`state_dict`; a resumed run measures the current plan afresh."""
+        """Restore :meth:`state_dict`; a resumed run measures the current plan afresh (a duel:
+        its block in progress). A state saved by a version that measured trials one after the
+        other goes on with the trials left."""
         state = state or {}
         self.replans = int(state.get("replans", 0))
         self.settled = bool(state.get("settled", False))
         plan, span = state.get("before_plan"), state.get("before_span")
         self.before = None if plan is None or span is None else (Plan.from_state(plan), float(span))
         self.trials_done = int(state.get("trials_done", 0))
-        self.trial = bool(state.get("trial", False))
         self.tried = [str(f) for f in state.get("tried", [])]
         self.measure_steps = int(state.get("measure_steps", 0))
-        self.baseline = bool(state.get("baseline", False))
+        duel = state.get("duel")
+        self.duel = None if duel is None else Duel.from_state(duel)
         queue = state.get("queue")
         self.queue = (
             None if queue is None else [(str(q["family"]), Plan.from_state(q["plan"])) for q in queue]

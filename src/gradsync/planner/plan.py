@@ -122,6 +122,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def same_plan(a: Plan, b: Plan) -> bool:
+    """The same buckets synchronized the same way (predictions aside)."""
+    key = [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in a.buckets]
+    return key == [(x.slots, x.codec_id, x.compress, x.partitions, x.dense_algorithm) for x in b.buckets]
+
+
 def _us(ms: float | None) -> int:
     return -1 if ms is None or not math.isfinite(ms) else round(ms * 1000)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
 from gradsync.collectives.topology import Topology
-from gradsync.planner.closed_loop import ClosedLoop, Refit, plan_seconds, refit, same_plan, samples_of
+from gradsync.planner.closed_loop import ClosedLoop, Refit, plan_seconds, refit, samples_of
 from gradsync.planner.decide import (
     COMPRESS_MARGIN,
     FirstStep,
@@ -28,8 +28,8 @@ from gradsync.planner.decide import (
     share_plan,
     time_codecs,
 )
-from gradsync.planner.plan import Plan
-from gradsync.planner.trials import codec_families, trial_plans, trial_steps
+from gradsync.planner.plan import Plan, same_plan
+from gradsync.planner.trials import DUEL_BLOCKS, Duel, codec_families, trial_plans, trial_steps
 from gradsync.sync.buckets import Slot
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
@@ -114,8 +114,8 @@ class Replanner:
         cfg, loop = self.config, self.loop
         measured, span = loop.agreed(self.topo, buckets)
         record: dict[str, Any] = {"step": step, "measured_ms": span * 1e3}
-        if loop.trial or loop.baseline:  # a trial, or the plan the trials must beat, was measured
-            return self._conclude(plan, [(plan, span)], record, t0, switch, step)
+        if loop.duel is not None:  # a block of a duel was measured
+            return self._duel_round(plan, span, record, t0, switch, step)
         if loop.worse_than_before(span):  # the last re-plan measured slower: back, then trials
             assert loop.before is not None
             before, loop.before = loop.before, None
@@ -197,81 +197,93 @@ class Replanner:
         self.first = ready  # what a later round (or a resumed run) cuts from
         return candidate
 
+    def _duel_round(
+        self, installed: Plan, span: float, record: dict[str, Any], t0: float, switch: Switch, step: int
+    ) -> bool:  # fmt: skip
+        """A block of the duel in progress was measured: run the next block, or, after the last,
+        keep the side that measured faster and go on with the trials (:meth:`_conclude`)."""
+        loop = self.loop
+        duel = loop.duel
+        assert duel is not None
+        record["duel"] = duel.side
+        if not duel.record(span):
+            return self._install(duel.plan, installed, record, t0, switch, step)
+        beat, trial = duel.means()
+        kept = trial < beat
+        loop.best = (duel.b, trial) if kept else (duel.a, beat)
+        loop.duel = None
+        record.update(
+            trial=loop.tried[-1] if loop.tried else True, kept=kept, beat_ms=beat * 1e3, trial_ms=trial * 1e3
+        )
+        return self._conclude(installed, [], record, t0, switch, step)
+
     def _conclude(
         self, installed: Plan, measured: list[tuple[Plan, float]], record: dict[str, Any], t0: float,
         switch: Switch, step: int,
     ) -> bool:  # fmt: skip
-        """The re-plans are done, or a trial (or the plan the trials must beat) was measured:
-        fold ``measured`` (plans with their measured spans) into the fastest so far; then measure
-        the fastest again at the trials' length where the steps are too noisy for
-        ``replan_steps`` (:func:`trial_steps`), switch every rank to the next trial, or settle on
-        the fastest plan measured. True when the plan changed."""
+        """The re-plans are done, or a duel ended: fold ``measured`` (plans with their measured
+        spans) into the fastest so far; then start the next trial's duel against the fastest
+        (:class:`Duel`), or settle on the fastest and switch to it. True when the plan changed."""
         loop = self.loop
-        trial, baseline = loop.trial, loop.baseline
-        loop.trial = loop.baseline = False
-        if baseline:  # the plan to beat, measured at the trials' length: that span stands
-            plan, span = measured[0]
-            if span > 0:
-                loop.best = (plan, span)
-            record["baseline"] = True
-        for plan, span in [] if baseline else measured:
+        for plan, span in measured:
             if span > 0 and (loop.best is None or span < loop.best[1]):
                 loop.best = (plan, span)
                 record["best"] = True
-        if trial:
-            record["trial"] = loop.tried[-1] if loop.tried else True
-            record["kept"] = bool(record.get("best"))
-        target = None
         if loop.trials_done < loop.trials and loop.best is not None:
             if not loop.measure_steps:  # the trials' length, from the spread of the steps so far
                 loop.measure_steps = trial_steps(loop.spread, self.config.replan_gain, loop.steps)
                 record["trial_steps"] = loop.measure_steps
-                loop.baseline = loop.measure_steps > loop.steps
-            if loop.baseline:
-                target = None if same_plan(loop.best[0], installed) else loop.best[0]
-            else:
-                target = share_plan(self.topo, lambda: self._next_trial(installed, record))
-                loop.trial = target is not None
-                loop.trials_done += int(loop.trial)
-        if not loop.trial and not loop.baseline:
-            loop.settled = True
-            best = loop.best[0] if loop.best is not None else installed
-            target = None if same_plan(best, installed) else best
-        record.update(switched=target is not None, seconds=time.perf_counter() - t0)
+            best = loop.best[0]
+            trial = share_plan(self.topo, lambda: self._next_trial(installed, record))
+            if trial is not None:
+                loop.trials_done += 1
+                loop.duel = Duel(best, trial)
+                return self._install(best, installed, record, t0, switch, step)
+        loop.settled = True
+        best = loop.best[0] if loop.best is not None else installed
+        return self._install(best, installed, record, t0, switch, step)
+
+    def _install(
+        self, plan: Plan, installed: Plan, record: dict[str, Any], t0: float, switch: Switch, step: int
+    ) -> bool:  # fmt: skip
+        """Log the round, then run ``plan`` from the next step: switch every rank to it, or
+        measure the plan in place afresh. True when the plan changed."""
+        loop = self.loop
+        changed = not same_plan(plan, installed)
+        record.update(switched=changed, seconds=time.perf_counter() - t0)
         loop.history.append(record)
         if self._log:
             self._log_conclusion(record, step)
-        if target is None:
-            if loop.baseline:
-                loop.restart()  # the same plan, measured afresh at the trials' length
-            return False
-        switch(target)
-        return True
+        if changed:
+            switch(plan)
+        else:
+            loop.restart()
+        return changed
 
     def _log_conclusion(self, record: dict[str, Any], step: int) -> None:
-        loop, best = self.loop, self.loop.best
-        best_ms = best[1] * 1e3 if best is not None else 0.0
+        loop, duel = self.loop, self.loop.duel
         ms = record["measured_ms"]
         if record.get("reverted"):
-            what = (
-                f"the last re-plan measured {ms:.1f} ms per step, slower than the plan before it "
-                f"({best_ms:.1f} ms)"
-            )
+            what = f"the last re-plan measured {ms:.1f} ms per step, slower than the plan before it"
         elif "trial" in record:
-            what = f"the trial of {record['trial']} alone measured {ms:.1f} ms per step"
-        elif record.get("baseline"):
-            what = f"the plan to beat measured {ms:.1f} ms per step over {loop.measure_steps} steps"
+            what = (
+                f"the duel of {record['trial']} alone ended at {record['trial_ms']:.1f} against "
+                f"{record['beat_ms']:.1f} ms per step for the plan to beat"
+            )
+        elif "duel" in record:
+            what = f"a block of the duel measured {ms:.1f} ms per step"
         else:
             what = f"the plan measured {ms:.1f} ms per step"
-        if loop.baseline:
+        if duel is not None and duel.block == 0:
             nxt = (
-                f"the steps' spans spread {100 * loop.spread:.0f} %, so every trial is measured over "
-                f"{loop.measure_steps} steps, and first the plan to beat"
+                f"now measuring a plan of {record.get('next_trial', 'one codec')} alone in turns with "
+                f"the fastest so far, {loop.measure_steps} or more steps each (the steps' spans "
+                f"spread {100 * loop.spread:.0f} %)"
             )
-        elif loop.trial:
-            nxt = f"now measuring a plan of {record.get('next_trial', 'one codec')} alone"
+        elif duel is not None:
+            nxt = f"block {duel.block + 1} of {len(DUEL_BLOCKS)} next"
         elif record["switched"]:
-            nxt = f"settling on the fastest plan measured ({best_ms:.1f} ms)"
+            nxt = "settling on the fastest plan measured"
         else:
             nxt = "the plan stays"
         log.info("gradsync closed loop at step %d: %s; %s", step, what, nxt)

@@ -13,8 +13,9 @@ each thread its own core. The closed loop's own measurement said the same: the s
 
 So once its re-plans are done, the closed loop measures up to ``replan_trials`` plans that use
 one codec alone (a *family*: the codec on every strategy ``auto`` may run it on, each bucket
-taking the family member the model prices cheapest, or dense), each for ``replan_steps`` steps
-like any plan, and keeps whichever plan measured the shortest span: the plan it had, or a trial.
+taking the family member the model prices cheapest, or dense). Each trial is a :class:`Duel`
+with the fastest plan so far, the two run in turns (:data:`DUEL_BLOCKS`) for as many steps as
+the spread of the steps needs (:func:`trial_steps`), and the loop settles on the last winner.
 The families are tried in the order the model predicts them; a family whose plan is one the loop
 already measured is passed over. A trial switches every rank at the same step, and a switch
 carries what the ended streams owed (:mod:`gradsync.sync.carry`), so a trial loses nothing.
@@ -29,9 +30,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from gradsync.planner.closed_loop import same_plan
-from gradsync.planner.plan import Plan
+from gradsync.planner.plan import Plan, same_plan
 
 MAX_TRIAL_STEPS = 30
 """The most steps a trial (and the plan it must beat) is measured for, however noisy the steps."""
@@ -47,6 +49,81 @@ def trial_steps(spread: float, gain: float, least: int) -> int:
         return MAX_TRIAL_STEPS
     n = math.ceil(2 * (2.5 * spread / gain) ** 2)
     return max(least, min(n, MAX_TRIAL_STEPS))
+
+
+DUEL_BLOCKS: tuple[tuple[str, int], ...] = (("a", 1), ("b", 2), ("a", 2), ("b", 2), ("a", 1))
+"""A duel's blocks in order: which side runs ("a", the plan to beat; "b", the trial) and for how
+many units of steps. Each side runs 4 units, and the middles of their steps coincide (both at
+4 units from the start), so a speed that drifts linearly over the duel weighs on both alike."""
+
+
+def duel_block_steps(length: int) -> int:
+    """The steps of one unit of a duel's blocks, for sides measured over at least ``length``
+    steps each (:func:`trial_steps`): each side runs 4 units."""
+    per_side = sum(units for side, units in DUEL_BLOCKS if side == "a")
+    return max(1, math.ceil(length / per_side))
+
+
+@dataclass
+class Duel:
+    """A trial measured against the plan it must beat, in turns (:data:`DUEL_BLOCKS`).
+
+    Measured one after the other, two plans are measured at different moments, and this
+    machine's speed moves between them: on the emulated 2 x 1 cluster (issue 44, fourteenth
+    session) a top-k trial measured 241-301 ms over 30 steps within ``auto``'s run, where the
+    same plan run alone measured 195-216 ms in the same rounds, and the loop kept the slower
+    plan. In turns, a slow stretch falls on both sides, and a steady drift cancels. The block in
+    progress is :attr:`block`; :attr:`spans` holds each finished block's measured span."""
+
+    a: Plan
+    b: Plan
+    block: int = 0
+    spans: list[float] = field(default_factory=list)
+
+    @property
+    def side(self) -> str:
+        return DUEL_BLOCKS[self.block][0]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the block in progress runs."""
+        return self.a if self.side == "a" else self.b
+
+    def steps(self, unit: int) -> int:
+        """Measured steps of the block in progress (``unit``: :func:`duel_block_steps`)."""
+        return DUEL_BLOCKS[self.block][1] * unit
+
+    def record(self, span: float) -> bool:
+        """The block in progress measured ``span`` (seconds; 0 or less: nothing measured); True
+        when it was the last block."""
+        self.spans.append(span)
+        self.block += 1
+        return self.block == len(DUEL_BLOCKS)
+
+    def means(self) -> tuple[float, float]:
+        """Each side's span (a, b): the mean of its blocks' spans weighted by their length; a
+        side with nothing measured has an infinite span."""
+        out = []
+        for want in ("a", "b"):
+            pairs = [
+                (units, span)
+                for (side, units), span in zip(DUEL_BLOCKS, self.spans, strict=False)
+                if side == want and span > 0
+            ]
+            weight = sum(u for u, _ in pairs)
+            out.append(sum(u * s for u, s in pairs) / weight if weight else math.inf)
+        return out[0], out[1]
+
+    def to_state(self) -> dict[str, Any]:
+        plans = {"a": self.a.to_state(), "b": self.b.to_state()}
+        return {**plans, "block": self.block, "spans": list(self.spans)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Duel:
+        return cls(
+            Plan.from_state(state["a"]), Plan.from_state(state["b"]), int(state["block"]),
+            [float(v) for v in state["spans"]],
+        )  # fmt: skip
 
 
 def codec_families(specs: Sequence[str], candidates: Sequence[int]) -> dict[str, tuple[int, ...]]:

@@ -26,12 +26,17 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 rank = dist.get_rank()
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 35
-CONTENDERS = {
+KNOWN = {
     "hitopk": dict(scheme="hitopk:density=0.01"),
     "powersgd": dict(scheme="powersgd:rank=4"),
     "auto-notrials": dict(scheme="auto", replan_trials=0),
     "auto": dict(scheme="auto"),
+    # auto's cuts and strategies with top-k alone: what its top-k trial runs
+    "auto-topk": dict(scheme="auto:candidates=hitopk:density=0.01"),
+    "auto-topk-firstcut": dict(scheme="auto:candidates=hitopk:density=0.01", replan_recut=False),
 }
+NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["hitopk", "powersgd", "auto-notrials", "auto"]
+CONTENDERS = {name: KNOWN[name] for name in NAMES}
 torch.manual_seed(0)
 base = build_model_for("vgg", "classify", (3, 32, 32), 10)
 g = torch.Generator().manual_seed(rank)

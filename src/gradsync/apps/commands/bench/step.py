@@ -209,12 +209,12 @@ def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -
     return ddp
 
 
-SETTLE_STEPS = 120
+SETTLE_STEPS = 160
 """At most this many more unmeasured steps while a gradsync contender's closed loop is still
-re-planning (by default it settles within 5 x 4 steps of the first plan, its trials included,
-and where the steps are noisy within 3 x 4 + 3 x 31: the trials and the plan they must beat are
-then measured over up to 30 steps each): the measured steps are those of the plan the run goes
-on with."""
+re-planning (by default it settles within 3 x 4 steps of the first plan and 2 x 13 of its
+trials' duels, and where the steps are noisy within 3 x 4 + 2 x 69: each duel then runs its two
+plans in five blocks of 8, 16, 16, 16 and 8 steps, each after one unmeasured step): the
+measured steps are those of the plan the run goes on with."""
 
 
 def _settling(synced: gradsync.GradSync | None) -> bool:
