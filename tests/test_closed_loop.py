@@ -24,9 +24,10 @@ from gradsync.planner.closed_loop import (
     Sample,
     comm_seconds,
     kept_streams,
+    pooled_spread,
     refit,
     refit_links,
-    relative_spread,
+    relative_deviations,
 )
 from gradsync.planner.decide import make_plan
 from gradsync.planner.plan import BucketPlan, Plan, same_plan
@@ -350,6 +351,32 @@ def test_the_loop_counts_the_same_steps_on_every_rank():
     assert again.settled and not again.active
 
 
+def test_the_loop_pools_the_spread_of_its_rounds():
+    """The spread the trials' length comes from pools every round's steps, each against its own
+    round's median (a round's three steps alone would give the smaller of two deviations)."""
+    from gradsync.sync.stats import StepStats
+
+    loop = ClosedLoop(replan=2, steps=3, gain=0.05)
+    rounds = ([0.100, 0.110, 0.090], [0.200, 0.160, 0.220], [0.100, 0.100, 0.100])
+    seen = []
+    for spans in rounds:
+        loop.restart()
+        loop.observe(
+            StepStats(step=0, dense=False, buckets=0, compressed_buckets=0, launched_in_backward=0), True
+        )
+        for i, span in enumerate(spans):
+            step = StepStats(step=0, dense=False, buckets=0, compressed_buckets=0, launched_in_backward=0,
+                             backward_s=span / 2, exposed_s=span / 2)  # fmt: skip
+            assert loop.observe(step, True) == (i == len(spans) - 1)
+        _, median = loop.agreed(Topology(), 0)
+        assert median == pytest.approx(sorted(spans)[1])
+        seen.append(loop.spread)
+    # written out: round 1 deviates by 0.1, 0.1; round 2 by 0.2, 0.1; round 3 by 0, 0
+    assert seen[0] == pytest.approx(1.4826 * 0.1)
+    assert seen[1] == pytest.approx(1.4826 * 0.1)  # median of 0.1, 0.1, 0.1, 0.2
+    assert seen[2] == pytest.approx(1.4826 * 0.1)  # median of 0, 0, 0.1, 0.1, 0.1, 0.2
+
+
 def test_the_ready_profile_is_the_median_of_the_measured_steps():
     """Per parameter the median over the measured steps of its ready time after each step's first
     gradient; a parameter never ready has none; the order follows the medians."""
@@ -431,9 +458,14 @@ def test_a_duel_runs_both_plans_in_turns_and_a_steady_drift_cancels():
 
 
 def test_the_trials_length_follows_the_spread_of_the_steps():
-    # the median absolute deviation of 1.0, 1.1, 0.9, 1.2, 0.8 about 1.0 is 0.1: 1.4826 x 0.1
-    assert relative_spread([1.0, 1.1, 0.9, 1.2, 0.8]) == pytest.approx(0.14826)
-    assert relative_spread([2.0]) == 0.0
+    # 1.0, 1.1, 0.9, 1.2, 0.8 about their median 1.0: 0.1, 0.1, 0.2, 0.2 (the median itself left out)
+    assert relative_deviations([1.0, 1.1, 0.9, 1.2, 0.8]) == pytest.approx([0.1, 0.1, 0.2, 0.2])
+    assert relative_deviations([2.0, 3.0]) == pytest.approx([0.2, 0.2])  # about 2.5
+    assert relative_deviations([2.0]) == [] and relative_deviations([]) == []
+    # pooled over rounds: 1.4826 x the median of 0.1, 0.1, 0.2, 0.2, 0.2, 0.2 (0.2)
+    pool = relative_deviations([1.0, 1.1, 0.9, 1.2, 0.8]) + relative_deviations([2.0, 3.0])
+    assert pooled_spread(pool) == pytest.approx(1.4826 * 0.2)
+    assert pooled_spread([0.3]) == 0.0
     # n = ceil(2 (2.5 s / g)^2): s = 0.02, g = 0.05 -> 2, so the least; s = 0.03 -> 4.5 -> 5
     assert trial_steps(0.02, 0.05, 3) == 3
     assert trial_steps(0.03, 0.05, 3) == 5

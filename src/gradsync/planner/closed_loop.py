@@ -478,11 +478,12 @@ class ClosedLoop:
     """Steps each side of a duel is measured for (:func:`gradsync.planner.trials.trial_steps`;
     0 before the trials)."""
     spread: float = 0.0
-    """The largest agreed spread of the measured steps' spans so far (robust, relative; the
-    maximum over the ranks and the rounds)."""
+    """The agreed spread of the measured steps' spans (:func:`pooled_spread` of every measured
+    step so far, each against its round's median; the maximum over the ranks)."""
     _rows: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _spans: list[float] = field(default_factory=list)
     _ready: list[list[float | None]] = field(default_factory=list)  # per measured step: per slot
+    _deviations: list[float] = field(default_factory=list)  # every round's relative_deviations
 
     @property
     def active(self) -> bool:
@@ -538,8 +539,8 @@ class ClosedLoop:
         from their first ready gradient to the end of synchronization, maximum over the ranks
         (the part of a step the plan changes; -1 when nothing was measured). One collective on
         the control group, so every rank holds the same numbers; it also agrees the spans'
-        spread (:func:`relative_spread`, the maximum over the ranks), kept in :attr:`spread` when it
-        is the largest yet."""
+        spread, :attr:`spread` (this rank's steps of every round so far, each against its round's
+        median: :func:`relative_deviations`, :func:`pooled_spread`; the maximum over the ranks)."""
         t = torch.full((buckets + 1, 3), MISSING, dtype=torch.float64)
         rows = [r for r in self._rows if len(r) == buckets]
         for b in range(buckets):
@@ -547,7 +548,8 @@ class ClosedLoop:
                 t[b] = torch.tensor([statistics.median(r[b][k] for r in rows) for k in range(3)])
         if self._spans:
             t[buckets, 0] = statistics.median(self._spans)
-            t[buckets, 1] = relative_spread(self._spans)
+            self._deviations += relative_deviations(self._spans)
+        t[buckets, 1] = pooled_spread(self._deviations)
         t = t.to(topo.comm_device)
         if topo.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.control_group)
@@ -555,7 +557,7 @@ class ClosedLoop:
         rows_out = t.cpu().tolist()
         for row in rows_out[:buckets]:
             out.append(None if row[0] < 0 else (row[0], row[1], row[2]))
-        self.spread = max(rows_out[buckets][1], self.spread)
+        self.spread = max(rows_out[buckets][1], 0.0)
         return out, rows_out[buckets][0]
 
     def worse_than_before(self, span: float) -> bool:
@@ -613,15 +615,27 @@ class ClosedLoop:
         self.restart()
 
 
-def relative_spread(values: Sequence[float]) -> float:
-    """A robust relative spread of ``values``: 1.4826 x their median absolute deviation over their
-    median (the standard deviation over the mean, for normal values; 0 for fewer than two)."""
-    if len(values) < 2:
-        return 0.0
+def relative_deviations(values: Sequence[float]) -> list[float]:
+    """How far each of ``values`` lies from their median, relative to it; for an odd count
+    without the value that is the median (its deviation is 0 by construction, and with three
+    values it would make a third of them 0)."""
+    if not values:
+        return []
     mid = statistics.median(values)
     if mid <= 0:
+        return []
+    out = sorted(abs(v / mid - 1.0) for v in values)
+    return out[1:] if len(out) % 2 else out
+
+
+def pooled_spread(deviations: Sequence[float]) -> float:
+    """A robust relative spread from :func:`relative_deviations` pooled over rounds: 1.4826 x
+    their median (the standard deviation over the mean, for normal values; 0 for fewer than
+    two). The loop measures a few steps per round, and the median absolute deviation of three
+    values alone says little; pooled over the rounds it settles."""
+    if len(deviations) < 2:
         return 0.0
-    return 1.4826 * statistics.median(abs(v - mid) for v in values) / mid
+    return 1.4826 * statistics.median(deviations)
 
 
 def samples_of(

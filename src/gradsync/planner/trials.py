@@ -41,7 +41,7 @@ MAX_TRIAL_STEPS = 30
 
 def trial_steps(spread: float, gain: float, least: int) -> int:
     """Steps to measure each trial and the plan it must beat for, given the spans' relative
-    ``spread`` (:func:`gradsync.planner.closed_loop.relative_spread`): enough that the
+    ``spread`` (:func:`gradsync.planner.closed_loop.pooled_spread`): enough that the
     difference of the two medians has a standard deviation of at most ``gain / 2`` (a median of
     n steps is off by about 1.25 spread / sqrt(n)), so that a plan ``gain`` faster wins about
     49 times in 50; at least ``least``, at most :data:`MAX_TRIAL_STEPS`."""
