@@ -34,6 +34,8 @@ KNOWN = {
     # auto's cuts and strategies with top-k alone: what its top-k trial runs
     "auto-topk": dict(scheme="auto:candidates=hitopk:density=0.01"),
     "auto-topk-firstcut": dict(scheme="auto:candidates=hitopk:density=0.01", replan_recut=False),
+    # and with PowerSGD alone: what a PowerSGD trial runs
+    "auto-powersgd": dict(scheme="auto:candidates=powersgd:rank=4"),
 }
 NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["hitopk", "powersgd", "auto-notrials", "auto"]
 CONTENDERS = {name: KNOWN[name] for name in NAMES}
