@@ -12,8 +12,8 @@ each thread its own core. The closed loop's own measurement said the same: the s
 ``hitopk``'s steps was 4-6 % below that of ``auto``'s first plan in each run.
 
 So once its re-plans are done, the closed loop measures up to ``replan_trials`` plans that use
-one codec alone (a *family*: the codec on every strategy ``auto`` may run it on, each bucket
-taking the family member the model prices cheapest, or dense). Each trial is a :class:`Duel`
+one codec alone, on the strategy it was named with (:func:`codec_families`; each bucket
+compressed with it or dense, as the model prices cheaper). Each trial is a :class:`Duel`
 with the fastest plan so far, the two run in turns (:data:`DUEL_BLOCKS`) for as many steps as
 the spread of the steps needs (:func:`trial_steps`), and the loop settles on the last winner.
 The families are tried in the order the model predicts them; a family whose plan is one the loop
@@ -127,15 +127,24 @@ class Duel:
 
 
 def codec_families(specs: Sequence[str], candidates: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The codec ids of each codec (``specs``: each codec id's spec, the engine's codecs in
-    order), for a scheme with ``candidates``; empty where there is nothing to try (no
-    candidates, or all of one codec)."""
+    """The codec id a trial of each codec runs (``specs``: each codec id's spec, the engine's
+    codecs in order), for a scheme with ``candidates``; empty where there is nothing to try (no
+    candidates, or all of one codec).
+
+    A codec's first id is the scheme it was named with (the scheme's own, then the named
+    candidates, then the other strategies ``auto`` may run each on: :meth:`Scheme.alternatives`),
+    and a trial runs that one alone: the plan a fixed scheme of the codec runs, on the buckets
+    ``auto`` cut. The other strategies are left to the re-plans, whose switches the revert guard
+    checks. A trial of the strategies the refitted model prices cheapest put VGG's large layers on
+    the compressed ring in a 2 x 1 run (issue 44, fourteenth session), a collective the refit had
+    never measured; it ran 39 % slower than the plan it had to beat, where the same codec on its
+    all-gather matched that plan."""
     if not candidates:
         return {}
-    out: dict[str, list[int]] = {}
+    out: dict[str, tuple[int, ...]] = {}
     for cid, spec in enumerate(specs):
-        out.setdefault(spec, []).append(cid)
-    return {spec: tuple(ids) for spec, ids in out.items()} if len(out) > 1 else {}
+        out.setdefault(spec, (cid,))
+    return out if len(out) > 1 else {}
 
 
 def trial_plans(
