@@ -8,45 +8,25 @@ from the first ready gradient, plus the exposed synchronization), and the engine
 times summed over the buckets (compute, decode, inside collectives)."""
 
 import copy
-import datetime
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from probe_world import join, plan_codecs, slowest
 
 import gradsync
-from gradsync.apps.models import build_model_for
 from gradsync.observe.profiler import default_loss
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-rank = dist.get_rank()
+rank, base, x, y = join()
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 FIELDS = ("step", "span", "bwd", "exp", "compute", "decode", "comm")
-torch.manual_seed(0)
-base = build_model_for("vgg", "classify", (3, 32, 32), 10)
-g = torch.Generator().manual_seed(rank)
-x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def slowest(*v: float) -> list[float]:
-    t = torch.tensor(v, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def role(synced: gradsync.GradSync) -> str:
     loop = synced.engine.loop
     return loop.duel.side if loop.duel is not None else "settled" if loop.settled else "-"
-
-
-def codecs(synced: gradsync.GradSync) -> str:
-    e = synced.engine
-    if e.plan is None:
-        return "-"
-    return ",".join(e.codecs[b.codec_id].spec().split(":")[0] for b in e.plan.buckets if b.compress)
 
 
 def report(r: int, stretch: list[tuple[int, str, str, list[float]]]) -> None:
@@ -61,7 +41,7 @@ for r in range(ROUNDS):
     opt = torch.optim.SGD(synced.parameters(), lr=0.01, momentum=0.9)
     rows = []
     for i in range(200):
-        plan, part = codecs(synced), role(synced)  # what this step runs (a round ends after a step)
+        plan, part = plan_codecs(synced), role(synced)  # what this step runs (a round ends after a step)
         dist.barrier()
         t0 = time.perf_counter()
         default_loss(synced(x), y).backward()

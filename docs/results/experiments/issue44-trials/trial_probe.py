@@ -9,21 +9,18 @@ over the steps after the closed loop settled; for ``auto`` the closed loop's rou
 span, trial, kept) and the plan it settled on (codec per compressed bucket)."""
 
 import copy
-import datetime
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from probe_world import join, plan_codecs, slowest
 
 import gradsync
-from gradsync.apps.models import build_model_for
 from gradsync.observe.profiler import default_loss
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-rank = dist.get_rank()
+rank, base, x, y = join()
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 35
 KNOWN = {
@@ -39,23 +36,6 @@ KNOWN = {
 }
 NAMES = sys.argv[3].split(",") if len(sys.argv) > 3 else ["hitopk", "powersgd", "auto-notrials", "auto"]
 CONTENDERS = {name: KNOWN[name] for name in NAMES}
-torch.manual_seed(0)
-base = build_model_for("vgg", "classify", (3, 32, 32), 10)
-g = torch.Generator().manual_seed(rank)
-x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def slowest(*v: float) -> list[float]:
-    t = torch.tensor(v, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def plan_codecs(synced: gradsync.GradSync) -> str:
-    e = synced.engine
-    names = [e.codecs[b.codec_id].spec().split(":")[0] for b in e.plan.buckets if b.compress]
-    return ",".join(n.split("+")[0] for n in names)
-
 
 for r in range(ROUNDS):
     for name, options in CONTENDERS.items():
