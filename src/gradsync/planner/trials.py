@@ -137,7 +137,7 @@ def codec_families(specs: Sequence[str], candidates: Sequence[int]) -> dict[str,
     ``auto`` cut. The other strategies are left to the re-plans, whose switches the revert guard
     checks. A trial of the strategies the refitted model prices cheapest put VGG's large layers on
     the compressed ring in a 2 x 1 run (issue 44, fourteenth session), a collective the refit had
-    never measured; it ran 39 % slower than the plan it had to beat, where the same codec on its
+    never measured; it ran 37 % slower than the plan it had to beat, where the same codec on its
     all-gather matched that plan."""
     if not candidates:
         return {}
