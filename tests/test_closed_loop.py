@@ -458,6 +458,27 @@ def test_a_duel_runs_both_plans_in_turns_and_a_steady_drift_cancels():
     assert again.block == 5 and again.spans == duel.spans and same_plan(again.a, a)
 
 
+def test_a_state_saved_before_the_duels_goes_on_with_the_trials_left():
+    """A state from the version that measured trials one after the other (its ``trial`` and
+    ``baseline`` flags) loads without a duel in progress, with the trials done, the length and
+    the fastest plan kept; a duel saved now comes back at its block."""
+    best = Plan([BucketPlan([0], 1, True, 1)])
+    old = {
+        "replans": 2, "settled": False, "trials_done": 1, "trial": True, "baseline": False,
+        "tried": ["powersgd+ef"], "measure_steps": 30, "best_plan": best.to_state(), "best_span": 0.2,
+    }  # fmt: skip
+    loop = ClosedLoop(replan=2, steps=3, gain=0.05)
+    loop.load_state_dict(old)
+    assert loop.duel is None and loop.trials_done == 1 and loop.measure_steps == 30
+    assert loop.best is not None and same_plan(loop.best[0], best) and loop.best[1] == 0.2
+    assert loop.round_steps() == 3 and loop.active
+    loop.duel = Duel(best, Plan([BucketPlan([0], 0, True, 1)]), block=1, spans=[0.2])
+    again = ClosedLoop(replan=2, steps=3, gain=0.05)
+    again.load_state_dict(loop.state_dict())
+    assert again.duel is not None and again.duel.block == 1 and again.duel.spans == [0.2]
+    assert again.round_steps() == 2 * duel_block_steps(30) == 16
+
+
 def test_the_trials_length_follows_the_spread_of_the_steps():
     # 1.0, 1.1, 0.9, 1.2, 0.8 about their median 1.0: 0.1, 0.1, 0.2, 0.2 (the median itself left out)
     assert relative_deviations([1.0, 1.1, 0.9, 1.2, 0.8]) == pytest.approx([0.1, 0.1, 0.2, 0.2])

@@ -557,7 +557,7 @@ class ClosedLoop:
         rows_out = t.cpu().tolist()
         for row in rows_out[:buckets]:
             out.append(None if row[0] < 0 else (row[0], row[1], row[2]))
-        self.spread = max(rows_out[buckets][1], 0.0)
+        self.spread = rows_out[buckets][1]
         return out, rows_out[buckets][0]
 
     def worse_than_before(self, span: float) -> bool:

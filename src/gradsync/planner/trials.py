@@ -68,11 +68,11 @@ def duel_block_steps(length: int) -> int:
 class Duel:
     """A trial measured against the plan it must beat, in turns (:data:`DUEL_BLOCKS`).
 
-    Measured one after the other, two plans are measured at different moments, and this
-    machine's speed moves between them: on the emulated 2 x 1 cluster (issue 44, fourteenth
-    session) a top-k trial measured 241-301 ms over 30 steps within ``auto``'s run, where the
-    same plan run alone measured 195-216 ms in the same rounds, and the loop kept the slower
-    plan. In turns, a slow stretch falls on both sides, and a steady drift cancels. The block in
+    Measured one after the other, two plans are measured at different moments, and the
+    machine's speed moves between them: in a 2 x 1 run on the emulated cluster (issue 44,
+    thirteenth session) the spans fell phase by phase (225, 208, 192 ms) and each later plan was
+    kept. In turns, a slow stretch falls on both sides more often than on one, and a steady
+    drift cancels. The block in
     progress is :attr:`block`; :attr:`spans` holds each finished block's measured span."""
 
     a: Plan
