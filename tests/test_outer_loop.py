@@ -302,8 +302,67 @@ def check_one_node_sends_nothing():
     outer.close()
 
 
+def check_ranks_seeded_differently_start_from_rank_0s_model():
+    """Ranks that initialize their models differently (a DDP user need not seed alike: DDP
+    broadcasts) all start from rank 0's parameters and buffers, in the documented order
+    (OuterLoop first, then DDP over the inner group), on 2 x 2 and as one node of 4; under FSDP2
+    inside the node each shard starts from node 0's. Before the fix each rank's anchor was its
+    own initial weights, and the nodes drifted apart at every meeting."""
+    rank = dist.get_rank()
+
+    def seeded(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+        net[1].running_mean.normal_()
+        return net
+
+    reference = seeded(100)  # rank 0's model, made on every rank to compare with
+    with expect_all() as expect:
+        for label, topo in (("2 x 2", Topology(nodes=NODES, per_node=PER_NODE)),
+                            ("1 x 4", Topology(nodes=1, per_node=NODES * PER_NODE))):  # fmt: skip
+            net = seeded(100 + rank)
+            outer = OuterLoop(net, topology=topo, every=2)
+            with expect(f"{label}: rank 0's parameters and buffers at the start"):
+                for got, want in zip(net.state_dict().values(), reference.state_dict().values(), strict=True):
+                    assert torch.equal(got, want)
+                for a, want in zip(outer.anchors, reference.parameters(), strict=True):
+                    assert torch.equal(a, want.detach())
+            model = DDP(net, process_group=outer.inner_group) if outer.inner_group else net
+            opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+            for t in range(1, 7):
+                x, y = data(rank, t)
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                outer.step()
+            outer.close()
+            with expect(f"{label}: the same model on every rank after three meetings"):
+                same_on_every_rank([*net.parameters(), *outer.anchors], label)
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("node", "shard"))
+        torch.manual_seed(100 + rank)
+        net = Net.__new__(Net)
+        nn.Module.__init__(net)
+        net.a, net.b = nn.Linear(6, 8), nn.Linear(8, 3)
+        for m in (net.a, net.b, net):
+            fully_shard(m, mesh=mesh["shard"])
+        outer = OuterLoop(net, topology=Topology(nodes=NODES, per_node=PER_NODE), every=2)
+        shards = [p.to_local().detach().clone() for p in net.parameters()]
+        peer = [s.clone() for s in shards]
+        for s in peer:  # the same local index on node 0 is the reference
+            dist.broadcast(s, dist.get_rank() % PER_NODE, group=outer.topo.inter_group)
+        with expect("FSDP2: each shard starts from node 0's"):
+            for s, want, a in zip(shards, peer, outer.anchors, strict=True):
+                assert torch.equal(s, want) and torch.equal(a, want)
+        outer.close()
+
+
 def _world():
     run_checks(
+        named_check(check_ranks_seeded_differently_start_from_rank_0s_model),
         named_check(check_one_node_sends_nothing),
         named_check(check_fsdp_inside_the_node_is_diloco_written_out),
         named_check(check_buffers_are_averaged_when_fragment_zero_lands),

@@ -88,7 +88,9 @@ class OuterLoop:
     nodes x ranks per node (default: torchrun's layout).
 
     Every argument is checked on every rank, then the ranks check that they agree (one small
-    all-gather), before any other collective.
+    all-gather), before any other collective. Then every rank takes rank 0's parameters and
+    buffers (as DDP does at construction; under FSDP2, node 0's shards), so the anchors, taken
+    next, are the same everywhere however each rank initialized its model.
     """
 
     def __init__(
@@ -142,7 +144,9 @@ class OuterLoop:
                 every=every, fragments=fragments, delay=delay, mix=str(mix), codec=str(codec),
                 outer_lr=str(outer_lr), outer_momentum=str(outer_momentum), nesterov=int(nesterov),
                 parameters=";".join(self._config()["parameters"]),
+                buffers=";".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()),
             )  # fmt: skip
+        self._start_alike(module)
         # the shared parameters (where the workers last met; this rank's shards under FSDP2), in
         # float32, and their optimizer
         self.anchors = [_local(p).detach().float().clone() for p in self.params]
@@ -175,6 +179,25 @@ class OuterLoop:
         self._hook = None
         if optimizer is not None:  # the inner optimizer's steps call step()
             self._hook = optimizer.register_step_post_hook(self._after_inner_step)
+
+    def _start_alike(self, module: nn.Module) -> None:
+        """Every rank takes rank 0's parameters and buffers before the anchors are taken, as DDP
+        does at construction: ranks that initialized differently (DDP users need not seed alike)
+        would otherwise keep anchors of their own and drift apart at every meeting. Under FSDP2
+        each rank takes the shards of the rank with its local index on node 0 (the shards of
+        one node are different parts of one model; the nodes' copies must agree)."""
+        topo = self.topo
+        if topo.world == 1:
+            return
+        with torch.no_grad():
+            for p in module.parameters():
+                if isinstance(p, DTensor):
+                    # the rank with this local index on node 0 (global rank = local index)
+                    P.broadcast(p.to_local(), topo.local_rank, topo.inter_group, "inter")
+                else:
+                    P.broadcast(p.data, 0, topo.control_group, "world")
+            for b in module.buffers():
+                P.broadcast(b.data, 0, topo.control_group, "world")
 
     def trace(self, tracer: TraceRecorder) -> None:
         """Record each exchange's slices on gradsync's threads (compute and communication, beside
