@@ -198,6 +198,34 @@ def test_resident_error_feedback_owes_exactly_what_was_not_sent(spec):
     torch.testing.assert_close(codec.residual("").double(), before, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:density=0.1+ef:momentum=0.9,masking=false",
+        "mstopk:density=0.1+ef:momentum=0.9,masking=false",
+        "topk:density=0.1+ef:momentum=0.9,nesterov=true",
+    ],
+)
+def test_a_non_finite_first_round_with_momentum_is_discarded_as_on_the_host_path(spec):
+    """The stream's first gradient holds a NaN: no momentum existed before it, so what is kept is
+    zero momentum (the host path discards the step); before the fix the resident path kept the
+    NaN momentum, and every later payload of the stream decoded to NaN."""
+    first = sample(30, 1000)
+    first[3] = math.nan
+    later = [sample(31 + i, 1000) for i in range(3)]
+    host = build_codec(spec)
+    device = resident(spec)
+    for codec in (host, device):
+        assert codec.encode(first, loss_scale=1.0).nonfinite
+    for g in later:
+        want = host.decode(host.encode(g))
+        got = device.decode(device.encode(g))
+        assert torch.isfinite(got).all(), spec
+        # the same elements and values as the host path, which discarded the first round
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(device.residual(""), host.residual(""), atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------------------- the audit
 @pytest.mark.parametrize("spec", [*EVERY, "dgc:density=0.01+ef", "powersgd:rank=4+ef"])
 def test_resident_encode_and_decode_read_nothing_on_the_host(spec):

@@ -213,8 +213,13 @@ class ErrorFeedback(Compressor):
         s = self._streams[key]
         if s.residual is not None and s.spare is not None:
             s.residual.copy_(torch.where(flag, s.spare, s.residual))
-        if s.momentum is not None and s.spare_u is not None:
-            s.momentum.copy_(torch.where(flag, s.spare_u, s.momentum))
+        if s.momentum is not None:  # none before this commit (the stream's first): it was zero
+            before = (
+                s.spare_u
+                if s.spare_u is not None
+                else torch.zeros((), dtype=s.momentum.dtype, device=s.momentum.device)
+            )
+            s.momentum.copy_(torch.where(flag, before, s.momentum))
 
     def owed(self) -> list[Owed]:
         """What every stream still owes, unscaled copies with each stream's offset."""
