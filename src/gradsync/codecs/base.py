@@ -23,7 +23,7 @@ import abc
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -31,8 +31,9 @@ import torch
 
 from gradsync.codecs.compressor import Compressor
 from gradsync.codecs.config import CodecConfig, SparsityConfig
+from gradsync.codecs.graphs import Replayer
 from gradsync.codecs.ops.backend import backend
-from gradsync.codecs.ops.random import make_generator
+from gradsync.codecs.ops.random import device_words, make_generator
 from gradsync.codecs.ops.workspace import Workspace
 from gradsync.codecs.payload import Flag, Header, Layout, Payload, allocate, write_header
 
@@ -65,6 +66,15 @@ class Stream:
 
     calls: int = 0
     generator: torch.Generator | None = None
+    counter: torch.Tensor | None = None
+    """Resident mode of a randomized codec: how many calls drew random words, as a 0-dim int64
+    tensor on the device, advanced there (:func:`~gradsync.codecs.ops.device_words`), so that a
+    replayed graph draws new words on every call (the host path draws from ``generator``)."""
+
+    def words(self, count: int = 2) -> torch.Tensor:
+        """``count`` random 32-bit words for this call of a resident codec (a device tensor)."""
+        assert self.counter is not None and self.generator is not None, "a randomized codec's stream"
+        return device_words(self.counter, self.generator.initial_seed(), count)
 
 
 StreamT = TypeVar("StreamT", bound=Stream)
@@ -102,6 +112,11 @@ class Codec(Compressor, Generic[StreamT]):
         """A density that replaces the configured one for now (the sync engine's density
         schedule, a sparsity warm-up); only for :attr:`schedulable` codecs."""
         self._resident = False
+        self.replayer = Replayer(self.name)
+        """The CUDA graphs of this codec's resident work (:mod:`gradsync.codecs.graphs`)."""
+        self._slots: dict[str, tuple[list[torch.Tensor], int]] = {}
+        # resident payload buffers by stream key: two, used in turn, so that a graph writes
+        # the same bytes every other call and a payload still being sent is never overwritten
 
     @property
     def resident(self) -> bool:
@@ -118,6 +133,55 @@ class Codec(Compressor, Generic[StreamT]):
     def _on_device(self) -> bool:
         """Resident and able to stay on the device: the host-free versions run."""
         return self._resident and self.host_free
+
+    capturable: ClassVar[bool] = False
+    """The resident encode and decode keep the contract of :mod:`gradsync.codecs.graphs`
+    (device work only, no Python state changed inside, what varies in device tensors), so they
+    are replayed as CUDA graphs."""
+
+    @property
+    def replays(self) -> bool:
+        """Whether resident encodes and decodes go through :attr:`replayer`."""
+        return self._on_device and self.capturable
+
+    def before_device_work(self, stream: StreamT, device: torch.device) -> tuple[Any, ...]:
+        """Python's part of a resident encode, before the device work: the stream's device state
+        made where missing, and the decisions the work depends on (constants of its graph)."""
+        if self.randomized and stream.counter is None:
+            stream.counter = torch.zeros((), dtype=torch.int64, device=device)
+        return ()
+
+    def after_device_work(self, stream: StreamT) -> None:
+        """Python's part of a resident encode after the device work (counters kept on the host)."""
+        stream.calls += 1
+
+    def device_state(self, stream: StreamT) -> list[torch.Tensor]:
+        """The stream's tensors, which the resident work reads and updates in place."""
+        return [getattr(stream, name) for name in _tensor_fields(stream)]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def bound_state(stream: StreamT, tensors: list[torch.Tensor]) -> Iterator[None]:
+        """Inside the block the stream's tensor fields are ``tensors`` (those a replayed function
+        was given: the same objects in a CUDA capture, their traced stand-ins in the CPU's
+        emulation), then the stream's own again."""
+        names = _tensor_fields(stream)
+        own = [getattr(stream, n) for n in names]
+        for n, t in zip(names, tensors, strict=True):
+            setattr(stream, n, t)
+        try:
+            yield
+        finally:
+            for n, t in zip(names, own, strict=True):
+                setattr(stream, n, t)
+
+    def payload_slot(self, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The next of the stream's two resident payload buffers (made at the first call)."""
+        bufs, turn = self._slots.get(key, ([], 0))
+        if len(bufs) != 2 or bufs[0].numel() < nbytes or bufs[0].device != device:
+            bufs, turn = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)], 0
+        self._slots[key] = (bufs, 1 - turn)
+        return bufs[turn][:nbytes]
 
     @property
     def schedulable(self) -> bool:
@@ -153,9 +217,14 @@ class Codec(Compressor, Generic[StreamT]):
         loss_scale: float = 1.0,
     ) -> Payload:
         """Compress ``x``. ``out`` (uint8, at least :meth:`max_nbytes`) avoids an allocation.
-        ``loss_scale`` is unused: a codec's state does not depend on the gradient's scale."""
+        ``loss_scale`` is unused: a codec's state does not depend on the gradient's scale.
+
+        A resident payload (:attr:`replays`) lives in one of the stream's two buffers: it stays
+        valid until the second next encode of the same stream."""
         ctx = ctx or EncodeContext()
         flat = self._flatten(x)
+        if self.replays and flat.numel():
+            return self._encode_replayed(flat, x.shape, ctx, out)
         return self._encode_in_stream(flat, ctx, lambda stream: self._encode(flat, x.shape, ctx, stream, out))
 
     def _encode_in_stream(
@@ -165,10 +234,45 @@ class Codec(Compressor, Generic[StreamT]):
         first, under the codec's operator backend, the stream's call counted after."""
         self.check_numel(flat.numel())
         stream = follow_device(self.stream(ctx.key), flat.device)
+        if self._on_device:
+            self.before_device_work(stream, flat.device)
         with self._ops_backend():
             payload = encode(stream)
-        stream.calls += 1
+        if self._on_device:
+            self.after_device_work(stream)
+        else:
+            stream.calls += 1
         return payload
+
+    def _encode_replayed(
+        self, flat: torch.Tensor, shape: torch.Size, ctx: EncodeContext, out: torch.Tensor | None
+    ) -> Payload:
+        """The resident encode as the replay of a graph (:attr:`replayer`): Python's decisions
+        first, then the device work into a stream's payload buffer (or ``out``)."""
+        self.check_numel(flat.numel())
+        stream = follow_device(self.stream(ctx.key), flat.device)
+        decided = self.before_device_work(stream, flat.device)
+        nbytes = self.max_nbytes(flat.numel(), shape, flat.dtype)
+        data = (
+            allocate(nbytes, flat.device, out)
+            if out is not None
+            else self.payload_slot(ctx.key, nbytes, flat.device)
+        )
+        agreed = ctx.amax if isinstance(ctx.amax, torch.Tensor) else None
+        inputs = [flat] if agreed is None else [flat, agreed]
+
+        def work(x: torch.Tensor, *rest: torch.Tensor) -> None:
+            c = ctx if agreed is None else dataclasses.replace(ctx, amax=rest[0])
+            data, *state = rest[len(inputs) - 1 :]
+            with self._ops_backend(), self.bound_state(stream, state):
+                self._encode(x, shape, c, stream, data)
+
+        consts = (tuple(shape), ctx.rank, ctx.summands, None if agreed is not None else ctx.amax, decided)
+        self.replayer.run(
+            "encode", work, inputs=inputs, static=[data, *self.device_state(stream)], consts=consts
+        )
+        self.after_device_work(stream)
+        return Payload(data, self.name, shape, flat.dtype)
 
     def encode_sum(
         self,
@@ -212,10 +316,24 @@ class Codec(Compressor, Generic[StreamT]):
         if not self._on_device and payload.nonfinite:
             flat.fill_(math.nan)
             return out
-        with self._ops_backend():
-            self._decode(payload, flat, accumulate, scale)
-        if self._on_device and flat.is_floating_point():  # the flags stay on the device: NaN
-            flat.masked_fill_(payload.flag_word(), math.nan)  # where flagged, after decoding
+        if not self._on_device:
+            with self._ops_backend():
+                self._decode(payload, flat, accumulate, scale)
+            return out
+        shape, dtype = payload.shape, payload.dtype
+
+        def work(data: torch.Tensor, into: torch.Tensor) -> None:
+            p = Payload(data, self.name, shape, dtype)
+            with self._ops_backend():
+                self._decode(p, into, accumulate, scale)
+            if into.is_floating_point():  # the flags stay on the device: NaN where flagged
+                into.masked_fill_(p.flag_word(), math.nan)
+
+        if self.replays and flat.numel():
+            consts = (tuple(shape), dtype, accumulate, scale)
+            self.replayer.run("decode", work, inputs=[payload.data], static=[flat], consts=consts)
+        else:
+            work(payload.data, flat)
         return out
 
     def _ops_backend(self) -> contextlib.AbstractContextManager[None]:
@@ -288,11 +406,16 @@ class Codec(Compressor, Generic[StreamT]):
     def reset_state(self) -> None:
         """Forget every stream (thresholds, factors, generators, counters)."""
         self._streams.clear()
+        self._slots.clear()
+        self.replayer.clear()
 
     def drop_streams(self, keep: Callable[[str], bool]) -> list[str]:
         dropped = sorted(k for k in self._streams if not keep(k))
         for k in dropped:
             del self._streams[k]
+            self._slots.pop(k, None)
+        if dropped:
+            self.replayer.clear()
         return dropped
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,6 +440,7 @@ class Codec(Compressor, Generic[StreamT]):
             detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in diff)
             raise ValueError(f"{self.name}: state was saved with a different config ({detail})")
         self._streams.clear()
+        self.replayer.clear()  # the streams' tensors are new: graphs of the old ones would not see them
         for key, fields in state.get("streams", {}).items():
             s = self.stream(key)
             for f in dataclasses.fields(s):
@@ -374,6 +498,10 @@ class Codec(Compressor, Generic[StreamT]):
         write_header(data, header)
         payload._header = header
         return payload
+
+
+def _tensor_fields(stream: Stream) -> list[str]:
+    return [f.name for f in dataclasses.fields(stream) if isinstance(getattr(stream, f.name), torch.Tensor)]
 
 
 def _shape(numel: int, shape: torch.Size | tuple[int, ...] | None) -> torch.Size:

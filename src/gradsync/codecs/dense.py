@@ -52,6 +52,7 @@ class NoCompression(Codec[Stream]):
 
     name = "none"
     Config = NoneConfig
+    capturable = True
     summable = True
     lossless = True
     biased = False
@@ -132,6 +133,7 @@ class _HalfCodec(Codec[CastStream]):
 
     summable = True
     agreed_scale = True
+    capturable = True
     biased = False  # round to nearest: too small an error to accumulate
     StreamType = CastStream
     fmt: ClassVar[torch.dtype]

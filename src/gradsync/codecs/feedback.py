@@ -43,6 +43,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -51,11 +52,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradsync.codecs.base import Codec, EncodeContext
+from gradsync.codecs.base import Codec, EncodeContext, follow_device
 from gradsync.codecs.compressor import Compressor, Owed
 from gradsync.codecs.config import OptionsConfig, check_range
 from gradsync.codecs.ops import sparse_add_
-from gradsync.codecs.payload import Payload
+from gradsync.codecs.payload import Payload, allocate
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class FeedbackStream:
     pending_u: torch.Tensor | None = None
     # committed since begin_round(): the previous residual / momentum are in spare / spare_u
     committed: bool = False
+    # a replayed encode of a half-precision gradient: the sum rounded to the gradient's dtype
+    wire: torch.Tensor | None = None
 
 
 def _warn_lost(key: str, s: FeedbackStream, numel: int) -> None:
@@ -175,6 +178,8 @@ class ErrorFeedback(Compressor):
     ) -> Payload:
         """Add ``grad`` to the stream's residual, encode the sum, keep what was not sent."""
         ctx = ctx or EncodeContext()
+        if self.codec.replays and self.config.clip is None and grad.numel():
+            return self._encode_replayed(grad, ctx, out, loss_scale)
         if (
             self.fuse_sum
             and self.config.momentum == 0
@@ -207,19 +212,79 @@ class ErrorFeedback(Compressor):
             self.keep_if(payload.flag_word(), ctx.key)
         return payload
 
+    def _encode_replayed(
+        self, grad: torch.Tensor, ctx: EncodeContext, out: torch.Tensor | None, loss_scale: float
+    ) -> Payload:
+        """:meth:`encode` of a resident codec that replays (:attr:`Codec.replays`): the
+        accumulation, the codec's encode, the commit and the undo of a non-finite step as one
+        replayed graph over the stream's buffers; Python only picks the buffers before it and
+        swaps them after it, as :meth:`commit` does."""
+        codec = self.codec
+        s, flat = self._stream_for(grad, ctx.key, loss_scale, ctx.offset, convert=False)
+        assert s.residual is not None
+        r, n, shape = s.residual, flat.numel(), grad.shape
+        v = _buffer(s.spare, r)
+        m, nesterov = self.config.momentum, self.config.nesterov
+        u_old, u_new = s.momentum, (_buffer(s.spare_u, r) if m > 0 else None)
+        if flat.dtype != r.dtype:  # a half-precision gradient: the sum is sent in its dtype
+            s.wire = _buffer(s.wire, flat)
+        else:
+            s.wire = None
+        fused = getattr(codec, "fuses_sum", False) and m == 0 and s.wire is None
+        codec.check_numel(n)
+        cstream = follow_device(codec.stream(ctx.key), flat.device)
+        decided = codec.before_device_work(cstream, flat.device)
+        nbytes = codec.max_nbytes(n, shape, grad.dtype)
+        data = (
+            allocate(nbytes, flat.device, out)
+            if out is not None
+            else codec.payload_slot(ctx.key, nbytes, flat.device)
+        )
+        agreed = ctx.amax if isinstance(ctx.amax, torch.Tensor) else None
+        inputs = [flat] if agreed is None else [flat, agreed]
+        optional = [t for t in (u_old, u_new, s.wire) if t is not None]
+        static = [r, v, data, *optional, *codec.device_state(cstream)]
+
+        def work(g: torch.Tensor, *rest: torch.Tensor) -> None:
+            c = ctx if agreed is None else dataclasses.replace(ctx, amax=rest[0])
+            r, v, data, *more = rest[len(inputs) - 1 :]
+            uo = more.pop(0) if u_old is not None else None
+            un = more.pop(0) if u_new is not None else None
+            wire = more.pop(0) if s.wire is not None else None
+            with codec._ops_backend(), codec.bound_state(cstream, more):
+                if fused:  # the codec adds r and g as it reads (SparseCodec.encode_sum)
+                    codec._encode(v, shape, c, cstream, data, (r, g))  # type: ignore[call-arg]
+                else:
+                    _accumulate_into(
+                        v, r, g if g.dtype == r.dtype else g.to(r.dtype), uo, un, m, nesterov, 1.0
+                    )
+                    src = v if wire is None else wire.copy_(v)
+                    codec._encode(src, shape, c, cstream, data)
+            payload = Payload(data, codec.name, shape, grad.dtype)
+            sent = codec.transmitted(payload)
+            if sent is not None:
+                _subtract_sent(v, un, self.config.masking, True, indices=sent[0], values=sent[1])
+            else:
+                _subtract_sent(v, un, self.config.masking, True, dense=codec.decode(payload).view(-1))
+            _restore_where(payload.flag_word(), v, r, un, uo)
+
+        consts = (tuple(shape), grad.dtype, m, nesterov, self.config.masking, fused, decided, ctx.rank,
+                  ctx.summands, None if agreed is not None else ctx.amax)  # fmt: skip
+        codec.replayer.run("encode+ef", work, inputs=inputs, static=static, consts=consts)
+        codec.after_device_work(cstream)
+        s.spare, s.residual = r, v
+        if u_new is not None:
+            s.spare_u, s.momentum = u_old, u_new
+        s.pending = s.pending_u = None
+        s.committed = True
+        return Payload(data, codec.name, shape, grad.dtype)
+
     def keep_if(self, flag: torch.Tensor, key: str = "") -> None:
         """Undo the commit just made where the device flag ``flag`` is set (a non-finite input),
         without reading it: the previous residual and momentum are still in the spare buffers."""
         s = self._streams[key]
         if s.residual is not None and s.spare is not None:
-            s.residual.copy_(torch.where(flag, s.spare, s.residual))
-        if s.momentum is not None:  # none before this commit (the stream's first): it was zero
-            before = (
-                s.spare_u
-                if s.spare_u is not None
-                else torch.zeros((), dtype=s.momentum.dtype, device=s.momentum.device)
-            )
-            s.momentum.copy_(torch.where(flag, before, s.momentum))
+            _restore_where(flag, s.residual, s.spare, s.momentum, s.spare_u)
 
     def owed(self) -> list[Owed]:
         """What every stream still owes, unscaled copies with each stream's offset."""
@@ -289,27 +354,16 @@ class ErrorFeedback(Compressor):
                 alpha = self.config.clip / norm
         v = _buffer(s.spare, s.residual)
         m = self.config.momentum
-        s.pending_u = None
-        if m > 0:
-            u = s.momentum if s.momentum is not None else torch.zeros_like(s.residual)
-            new_u = _buffer(s.spare_u, s.residual)
-            if self.config.nesterov:  # u' = m (u + g); v = r + u' + g
-                torch.add(u, g, alpha=alpha, out=new_u).mul_(m)
-                torch.add(s.residual, new_u, out=v).add_(g, alpha=alpha)
-            else:  # u' = m u + g; v = r + u'
-                torch.mul(u, m, out=new_u).add_(g, alpha=alpha)
-                torch.add(s.residual, new_u, out=v)
-            s.pending_u = new_u
-        else:
-            torch.add(s.residual, g, alpha=alpha, out=v)
+        s.pending_u = _buffer(s.spare_u, s.residual) if m > 0 else None
+        _accumulate_into(v, s.residual, g, s.momentum, s.pending_u, m, self.config.nesterov, alpha)
         s.pending = v
         return v
 
     def _stream_for(
-        self, grad: torch.Tensor, key: str, loss_scale: float, offset: int
+        self, grad: torch.Tensor, key: str, loss_scale: float, offset: int, convert: bool = True
     ) -> tuple[FeedbackStream, torch.Tensor]:
         """The stream of ``key``, its residual (and momentum) sized for ``grad`` and in the units
-        of ``loss_scale``; and ``grad`` flat in the residual's dtype."""
+        of ``loss_scale``; and ``grad`` flat in the residual's dtype (``convert``) or its own."""
         if not (loss_scale > 0 and math.isfinite(loss_scale)):
             raise ValueError(f"ef: loss_scale must be a positive finite number, got {loss_scale!r}")
         flat = self.codec._flatten(grad)
@@ -337,7 +391,7 @@ class ErrorFeedback(Compressor):
             if s.momentum is not None:
                 s.momentum.mul_(ratio)
             s.scale = loss_scale
-        return s, (flat if flat.dtype == work_dtype else flat.to(work_dtype))
+        return s, (flat if flat.dtype == work_dtype or not convert else flat.to(work_dtype))
 
     def commit(
         self,
@@ -356,27 +410,23 @@ class ErrorFeedback(Compressor):
         if s is None or s.pending is None:
             raise RuntimeError(f"ef: commit({key!r}) without a pending accumulate()")
         v = s.pending
-        if indices is not None:
-            assert values is not None
-            sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0, on_device=self.resident)
-        elif dense is not None:
-            v.sub_(dense.to(v.dtype))
-        elif factors is not None:
+        if indices is None and dense is None and factors is None:
+            raise ValueError("ef: commit needs dense=, indices= and values=, or factors=")
+        if factors is not None:
             p, q = factors
             if p.shape[0] * q.shape[0] != v.numel() or p.shape[1] != q.shape[1]:
                 raise ValueError(
                     f"ef: commit factors {tuple(p.shape)} x {tuple(q.shape)}^T do not cover the "
                     f"{v.numel()} pending elements"
                 )
-            v.view(p.shape[0], q.shape[0]).addmm_(p.to(v.dtype), q.to(v.dtype).T, alpha=-1)
-        else:
-            raise ValueError("ef: commit needs dense=, indices= and values=, or factors=")
+        if s.pending_u is not None and self.config.masking and indices is None:
+            raise ValueError("ef: momentum masking needs the transmitted indices")
+        _subtract_sent(
+            v, s.pending_u, self.config.masking, self.resident,
+            dense=dense, indices=indices, values=values, factors=factors,
+        )  # fmt: skip
         s.spare, s.residual = s.residual, v
         if s.pending_u is not None:
-            if self.config.masking:
-                if indices is None:
-                    raise ValueError("ef: momentum masking needs the transmitted indices")
-                s.pending_u.index_fill_(0, indices.long(), 0)
             s.spare_u, s.momentum = s.momentum, s.pending_u
         s.pending = s.pending_u = None
         s.committed = True
@@ -498,3 +548,73 @@ class ErrorFeedback(Compressor):
             )
             for key, v in state["streams"].items()
         }
+
+
+# ---------------------------------------------------------------------------------- device work
+# The tensor arithmetic of error feedback, shared by the steps of encode() (accumulate, commit,
+# keep_if) and by its replayed form, which runs them as one graph.
+def _accumulate_into(
+    v: torch.Tensor,
+    r: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor | None,
+    new_u: torch.Tensor | None,
+    m: float,
+    nesterov: bool,
+    alpha: float,
+) -> None:
+    """``v = r + g`` (``alpha``: the clipping factor on g), with momentum correction into
+    ``new_u`` from ``u`` when ``m > 0`` (``u`` None: no momentum yet, zero)."""
+    if m > 0:
+        assert new_u is not None
+        if u is None:
+            u = torch.zeros_like(r)
+        if nesterov:  # u' = m (u + g); v = r + u' + g
+            torch.add(u, g, alpha=alpha, out=new_u).mul_(m)
+            torch.add(r, new_u, out=v).add_(g, alpha=alpha)
+        else:  # u' = m u + g; v = r + u'
+            torch.mul(u, m, out=new_u).add_(g, alpha=alpha)
+            torch.add(r, new_u, out=v)
+    else:
+        torch.add(r, g, alpha=alpha, out=v)
+
+
+def _subtract_sent(
+    v: torch.Tensor,
+    new_u: torch.Tensor | None,
+    masking: bool,
+    resident: bool,
+    *,
+    dense: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """``v -= sent`` in place (dense, sparse, or low-rank ``P Q^T``), and momentum-factor masking
+    of ``new_u`` at the sent indices."""
+    if indices is not None:
+        assert values is not None
+        sparse_add_(v, indices, values.to(v.dtype), alpha=-1.0, on_device=resident)
+    elif dense is not None:
+        v.sub_(dense.to(v.dtype))
+    elif factors is not None:
+        p, q = factors
+        v.view(p.shape[0], q.shape[0]).addmm_(p.to(v.dtype), q.to(v.dtype).T, alpha=-1)
+    if new_u is not None and masking and indices is not None:
+        new_u.index_fill_(0, indices.long(), 0)
+
+
+def _restore_where(
+    flag: torch.Tensor,
+    v: torch.Tensor,
+    before: torch.Tensor,
+    u: torch.Tensor | None,
+    u_before: torch.Tensor | None,
+) -> None:
+    """Where the device flag is set (a non-finite input), the residual ``v`` takes ``before``
+    back, and the momentum ``u`` its ``u_before`` (zero when there was none: a stream's first
+    round), without the host reading the flag."""
+    v.copy_(torch.where(flag, before, v))
+    if u is not None:
+        prior = u_before if u_before is not None else torch.zeros((), dtype=u.dtype, device=u.device)
+        u.copy_(torch.where(flag, prior, u))

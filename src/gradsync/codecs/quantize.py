@@ -69,6 +69,8 @@ class OnebitConfig(CodecConfig):
 class OneBit(Codec[Stream]):
     """Sign bits with one or two reconstruction values (header ``s0``: bit 1, ``s1``: bit 0)."""
 
+    capturable = True
+
     name = "onebit"
     Config = OnebitConfig
     config: OnebitConfig
@@ -135,6 +137,8 @@ class TbqConfig(CodecConfig):
 class TBQ(Codec[Stream]):
     """2-bit codes: +threshold, -threshold or 0 (header ``count``: non-zero codes, ``s0``: threshold)."""
 
+    capturable = True
+
     name = "tbq"
     Config = TbqConfig
     config: TbqConfig
@@ -189,6 +193,8 @@ class TerngradConfig(CodecConfig):
 class TernGrad(Codec[Stream]):
     """Stochastic symmetric quantization scaled by max |x| (header ``s0``: scale, ``aux``: bits)."""
 
+    capturable = True
+
     name = "terngrad"
     Config = TerngradConfig
     config: TerngradConfig
@@ -210,7 +216,7 @@ class TernGrad(Codec[Stream]):
         lay = _codes_layout(n, bits)
         data, payload = self._new_payload(lay, x, shape, out)
         if self._on_device:
-            return self._encode_on_device(x, ctx, stream.generator, data, payload, lay.view(data, "codes"))
+            return self._encode_on_device(x, ctx, stream.words(), data, payload, lay.view(data, "codes"))
         if self.config.clip is None:
             scale, nonfinite = abs_max(x)
         else:
@@ -235,7 +241,7 @@ class TernGrad(Codec[Stream]):
         self,
         x: torch.Tensor,
         ctx: EncodeContext,
-        gen: torch.Generator,
+        words: torch.Tensor,
         data: torch.Tensor,
         payload: Payload,
         codes: torch.Tensor,
@@ -247,7 +253,7 @@ class TernGrad(Codec[Stream]):
             scale = torch.minimum(scale, self.config.clip * (st.sum_sq / n).sqrt().float())
         usable = (scale > 0) & scale.isfinite()
         mult = torch.where(usable, self.levels / torch.where(usable, scale, 1.0), 0.0)
-        k1, k2 = draw_words(gen)
+        k1, k2 = words[0], words[1]  # (distinct noise per worker, as on the host path)
         k2 = (k2 + 0x9E3779B9 * ctx.rank) & 0xFFFFFFFF
         stochastic_pack(x, mult, self.levels, bits, (k1, k2), codes)
         s0 = torch.where(scale.isfinite(), scale, 0.0)

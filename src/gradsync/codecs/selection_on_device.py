@@ -25,8 +25,10 @@ version decides on a count it would have to read:
 - trimmed top-k takes the exact top-k of the survivors when at most ``8k`` of them survive the
   chosen threshold (the usual case: the threshold is lowered only until ``k`` pass);
 - a threshold is never above ``max |x|``, so at least one element is sent;
-- random-k draws its indices from the counter-based hash (:func:`~gradsync.codecs.ops.hashed_uniform`)
-  keyed from the stream's generator, not from ``randperm`` on the host.
+- random-k draws its indices from the counter-based hash (:func:`~gradsync.codecs.ops.hashed_uniform`),
+  not from ``randperm`` on the host;
+- random words come from the stream's device counter (:meth:`~gradsync.codecs.base.Stream.words`),
+  not from its CPU generator, so that a replayed CUDA graph draws new ones every call.
 
 MSTopK is the MSTopK paper's Algorithm 1 as printed for GPUs: ``iters`` bisection steps, each one
 counting pass, then the random contiguous run of the band in one prefix sum.
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync.codecs.ops import DeviceStats, device_stats, draw_words, hashed_uniform
+from gradsync.codecs.ops import DeviceStats, device_stats, hashed_uniform
 
 
 @dataclass
@@ -117,9 +119,9 @@ def exact_topk(x: torch.Tensor, k: int) -> Capped:
     return _slots(x, idx, device_stats(x))
 
 
-def mstopk(x: torch.Tensor, k: int, iters: int, gen: torch.Generator) -> Capped:
+def mstopk(x: torch.Tensor, k: int, iters: int, words: torch.Tensor) -> Capped:
     """The MSTopK paper's Algorithm 1 on the device: exactly ``min(k, numel)`` elements when the
-    tensor is finite."""
+    tensor is finite. ``words``: the call's random words (a device tensor; the first is used)."""
     keys, stats = _keys(x), device_stats(x)
     mean, top = stats.mean_abs.float(), stats.max_abs.float()
     lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
@@ -140,7 +142,7 @@ def mstopk(x: torch.Tensor, k: int, iters: int, gen: torch.Generator) -> Capped:
     # too few in the band only when fewer than k elements are finite: take any finite ones
     band = torch.where(band.sum() >= need, band, (keys < thres1))
     rank = band.cumsum(0, dtype=torch.int64) - 1
-    (word,) = draw_words(gen, 1)
+    word = words[0]
     start = torch.floor((word >> 8) / 16777216.0 * (band.sum() - need + 1).clamp(min=1))
     run = band & (rank >= start) & (rank < start + need)
     cand = torch.nonzero_static(upper | run, size=min(k, x.numel()), fill_value=-1).view(-1)
@@ -190,32 +192,32 @@ def bsearch(x: torch.Tensor, k: int, eps: float, reuse: torch.Tensor | None) -> 
     return above(x, keys, threshold, 2 * k, strict=True, stats=stats), threshold
 
 
-def sampled_threshold(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> torch.Tensor:
+def sampled_threshold(x: torch.Tensor, k: int, sample: float, words: torch.Tensor) -> torch.Tensor:
     """DGC's estimate of the k-th magnitude from a random sample, as a 0-dim device tensor (the
-    sample's positions come from the counter-based hash: no host-made index tensor to copy)."""
+    sample's positions come from the counter-based hash keyed by the two device ``words``: no
+    host-made index tensor to copy)."""
     n = x.numel()
     s = min(n, max(math.ceil(sample * n), 1024))
-    w1, w2 = draw_words(gen)
+    w1, w2 = words[0], words[1]
     pos = (hashed_uniform(s, w1, w2, x.device) * n).long().clamp(max=n - 1)
     keys = x[pos].float().abs().nan_to_num(nan=-math.inf)
     rank = min(s, max(1, round(k * s / n)))
     return keys.topk(rank, sorted=False).values.min()
 
 
-def dgc(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> Capped:
+def dgc(x: torch.Tensor, k: int, sample: float, words: torch.Tensor) -> Capped:
     """DGC on the device: what passes the sampled threshold, at most ``k``."""
-    return above(x, _keys(x), sampled_threshold(x, k, sample, gen), k)
+    return above(x, _keys(x), sampled_threshold(x, k, sample, words), k)
 
 
-def graddrop(x: torch.Tensor, k: int, sample: float, gen: torch.Generator) -> Capped:
+def graddrop(x: torch.Tensor, k: int, sample: float, words: torch.Tensor) -> Capped:
     """GradDrop with a sampled threshold for about ``k`` elements, at most ``2k``."""
-    return above(x, _keys(x), sampled_threshold(x, k, sample, gen), min(x.numel(), 2 * k))
+    return above(x, _keys(x), sampled_threshold(x, k, sample, words), min(x.numel(), 2 * k))
 
 
-def randomk(x: torch.Tensor, k: int, gen: torch.Generator) -> Capped:
+def randomk(x: torch.Tensor, k: int, words: torch.Tensor) -> Capped:
     """``k`` distinct positions: the ``k`` largest of per-element hashed uniforms."""
-    w1, w2 = draw_words(gen)
-    u = hashed_uniform(x.numel(), w1, w2, x.device)
+    u = hashed_uniform(x.numel(), words[0], words[1], x.device)
     return _slots(x, u.topk(k, sorted=False).indices.sort().values, device_stats(x))
 
 

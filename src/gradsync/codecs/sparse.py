@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,6 +42,7 @@ class SparseCodec(Codec[StreamT]):
 
     sparse = True
     config: SparsityConfig
+    capturable = True
 
     fuses_sum: ClassVar[bool] = False
     """:meth:`select` takes ``addends`` and computes its input as their sum in its first scan
@@ -278,8 +279,7 @@ class MSTopK(SparseCodec[Stream]):
         return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws, addends)
 
     def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        assert stream.generator is not None
-        return selection_on_device.mstopk(x, k, self.config.iters, stream.generator)
+        return selection_on_device.mstopk(x, k, self.config.iters, stream.words(1))
 
 
 @dataclass(frozen=True)
@@ -353,12 +353,30 @@ class Bsearch(SparseCodec[BsearchStream]):
         k = self.config.k_for(numel, self.scheduled_density)
         return sparse_layout(numel, min(numel, math.ceil(1.5 * k)), dtype).nbytes
 
+    def _reuses(self, stream: BsearchStream) -> bool:
+        """Resident mode: whether this call reuses the stream's threshold (a decision of the host,
+        from its count of calls since the last search: a constant of the call's graph)."""
+        return isinstance(stream.threshold, torch.Tensor) and 1 <= stream.age < self.config.reuse
+
+    def before_device_work(self, stream: BsearchStream, device: torch.device) -> tuple[Any, ...]:
+        t = stream.threshold
+        if not isinstance(t, torch.Tensor) or t.device != device or t.dim() != 0:
+            # one 0-dim tensor for good, updated in place (a float left by the host path is
+            # not reused: the next call searches)
+            stream.threshold, stream.age = torch.zeros((), dtype=torch.float32, device=device), 0
+        return (*super().before_device_work(stream, device), self._reuses(stream))
+
+    def after_device_work(self, stream: BsearchStream) -> None:
+        super().after_device_work(stream)
+        stream.age = stream.age + 1 if self._reuses(stream) else 1
+
     def select_on_device(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection_on_device.Capped:
         t = stream.threshold
-        reuse = t if isinstance(t, torch.Tensor) and stream.age < self.config.reuse else None
-        sel, threshold = selection_on_device.bsearch(x, k, self.config.eps, reuse)
-        stream.threshold = threshold
-        stream.age = 1 if reuse is None else stream.age + 1
+        assert isinstance(t, torch.Tensor)
+        sel, threshold = selection_on_device.bsearch(
+            x, k, self.config.eps, t if self._reuses(stream) else None
+        )
+        t.copy_(threshold)
         return sel
 
     def select(
@@ -402,8 +420,7 @@ class DGC(SparseCodec[Stream]):
         return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
 
     def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        assert stream.generator is not None
-        return selection_on_device.dgc(x, k, self.config.sample, stream.generator)
+        return selection_on_device.dgc(x, k, self.config.sample, stream.words())
 
 
 @dataclass(frozen=True)
@@ -452,8 +469,7 @@ class GradDrop(SparseCodec[Stream]):
         return min(numel, 2 * self.target_count(numel))
 
     def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        assert stream.generator is not None
-        return selection_on_device.graddrop(x, k, self.config.sample, stream.generator)
+        return selection_on_device.graddrop(x, k, self.config.sample, stream.words())
 
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
@@ -494,8 +510,7 @@ class RandomK(SparseCodec[Stream]):
         return sel
 
     def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        assert stream.generator is not None
-        sel = selection_on_device.randomk(x, k, stream.generator)
+        sel = selection_on_device.randomk(x, k, stream.words())
         if self.config.unbiased and k:
             sel.val = sel.val * (x.numel() / k)
         return sel

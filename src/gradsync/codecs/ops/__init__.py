@@ -31,6 +31,7 @@ from gradsync.codecs.ops.bits import (
 from gradsync.codecs.ops.floats import FORMAT_MAX, CastStats, cast_checked, cast_on_device, uncast
 from gradsync.codecs.ops.lowrank import orthogonalize_, orthogonalize_on_device
 from gradsync.codecs.ops.random import (
+    device_words,
     draw_index,
     draw_words,
     hashed_uniform,
@@ -69,6 +70,7 @@ __all__ = [
     "cast_on_device",
     "count_ge",
     "device_stats",
+    "device_words",
     "draw_index",
     "draw_words",
     "f32",

@@ -173,7 +173,7 @@ def stochastic_pack(
     mult: float | torch.Tensor,
     levels: int,
     bits: int,
-    words: tuple[int, int],
+    words: tuple[int, int] | tuple[torch.Tensor, torch.Tensor],
     out: torch.Tensor,
 ) -> None:
     """Stochastic symmetric quantization, one pass.
@@ -188,15 +188,19 @@ def stochastic_pack(
         raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
     n = x.numel()
     k1, k2 = words
-    if native.usable(x) and not isinstance(mult, torch.Tensor):
-        native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), out.nbytes)
-        return
     dev = x.device
-    # made on the device from scalars (fill kernels): a tensor built on the host and copied over,
-    # or an item assignment (which copies a host scalar), would make the host wait for the device
-    keys = torch.empty(2, dtype=torch.int64, device=dev)
-    keys[0].fill_(k1)
-    keys[1].fill_(k2)
+    if isinstance(k1, torch.Tensor) and isinstance(k2, torch.Tensor):  # words drawn on the device
+        keys = torch.stack([k1.reshape(()), k2.reshape(())]).to(torch.int64)
+    else:
+        assert isinstance(k1, int) and isinstance(k2, int)
+        if native.usable(x) and not isinstance(mult, torch.Tensor):
+            native.ext().stoch_pack(native.ptr(x), n, mult, levels, bits, k1, k2, native.ptr(out), out.nbytes)
+            return
+        # made on the device from scalars (fill kernels): a tensor built on the host and copied
+        # over, or an item assignment (which copies a host scalar), would make the host wait
+        keys = torch.empty(2, dtype=torch.int64, device=dev)
+        keys[0].fill_(k1)
+        keys[1].fill_(k2)
     m = (
         mult.float()
         if isinstance(mult, torch.Tensor)

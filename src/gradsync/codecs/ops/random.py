@@ -39,6 +39,18 @@ def draw_words(gen: torch.Generator, count: int = 2) -> list[int]:
         return [int(v) for v in torch.randint(0, 2**32, (count,), generator=gen, dtype=torch.int64)]
 
 
+def device_words(counter: torch.Tensor, seed: int, count: int = 2) -> torch.Tensor:
+    """``count`` random 32-bit words as an int64 tensor on ``counter``'s device, for call number
+    ``counter`` (a 0-dim int64 device tensor) of a stream seeded ``seed``; ``counter`` advances
+    by one, on the device. Nothing is read or written by the host, so a replayed CUDA graph draws
+    new words on every replay (the words of call ``c`` are a hash of ``(seed, c, j)``)."""
+    j = torch.arange(count, dtype=torch.int64, device=counter.device)
+    h = _mix32((counter * count + j + (seed & _M32)) & _M32)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    counter.add_(1)
+    return h
+
+
 def draw_index(gen: torch.Generator, high: int) -> int:
     """A uniform integer in ``[0, high)``."""
     if high <= 0:
@@ -60,11 +72,13 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def hashed_uniform(n: int, k1: int, k2: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def hashed_uniform(
+    n: int, k1: int | torch.Tensor, k2: int | torch.Tensor, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``u[i] = ((mix(i + k1) ^ k2) >> 9) / 2^23`` for ``i < n``, as float32 in ``[0, 1)``.
 
-    ``mix`` is the "lowbias32" integer hash; ``k1``, ``k2`` are fresh random 32-bit words per call.
-    """
+    ``mix`` is the "lowbias32" integer hash; ``k1``, ``k2`` are fresh random 32-bit words per call
+    (ints, or 0-dim int64 tensors on ``device``: words drawn on the device)."""
     i = torch.arange(n, dtype=torch.int64, device=device)
     h = _mix32((i + k1) & _M32) ^ k2
     return (h >> 9).to(torch.float32) * (1.0 / 8388608.0)
