@@ -130,14 +130,19 @@ def compressed_program(
     ws: Workspace | None = None,
     parts: list[tuple[torch.Tensor, str]] | None = None,
     offset: int = 0,
+    rehearse: bool = False,
 ) -> Program:
     """:func:`compressed_allreduce` of the contiguous ``x`` as a step program (arguments checked
     by the caller). ``ws`` holds this program's scratch space. For low-rank codecs ``parts``
     lists the tensors inside ``x`` (views with their own shapes) and their state keys; by default
     ``x`` is one tensor. ``offset``: where ``x`` starts in the caller's tensor (a part of a
-    bucket), recorded with error feedback's residuals (``EncodeContext.offset``)."""
+    bucket), recorded with error feedback's residuals (``EncodeContext.offset``).
+
+    A world of one rank has nothing to reduce and the program does nothing, unless ``rehearse``
+    (:attr:`gradsync.sync.SyncConfig.rehearse`): then it runs as with peers, each collective over
+    the one rank the identity, so ``x`` becomes the codec's rendering of itself."""
     ws = ws if ws is not None else topo.workspace
-    if topo.world == 1:
+    if topo.world == 1 and not rehearse:
         return None
     coder = Coder(codec, key, loss_scale, offset)
     scale = 1.0 / topo.world if op == "mean" else 1.0
@@ -220,13 +225,15 @@ def encode_numels(
     per_node: int,
     pipeline: int = 4,
     itemsize: int = 4,
+    rehearse: bool = False,
 ) -> list[int]:
     """The element counts the codec's encode calls see when :func:`compressed_program` reduces
     a flat tensor of ``numel`` elements (so a codec can refuse a size before anything runs: a
-    fixed ``k`` above one of them). Follows the programs' own cuts; low-rank codecs excepted."""
+    fixed ``k`` above one of them). Follows the programs' own cuts; low-rank codecs excepted.
+    A world of one encodes nothing, unless ``rehearse``: then the whole tensor, once."""
     world = nodes * per_node
     if world == 1:
-        return []
+        return [numel] if rehearse else []
     if local_aggregation and per_node > 1:
         if nodes == 1:
             return []  # dense inside the node
@@ -249,13 +256,18 @@ def codec_refusal(
     nodes: int,
     per_node: int,
     itemsize: int = 4,
+    rehearse: bool = False,
 ) -> str | None:
     """Why ``codec`` cannot take the sizes its encode calls would see when a tensor of ``numel``
     elements is reduced this way (the codec's own words, e.g. a ``k`` above one of them), or
-    None when it can. Low-rank codecs take any size (what they cannot factor goes dense)."""
+    None when it can. Low-rank codecs take any size (what they cannot factor goes dense).
+    ``rehearse`` as for :func:`encode_numels`."""
     if codec.lowrank:
         return None
-    for n in encode_numels(numel, strategy, local_aggregation, nodes, per_node, itemsize=itemsize):
+    sizes = encode_numels(
+        numel, strategy, local_aggregation, nodes, per_node, itemsize=itemsize, rehearse=rehearse
+    )
+    for n in sizes:
         try:
             codec.check_numel(n)
         except ValueError as e:

@@ -131,12 +131,16 @@ def allreduce_program(
     hybrid: HybridPolicy | None = None,
     ws: Workspace | None = None,
     resident: bool | None = None,
+    rehearse: bool = False,
 ) -> Program:
     """:func:`allreduce` of the flat, contiguous ``buf`` as a step program (arguments checked
     by the caller); ``ws`` holds the scratch space of this program. ``resident``: with a
-    ``comm_dtype``, the agreed scale never reaches the host (None: where ``buf`` is on a GPU)."""
+    ``comm_dtype``, the agreed scale never reaches the host (None: where ``buf`` is on a GPU).
+    A world of one does nothing, unless ``rehearse`` (as in
+    :func:`~gradsync.collectives.compressed.compressed_program`: the collectives over one rank
+    are the identity, a ``comm_dtype`` still casts there and back)."""
     ws = ws if ws is not None else topo.workspace
-    if topo.world == 1:
+    if topo.world == 1 and not rehearse:
         return None
     if algorithm == "hybrid":
         algorithm = (hybrid or HybridPolicy()).pick(buf.numel() * buf.element_size())

@@ -380,11 +380,11 @@ def start_all_gather_fixed(
     if data.numel() > capacity:
         raise ValueError(f"{data.numel()} bytes do not fit the agreed capacity of {capacity}")
     p = size(group)
-    dev = comm_device(group)
+    dev = comm_device(group) if p > 1 else data.device  # one rank: nothing goes to the backend
     buf = torch.zeros(capacity, dtype=data.dtype, device=dev)
     buf[: data.numel()] = data
     if p == 1:
-        return PendingGather(None, buf.to(data.device), capacity, 1)
+        return PendingGather(None, buf, capacity, 1)
     out = torch.empty(p * capacity, dtype=data.dtype, device=dev)
     work = _gather(out, buf, group, async_op=True)
     _account(level, (p - 1) * capacity, "all_gather_start")

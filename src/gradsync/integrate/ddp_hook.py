@@ -456,6 +456,11 @@ def hook_config(config: SyncConfig) -> SyncConfig:
             f"scheme {config.scheme!r}: candidates need gradsync.wrap (its planner picks a scheme per "
             "bucket); the DDP hook runs one scheme; pass one of the candidates"
         )
+    if config.rehearse:
+        raise ValueError(
+            "rehearse: running the synchronization path in a world of one is gradsync.wrap's (the "
+            "hook leaves a one-rank world's buckets as they are); use wrap to measure it"
+        )
     if config.clip_local is not None:
         raise ValueError(
             "clip_local: local gradient clipping needs gradsync.wrap (the DDP hook sees one bucket "

@@ -119,7 +119,8 @@ class SyncEngine:
         self._numel = sum(s.numel for s in self.slots)
         self._clip_global = config.clip_local is not None and config.clip_local_mode == "global"
         """Local clipping over all gradients: no bucket may start before the backward pass ends."""
-        self.active = topology.world > 1
+        self.active = topology.world > 1 or config.rehearse
+        """Whether the engine synchronizes: with peers, or alone rehearsing (``rehearse``)."""
         self.check_overflow = (
             config.check_overflow if config.check_overflow is not None else grad_scaler is not None
         )
@@ -447,10 +448,11 @@ class SyncEngine:
                 self.cur.nonfinite.append(nonfinite_flag(bucket.flat))
         lo, hi = bucket.part_range(part, parts)
         ws = bucket.workspace(part)
+        rehearse = self.config.rehearse
         if not compress:
             return bucket_program(bucket.flat[lo:hi], self.topo, self.scheme, None, bucket.key,
                                   self.cur.loss_scale, ws, bucket.dense_algorithm,
-                                  resident=self.resident)  # fmt: skip
+                                  resident=self.resident, rehearse=rehearse)  # fmt: skip
         codec, scheme = self.codecs[bucket.codec_id], self.schemes[bucket.codec_id]
         lowrank_parts = None
         if codec.per_tensor:
@@ -458,7 +460,7 @@ class SyncEngine:
         key = bucket.key if parts == 1 else f"{bucket.key}#{part}"
         return bucket_program(
             bucket.flat[lo:hi], self.topo, scheme, codec, key, self.cur.loss_scale, ws,
-            lowrank_parts=lowrank_parts, offset=lo,
+            lowrank_parts=lowrank_parts, offset=lo, rehearse=rehearse,
         )  # fmt: skip
 
     def _agrees_use(self) -> bool:
@@ -519,6 +521,22 @@ class SyncEngine:
         plan = self.replanner.first_plan(FirstStep(list(self.cur.order), list(self.cur.ready_at)))
         self._install_plan(plan)
         self._report_plan(time.perf_counter() - t0)
+
+    def use_plan(self, plan: Plan) -> list[str]:
+        """Run ``plan`` from the next step on, a plan made elsewhere for this engine's slots and
+        codecs (``Replanner.plan_for``: what ``auto`` would pick on another cluster; ``gradsync
+        bench gpu-step`` rehearses it in a world of one). Between steps, on every rank alike, after
+        the first step. As a re-plan switches: the streams of the buckets it changes end and what
+        they owed is carried (their keys are returned); the closed loop goes on from it."""
+        if self._in_step or self.plan is None:
+            raise RuntimeError("gradsync: use_plan() between steps, after the first one")
+        bad = sorted({i for b in plan.buckets for i in b.slots} ^ set(range(len(self.slots))))
+        ids = {b.codec_id for b in plan.buckets if b.compress}
+        if bad or any(not 0 <= i < len(self.codecs) for i in ids):
+            raise ValueError("gradsync: use_plan(): the plan is not one of this engine's slots and codecs")
+        carried = self._switch_plan(plan)
+        self._report_plan(0.0)
+        return carried
 
     def _switch_plan(self, plan: Plan) -> list[str]:
         """Install ``plan`` between steps. The compression state of the buckets it keeps stays;

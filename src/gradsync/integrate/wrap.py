@@ -329,7 +329,8 @@ def wrap(
 
     Every rank must call ``wrap`` with the same arguments on the same model; that is checked
     (one tiny all-gather) and a difference raises on every rank, naming the ranks. With world
-    size 1 nothing is communicated and the gradients are left as they are.
+    size 1 nothing is communicated and the gradients are left as they are (``rehearse=True``
+    runs the synchronization path all the same, for measuring: :attr:`SyncConfig.rehearse`).
 
     ``trace="trace.json"`` records a timeline of every step (Chrome trace events, opens in
     Perfetto; ``trace_steps=(START, STOP)`` keeps those steps only), written when the model is

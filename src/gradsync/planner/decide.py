@@ -501,12 +501,29 @@ def decide_plan(
     model = CostModel(params, topo.nodes, topo.per_node)
     groups = first_step_groups(slots, first, classes, config.bucket_bytes, config.bucket_timeout_ms / 1e3)
     costs = time_codecs(topo, scheme, slots, codecs, groups, schemes, candidates)
-    plan = make_plan(
+    plan = first_plan_of(model, config, scheme, slots, first, groups, costs, rejects, schemes, candidates)
+    return plan, costs
+
+
+def first_plan_of(
+    model: CostModel,
+    config: SyncConfig,
+    scheme: Scheme,
+    slots: list[Slot],
+    first: FirstStep,
+    groups: list[tuple[list[int], int]],
+    costs: dict[int, CodecCost],
+    rejects: Callable[[int, list[int], int], str | None],
+    schemes: Sequence[Scheme] | None = None,
+    candidates: Sequence[int] = (),
+) -> Plan:
+    """The first plan on the cluster ``model`` describes, from the first step (``first``, cut
+    into ``groups``) and the codecs' timings ``costs``: the decision :func:`decide_plan` makes."""
+    return make_plan(
         groups, [s.nbytes for s in slots], scheme, model, costs, config.plan, config.dense_algorithm,
         config.partitions, fuse_bytes=config.bucket_bytes, kinds=[s.group for s in slots], rejects=rejects,
         schemes=schemes, candidates=candidates, ready=launch_ready(first),
     )  # fmt: skip
-    return plan, costs
 
 
 def time_codecs(
@@ -579,6 +596,8 @@ def share_plan(topo: Topology, decide: Callable[[], Plan | None]) -> Plan | None
 
     Rank 0 decides alone, so a failure there is sent to every rank in place of the plan (the
     others would otherwise wait in the broadcast): every rank raises it."""
+    if topo.world == 1:  # nobody to tell (and perhaps no process group to tell it on)
+        return decide()
     dev, group = topo.comm_device, topo.control_group
     error: Exception | None = None
     wire = torch.zeros(0, dtype=torch.int64, device=dev)

@@ -67,9 +67,11 @@ def explain_plan(
     nodes: int,
     rejects: Callable[[int, list[int], int], str | None],
     schemes: Sequence[Scheme] | None = None,
+    world: int = 2,
 ) -> PlanReport:
     """The report of ``plan`` over ``slots`` (``classes``: each slot's codec class, -1 for never
-    compressed; ``rejects`` and ``schemes`` as in :func:`gradsync.planner.decide.make_plan`)."""
+    compressed; ``rejects`` and ``schemes`` as in :func:`gradsync.planner.decide.make_plan`;
+    ``nodes`` of ``world`` ranks in all)."""
     report = PlanReport(scheme.name)
     if scheme.kind == "dense":
         report.summary = f"dense scheme {scheme.name}: nothing is compressed"
@@ -81,7 +83,9 @@ def explain_plan(
         kinds[text] = key
 
     used: dict[int, int] = {}  # tensors compressed per codec id
-    one_node = bool(scheme.local) and nodes == 1
+    # local aggregation on one node of several ranks is dense (a world of one rank, which only
+    # a rehearsal synchronizes, runs the strategy itself: compressed_program)
+    one_node = bool(scheme.local) and nodes == 1 and world > 1
     for b in plan.buckets:
         why = ""
         if not b.compress and b.dense_reason == "codec":
@@ -158,6 +162,7 @@ def report_plan(
     report = explain_plan(
         plan, slots, [codecs.codec_class(s) for s in slots], codecs.scheme, config, codecs.codecs,
         topo.nodes, lambda cid, members, parts: codecs.rejects(slots, cid, members, parts), codecs.schemes,
+        topo.world,
     )  # fmt: skip
     if config.log_plan and topo.rank == 0:
         log.info(

@@ -21,6 +21,7 @@ from gradsync.planner.closed_loop import ClosedLoop, Refit, plan_seconds, refit,
 from gradsync.planner.decide import (
     COMPRESS_MARGIN,
     FirstStep,
+    first_plan_of,
     first_step_groups,
     launch_ready,
     make_plan,
@@ -31,7 +32,7 @@ from gradsync.planner.decide import (
 from gradsync.planner.plan import Plan, same_plan
 from gradsync.planner.trials import DUEL_BLOCKS, Duel, codec_families, trial_plans, trial_steps
 from gradsync.sync.buckets import Slot
-from gradsync.sync.codec_set import CodecSet
+from gradsync.sync.codec_set import CodecSet, build_candidates
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
@@ -89,6 +90,33 @@ class Replanner:
         self.params, self.first, self.codec_costs = params, first, costs
         self.loop.restart()
         return plan
+
+    def plan_for(self, model: CostModel) -> Plan:
+        """The first plan this planner would make on the cluster ``model`` describes (its links,
+        ``model.m`` nodes of ``model.n`` ranks) from this engine's first step and its codecs'
+        timings: what ``plan="auto"`` picks there before its closed loop measures anything
+        (``gradsync bench gpu-step`` runs it in a world of one, :attr:`SyncConfig.rehearse`).
+        Rank 0, after the first plan. ``ValueError`` where that cluster would run other codecs or
+        strategies than this engine has (a scheme whose local aggregation depends on the shape)."""
+        if self.first is None or not self.codec_costs:
+            raise ValueError("plan_for needs the first plan's measurements (rank 0, after the first step)")
+        c, cfg = self.codecs, self.config
+        there = Scheme.parse(cfg.scheme).resolve(model.m, model.n)
+        theirs = [there.name] * c.class_count + [
+            alt.name for alt, _ in build_candidates(cfg, there, model.m, model.n)
+        ]
+        if theirs != [s.name for s in c.schemes]:
+            raise ValueError(
+                f"a cluster of {model.m} x {model.n} would run {', '.join(theirs)}; this engine runs "
+                f"{', '.join(s.name for s in c.schemes)} ({self.topo.nodes} x {self.topo.per_node})"
+            )
+        groups = first_step_groups(
+            list(self.slots), self.first, self._classes(), cfg.bucket_bytes, cfg.bucket_timeout_ms / 1e3
+        )
+        return first_plan_of(
+            model, cfg, self.scheme, list(self.slots), self.first, groups, self.codec_costs, self.rejects,
+            c.schemes, c.candidates,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the closed loop
     def due(self, stats: StepStats, valid: bool, ready_at: Sequence[float | None]) -> bool:

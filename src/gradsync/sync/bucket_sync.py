@@ -47,23 +47,29 @@ def bucket_program(
     lowrank_parts: list[tuple[torch.Tensor, str]] | None = None,
     offset: int = 0,
     resident: bool | None = None,
+    rehearse: bool = False,
 ) -> Program:
     """The step program that synchronizes ``view`` (a bucket, or one part of it) to the mean
     over the ranks. ``codec`` None: dense, with the dense scheme's own algorithm and wire dtype,
     or ``dense_algorithm`` for a compressed scheme's dense bucket. Otherwise compressed under
     ``scheme`` with error-feedback state keyed by ``key`` (``offset``: where ``view`` starts in
     the bucket; ``lowrank_parts``: a low-rank codec's tensors in it, with their own keys).
-    ``resident``: a dense scheme's 16-bit wire keeps its scale on the device (None: on a GPU)."""
+    ``resident``: a dense scheme's 16-bit wire keeps its scale on the device (None: on a GPU).
+    ``rehearse``: in a world of one, run it all the same (:attr:`gradsync.sync.SyncConfig.rehearse`)."""
     if codec is None:
         if scheme.kind == "dense":
             algo, comm_dtype = scheme.algorithm, scheme.comm_dtype
         else:
             algo, comm_dtype = dense_algorithm, None
-        return (yield from allreduce_program(view, topo, algo, "mean", comm_dtype, None, workspace, resident))
+        return (
+            yield from allreduce_program(
+                view, topo, algo, "mean", comm_dtype, None, workspace, resident, rehearse
+            )
+        )
     return (
         yield from compressed_program(
             view, topo, codec, scheme.strategy or "allgather", bool(scheme.local), "mean", key, loss_scale,
-            PIPELINE, workspace, lowrank_parts, offset,
+            PIPELINE, workspace, lowrank_parts, offset, rehearse,
         )
     )  # fmt: skip
 

@@ -130,7 +130,7 @@ class CodecSet:
         s, t = self.schemes[codec_id], self.topo
         return codec_refusal(
             self.codecs[codec_id], numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node,
-            itemsize,
+            itemsize, self.config.rehearse,
         )  # fmt: skip
 
     def rejects(self, slots: Sequence[Slot], codec_id: int, members: list[int], parts: int) -> str | None:

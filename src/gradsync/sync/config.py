@@ -132,6 +132,20 @@ class SyncConfig(OptionsConfig):
     of a size fixed in advance, statistics and flags left on the device, so that nothing waits
     for the host per bucket and communication overlaps the backward pass on a GPU. None: on
     where the gradients live on a GPU; True also on the CPU (for tests and audits)."""
+    rehearse: bool = False
+    """Run the synchronization path in a world of one rank, for measuring what it costs
+    (``gradsync bench gpu-step``). A world of one normally synchronizes nothing: the engine
+    leaves the gradients as they are and runs no codec. With ``rehearse`` it packs every bucket,
+    encodes it, "gathers" the payload from its one rank (every collective over one rank is the
+    identity: nothing is copied to stand in for a network), decodes it and writes it back, with
+    error feedback: the programs a multi-rank world runs, not a copy of them. The result is the
+    lossy codec applied to the gradient: ``decode(encode(g))`` (with error feedback, of ``g``
+    plus what it owes; under ``ring`` and ``ps``, whose owners encode the sum again, twice), so
+    training changes as compression changes it. Work that grows with the ranks (decoding p
+    payloads, merging) is done for one. The plan is a world of one's (its links cost nothing),
+    so ``plan="auto"`` compresses nothing: use ``plan="compress"``, or install a plan made for
+    another cluster (:meth:`gradsync.integrate.engine.SyncEngine.use_plan`). No effect with
+    more than one rank; ``wrap`` only (the DDP hook refuses it)."""
     check_steps: bool = True
     """Start every synchronized step with one tiny all-reduce that checks that every rank is at
     the same step and ran as many forward passes (a rank that skipped a backward pass would
@@ -176,5 +190,7 @@ class SyncConfig(OptionsConfig):
         if self.dense_from_step is not None:
             check_range(self.codec, "dense_from_step", self.dense_from_step, 0)
         check_range(self.codec, "timeout_s", self.timeout_s, 0.0, lo_open=True)
+        if not isinstance(self.rehearse, bool):
+            raise ValueError(f"sync: rehearse must be True or False, got {self.rehearse!r}")
         if self.large_codec is not None:
             Scheme.parse(f"allgather/{self.large_codec}")  # a valid codec spec

@@ -99,6 +99,11 @@ BENCHMARKS: tuple[Command, ...] = (
     ),
     Command("collectives", "bench.collectives", "every aggregation scheme on the world it is launched in"),
     Command("step", "bench.step", "a training step's time split per synchronization scheme, against DDP"),
+    Command(
+        "gpu-step",
+        "bench.gpu_step",
+        "one GPU: the share of a real training step gradsync's codec work takes, beside DDP and PowerSGD",
+    ),
     Command("train", "bench.train", "gradsync against PyTorch DDP and its hooks: samples/s, scaling factor"),
     Command("convergence", "bench.convergence", "each scheme's accuracy next to dense training"),
     Command("fsdp", "bench.fsdp", "FSDP2, HSDP and replicate() with and without gradsync's compression"),

@@ -173,13 +173,13 @@ class Carry:
 
 def powersgd_bucket_mb(model: nn.Module) -> float | None:
     """DDP's bucket size for PyTorch's PowerSGD hook here: one bucket holding the whole model on
-    gloo (see :func:`_ddp`), DDP's default (None) under NCCL."""
+    gloo (see :func:`ddp_model`), DDP's default (None) under NCCL."""
     if torch.cuda.is_available():
         return None
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
 
 
-def _ddp(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -> nn.Module:
+def ddp_model(name: str, model: nn.Module, warmup: int, carry: Carry | None = None) -> nn.Module:
     """PyTorch DDP, with PyTorch's own fp16 or PowerSGD communication hook when asked. The
     PowerSGD hook's dense warm-up (``start_powerSGD_iter``) ends inside the unmeasured steps."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -261,7 +261,7 @@ def measure_contender(
     outer = None
     self_syncing = is_self_syncing(name)
     if is_ddp(name):
-        model = _ddp(name, model, args.warmup, carry)
+        model = ddp_model(name, model, args.warmup, carry)
     elif is_outer(name):  # each node alone (DDP inside it), the nodes meet every H steps
         outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
         if outer.inner_group is not None:

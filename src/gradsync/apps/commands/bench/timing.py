@@ -1,4 +1,5 @@
-"""Timing helpers: medians of repeated calls, interleaved with a reference so ratios survive noise."""
+"""Timing helpers: medians of repeated calls, interleaved with a reference so ratios survive noise;
+whole training steps on the device that runs them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,43 @@ def paired(
     ratios = [ta / tb for ta, tb in zip(a, b, strict=True) if tb > 0]
     ratio = statistics.median(ratios) if ratios else float("inf")
     return Paired(statistics.median(a), statistics.median(b), ratio, len(a))
+
+
+class StepClock:
+    """Times whole steps on ``device``: on a GPU with CUDA events recorded on the current stream
+    (a step's kernels, whichever thread queued them on that stream, fall between its two
+    events), read after one synchronization at the end, so that timing adds no host wait to any
+    step; elsewhere with ``time.perf_counter``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._times: list[tuple[float, float]] = []
+        self._start_event: torch.cuda.Event | None = None
+        self._start_time = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        else:
+            self._start_time = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            assert self._start_event is not None, "StepClock.stop() without start()"
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start_event, end))
+            self._start_event = None
+        else:
+            self._times.append((self._start_time, time.perf_counter()))
+
+    def seconds(self) -> list[float]:
+        """Every step timed since the last call, in seconds (waits for the device once)."""
+        events, self._events = self._events, []
+        times, self._times = self._times, []
+        if not self.cuda:
+            return [b - a for a, b in times]
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in events]
