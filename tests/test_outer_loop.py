@@ -91,13 +91,17 @@ def reference(steps: int, every: int, fragments: list[list[int]], delay: int, mi
     return copies
 
 
-def train(steps: int, start: int = 0, state=None, **kw):
-    """This rank's node trains with DDP over the outer loop's inner group; returns the model,
-    its optimizer and the outer loop after ``steps`` inner steps (from ``start``)."""
+def train(steps: int, start: int = 0, state=None, inner: str = "ddp", **kw):
+    """This rank's node trains with DDP (``inner="wrap"``: gradsync.wrap with a dense scheme)
+    over the outer loop's inner group; returns the model, its optimizer and the outer loop after
+    ``steps`` inner steps (from ``start``)."""
     topo = Topology(nodes=NODES, per_node=PER_NODE)
     net = Net()
     outer = OuterLoop(net, topology=topo, **kw)
-    model = DDP(net, process_group=outer.inner_group)
+    if inner == "wrap":
+        model = gradsync.wrap(net, "none", process_group=outer.inner_group, calibrate=False, log_plan=False)
+    else:
+        model = DDP(net, process_group=outer.inner_group)
     opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     if state is not None:
         net.load_state_dict(state["model"])
@@ -109,6 +113,8 @@ def train(steps: int, start: int = 0, state=None, **kw):
         F.mse_loss(model(x), y).backward()
         opt.step()
         outer.step()
+    if inner == "wrap":
+        model.close()
     return net, opt, outer
 
 
@@ -127,9 +133,11 @@ def check_the_outer_loop_is_diloco_written_out():
             0.0,
         ),
     ]
+    cases.append(("gradsync.wrap inside the node, 2 fragments", {"every": 4, "fragments": 2, "inner": "wrap"},
+                  9, None, 0, 0.0))  # fmt: skip
     with expect_all() as expect:
         for label, kw, steps, frags, delay, mix in cases:
-            net, _, outer = train(steps, **kw)
+            net, model, outer = train(steps, **kw)
             frags = frags or outer.fragments
             want = reference(steps, kw["every"], frags, delay, mix)[node]
             with expect(label):  # (before close(), which applies an exchange still in flight)
@@ -192,17 +200,37 @@ def check_bad_input_is_refused_on_every_rank():
         for kw, match in bad:
             with expect(str(kw)), pytest.raises(ValueError, match=match):
                 OuterLoop(Net(), topology=topo, **kw)
+        for scheme in ("allgather/topk:density=0.5", "none"):  # any scheme: the span is the fault
+            with (
+                expect(f"a wrap over the world, then the outer loop ({scheme})"),
+                pytest.raises(
+                    ValueError, match=r"beyond this rank's node .* average across nodes every inner step"
+                ),
+            ):
+                wrapped = gradsync.wrap(Net(), scheme, topo, calibrate=False, log_plan=False)
+                try:
+                    OuterLoop(wrapped, topology=topo)
+                finally:
+                    wrapped.close()
         with (
-            expect("a scheme that compresses across nodes"),
-            pytest.raises(ValueError, match="compressed scheme"),
+            expect("the outer loop, then a wrap over the world"),
+            pytest.raises(ValueError, match=r"spans ranks \[0, 1, 2, 3\] .* process_group=outer.inner_group"),
         ):
-            wrapped = gradsync.wrap(
-                Net(), "allgather/topk:density=0.5", topo, calibrate=False, log_plan=False
-            )
-            try:
-                OuterLoop(wrapped, topology=topo)
-            finally:
-                wrapped.close()
+            net = Net()
+            OuterLoop(net, topology=topo)
+            gradsync.wrap(net, "none", calibrate=False, log_plan=False)
+        with (
+            expect("wrap: process_group not a group"),
+            pytest.raises(TypeError, match="process_group must be"),
+        ):
+            gradsync.wrap(Net(), "none", process_group="node")  # type: ignore[arg-type]
+        with expect("wrap: topology and process_group"), pytest.raises(ValueError, match="not both"):
+            gradsync.wrap(Net(), "none", topo, process_group=dist.group.WORLD)
+        with (
+            expect("DDP over the world, then the outer loop"),
+            pytest.raises(ValueError, match="wrapped in DDP over ranks"),
+        ):
+            OuterLoop(DDP(Net()), topology=topo)
         with expect("not a module"), pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
             OuterLoop([nn.Linear(2, 2)], topology=topo)  # type: ignore[arg-type]
         with (

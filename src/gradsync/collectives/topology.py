@@ -114,6 +114,12 @@ class Topology:
     and stage lands there and not on ``cuda:0`` (a new thread's current device). By default it
     is the current CUDA device of the thread that builds the topology (torchrun scripts call
     ``torch.cuda.set_device(LOCAL_RANK)`` first), or the CPU without CUDA.
+
+    ``process_group`` limits the topology to that group's ranks (DDP's ``process_group``): its
+    ``world`` is the group's size and its ``rank`` this rank's place in it, by default one node
+    of all of them (an outer loop's node: :attr:`gradsync.OuterLoop.inner_group`). Only the
+    group's ranks build it (its groups are made with local synchronization), and they must all
+    build it. :meth:`global_rank` turns a rank of the topology into the process's global rank.
     """
 
     def __init__(
@@ -122,14 +128,20 @@ class Topology:
         per_node: int | None = None,
         timeout: datetime.timedelta | None = None,
         device: torch.device | str | int | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if (nodes is None) != (per_node is None):
             raise TopologyError("give both nodes and per_node, or neither (to read torchrun's environment)")
         for name, v in (("nodes", nodes), ("per_node", per_node)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise TopologyError(f"{name} must be a positive integer, got {v!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TopologyError(
+                f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}"
+            )
         self._device = _parse_device(device)
         self._asked = (nodes, per_node, timeout)
+        self._group = process_group
         # scratch buffers of the algorithms run on this topology (large CPU allocations page-fault)
         self.workspace = Workspace()
         self._build()
@@ -138,9 +150,27 @@ class Topology:
         nodes, per_node, timeout = self._asked
         initialized = _initialized()
         self._pg = dist.group.WORLD if initialized else None  # the process group this was built for
-        self.world = dist.get_world_size() if initialized else 1
-        self.rank = dist.get_rank() if initialized else 0
-        self.backend = dist.get_backend() if initialized else "gloo"
+        group = self._group
+        if group is not None and not initialized:
+            raise TopologyError("a Topology over a process_group needs torch.distributed initialized")
+        self.members = dist.get_process_group_ranks(group) if group is not None else None
+        """The global ranks of the topology in its order (None: every rank, rank r being r)."""
+        if self.members is not None and dist.get_rank() not in self.members:
+            raise TopologyError(
+                f"rank {dist.get_rank()} builds a Topology over a process group it is not in "
+                f"(ranks {self.members})"
+            )
+        self.world = (
+            len(self.members) if self.members is not None else dist.get_world_size() if initialized else 1
+        )
+        self.rank = (
+            self.members.index(dist.get_rank())
+            if self.members is not None
+            else dist.get_rank()
+            if initialized
+            else 0
+        )
+        self.backend = dist.get_backend(group) if initialized else "gloo"
         self.device = self._device if self._device is not None else default_device()
         """The device this rank computes on; gradsync's threads make it their current device."""
         comm = backend_device(self.backend) if initialized else torch.device("cpu")
@@ -148,7 +178,9 @@ class Topology:
             comm = self.device  # Topology(device=...) wins over the building thread's current GPU
         self.comm_device = comm
         """Where the tensors of gradsync's collectives live: this rank's GPU under NCCL, else the CPU."""
-        if nodes is None:
+        if nodes is None and self.members is not None:  # a group of its own: one node of it
+            nodes, per_node, node_rank, local_rank = 1, self.world, 0, self.rank
+        elif nodes is None:
             nodes, per_node, node_rank, local_rank = self._from_env()
         else:
             assert per_node is not None
@@ -161,21 +193,34 @@ class Topology:
         limit: datetime.timedelta | None = None  # None: torch.distributed's default
         if initialized and self.world > 1:
             limit = timeout if timeout is not None else default_timeout()
-            # every rank creates every group, in the same order
-            self.world_group = dist.new_group(list(range(self.world)), timeout=limit)
-            self.control_group = dist.new_group(list(range(self.world)), timeout=limit)
+            # every rank creates every group, in the same order (over a process group, only its
+            # ranks take part: local synchronization)
+            self.world_group = self._new_group(self.global_ranks(), limit)
+            self.control_group = self._new_group(self.global_ranks(), limit)
         self._check_layout(node_rank, local_rank, initialized)
         self.node = self.rank // per_node
         self.local_rank = self.rank % per_node
         if initialized and self.world > 1:
             for i in range(nodes):
-                g = dist.new_group(self.node_ranks(i), timeout=limit)
+                g = self._new_group(self.node_ranks(i), limit, mine=i == self.node)
                 if i == self.node:
                     self.intra_group = g
             for j in range(per_node):
-                g = dist.new_group(self.local_index_ranks(j), timeout=limit)
+                g = self._new_group(self.local_index_ranks(j), limit, mine=j == self.local_rank)
                 if j == self.local_rank:
                     self.inter_group = g
+
+    def _new_group(
+        self, ranks: list[int], timeout: datetime.timedelta | None, mine: bool = True
+    ) -> dist.ProcessGroup | None:
+        """A group of global ``ranks``. Over the whole world every rank makes every group; over a
+        process group of some ranks only the members of each group make it (the other ranks
+        may be building topologies of their own at the same time)."""
+        if self.members is None:
+            return dist.new_group(ranks, timeout=timeout)
+        if not mine:
+            return None
+        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
 
     def bind(self) -> Topology:
         """Make sure this topology describes the process group that exists now.
@@ -255,13 +300,21 @@ class Topology:
                 "bad topology: " + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else "")
             )
 
+    def global_rank(self, rank: int) -> int:
+        """The global rank (the default process group's) of the topology's rank ``rank``."""
+        return self.members[rank] if self.members is not None else rank
+
+    def global_ranks(self) -> list[int]:
+        """The global ranks of the topology, in its order."""
+        return list(self.members) if self.members is not None else list(range(self.world))
+
     def node_ranks(self, node: int) -> list[int]:
         """Global ranks of a node."""
-        return list(range(node * self.per_node, (node + 1) * self.per_node))
+        return [self.global_rank(r) for r in range(node * self.per_node, (node + 1) * self.per_node)]
 
     def local_index_ranks(self, local_rank: int) -> list[int]:
         """Global ranks with a given local index, one per node."""
-        return list(range(local_rank, self.world, self.per_node))
+        return [self.global_rank(r) for r in range(local_rank, self.world, self.per_node)]
 
     def level_of(self, group: dist.ProcessGroup | None) -> str:
         """The traffic level of a collective on ``group`` (``intra``, ``inter`` or ``world``): a
@@ -275,7 +328,7 @@ class Topology:
     @property
     def leader(self) -> int:
         """Global rank of this node's first rank."""
-        return self.node * self.per_node
+        return self.global_rank(self.node * self.per_node)
 
     def __repr__(self) -> str:
         return f"Topology(nodes={self.nodes}, per_node={self.per_node}, rank={self.rank})"

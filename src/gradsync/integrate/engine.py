@@ -673,7 +673,7 @@ def buffers_program(buffers: list[torch.Tensor], topo: Topology, training: bool 
         yield partial(P.all_reduce, who, topo.world_group, "world", op=dist.ReduceOp.MAX)
         src = int(who.item())
     for flat in flats:
-        yield partial(P.broadcast, flat, src, topo.world_group, "world")
+        yield partial(P.broadcast, flat, topo.global_rank(src), topo.world_group, "world")
 
     def finish() -> None:
         if topo.rank == src:

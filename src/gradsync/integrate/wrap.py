@@ -26,7 +26,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.agreement import agreed
-from gradsync.integrate.checks import check_model
+from gradsync.integrate.checks import check_model, check_outer_scope
 from gradsync.integrate.engine import SyncEngine
 from gradsync.sync import host_reads
 from gradsync.sync.config import SyncConfig
@@ -253,7 +253,7 @@ class GradSync(nn.Module, Joinable):
         buffers = list(self.module.buffers()) if engine.config.broadcast_buffers else []
         with torch.no_grad():
             for t in [*self.module.parameters(), *buffers]:
-                P.broadcast(t.data, src, topo.control_group, "world")
+                P.broadcast(t.data, topo.global_rank(src), topo.control_group, "world")
 
 
 class _JoinHook(JoinHook):
@@ -315,6 +315,7 @@ def wrap(
     config: SyncConfig | None = None,
     trace: str | os.PathLike[str] | None = None,
     trace_steps: tuple[int, int] | None = None,
+    process_group: dist.ProcessGroup | None = None,
     **options: Any,
 ) -> GradSync:
     """Synchronize ``model``'s gradients with gradsync.
@@ -332,13 +333,36 @@ def wrap(
     size 1 nothing is communicated and the gradients are left as they are (``rehearse=True``
     runs the synchronization path all the same, for measuring: :attr:`SyncConfig.rehearse`).
 
+    ``process_group``: synchronize over that group's ranks only, as DDP's ``process_group`` (by
+    default one node of them: under an outer loop, ``process_group=outer.inner_group`` keeps the
+    per-step synchronization inside the node). Only the group's ranks call ``wrap``.
+
     ``trace="trace.json"`` records a timeline of every step (Chrome trace events, opens in
     Perfetto; ``trace_steps=(START, STOP)`` keeps those steps only), written when the model is
     closed (:meth:`GradSync.close`, on every rank) or by :meth:`GradSync.write_trace`;
     :meth:`GradSync.tracing` traces a block instead.
     """
     check_model(model)
-    topo = topology.bind() if topology is not None else Topology()
+    if process_group is not None and topology is not None:
+        raise ValueError(
+            "wrap: give topology or process_group, not both (Topology(process_group=...) takes the group)"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"wrap: process_group must be a torch.distributed ProcessGroup (this rank's), got "
+            f"{type(process_group).__name__}"
+        )
+    if process_group is not None:
+        ranks = dist.get_process_group_ranks(process_group)
+    elif topology is not None:
+        ranks = topology.bind().global_ranks()
+    else:
+        ranks = list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+    check_outer_scope(model, ranks)  # before any group is made for it
+    if process_group is not None:
+        topo = Topology(process_group=process_group)
+    else:
+        topo = topology.bind() if topology is not None else Topology()
 
     def build() -> SyncEngine:
         if trace is not None:
@@ -355,7 +379,7 @@ def wrap(
         buffers = list(model.buffers()) if engine.config.broadcast_buffers else []
         with torch.no_grad():
             for t in [*model.parameters(), *buffers]:
-                P.broadcast(t.data, 0, topo.control_group, "world")
+                P.broadcast(t.data, topo.global_rank(0), topo.control_group, "world")
     return GradSync(model, engine, trace, trace_steps)
 
 

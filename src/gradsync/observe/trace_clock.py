@@ -38,6 +38,6 @@ def align_clocks(topo: Topology, started_at: float, rounds: int = 9) -> tuple[fl
     # rank 0's start and a run id: 64-bit words from rank 0
     run = int(uuid.uuid4().int & ((1 << 62) - 1))
     word = torch.tensor([started_at, float(run)], dtype=torch.float64, device=dev)
-    P.broadcast(word, 0, group, "world")
+    P.broadcast(word, topo.global_rank(0), group, "world")
     origin0, run_f = word.tolist()
     return offset, spread, origin0, f"{int(run_f):x}"[:12]

@@ -54,6 +54,7 @@ from gradsync.collectives.pieces import apply_pieces
 from gradsync.collectives.program import Program, run
 from gradsync.collectives.strategies import Coder, run_strategy
 from gradsync.collectives.topology import Topology
+from gradsync.integrate.checks import OUTER_NODE
 from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
@@ -119,7 +120,6 @@ class OuterLoop:
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"outer loop: model must be a torch.nn.Module, got {type(model).__name__}")
-        _refuse_per_step_compression(model, optimizer)
         self.codec: Compressor | None = None
         if codec is not None:
             built = build_codec(codec)
@@ -131,9 +131,12 @@ class OuterLoop:
         if not self.params:
             raise ValueError("outer loop: the model has no parameter that requires a gradient")
         self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        topo = (topology or Topology()).bind()
+        _refuse_per_step_crossing(model, optimizer, topo.node_ranks(topo.node))
         self.every, self.fragments_n, self.delay, self.mix = every, fragments, delay, mix
         self.timeout_s = timeout_s
-        self.topo = (topology or Topology()).bind()
+        self.topo = topo
+        setattr(module, OUTER_NODE, topo.node_ranks(topo.node))  # wrap() refuses to span beyond it
         self.sharded = _check_sharding(self.params, self.names, self.topo, self.codec)
         """FSDP2 inside the node: each rank holds a shard, and the shards meet across nodes
         rank by rank (each rank with the same rank of every other node: the inter group)."""
@@ -173,7 +176,9 @@ class OuterLoop:
         self._manager = TaskManager("gradsync-outer", self.topo.device) if delay else None
         self.inner_group = self._make_inner_groups()
         """This rank's node as a process group of its own, for the inner synchronization
-        (``DDP(model, process_group=outer.inner_group)``); None with one rank per node."""
+        (``DDP(model, process_group=outer.inner_group)`` or ``gradsync.wrap(model, "none",
+        process_group=outer.inner_group)``; a group of one rank with one rank per node); None in a
+        world of one rank."""
         self.tracer: TraceRecorder | None = None
         """Where the exchanges' slices go (set :meth:`trace`)."""
         self._hook = None
@@ -192,8 +197,8 @@ class OuterLoop:
         with torch.no_grad():
             for p in module.parameters():
                 if isinstance(p, DTensor):
-                    # the rank with this local index on node 0 (global rank = local index)
-                    P.broadcast(p.to_local(), topo.local_rank, topo.inter_group, "inter")
+                    # the rank with this local index on node 0
+                    P.broadcast(p.to_local(), topo.global_rank(topo.local_rank), topo.inter_group, "inter")
                 else:
                     P.broadcast(p.data, 0, topo.control_group, "world")
             for b in module.buffers():
@@ -343,9 +348,9 @@ class OuterLoop:
 
     def _make_inner_groups(self) -> dist.ProcessGroup | None:
         topo = self.topo
-        if topo.world == 1 or topo.per_node == 1:
+        if topo.world == 1:
             return None
-        mine = None
+        mine = None  # (a node of one rank gets a group of one: the same code works for any layout)
         for node in range(topo.nodes):  # every rank creates every group, in the same order
             g = dist.new_group(topo.node_ranks(node))
             if node == topo.node:
@@ -454,23 +459,36 @@ class OuterLoop:
         }
 
 
-def _refuse_per_step_compression(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """The outer loop's slow link carries pseudo-gradients only: a per-step scheme that
-    compresses across nodes, or an optimizer that exchanges compressed momentum every step,
-    would cross it every step as well."""
-    engine = model.engine if isinstance(model, GradSync) else None
-    if engine is not None and engine.scheme.kind != "dense" and engine.topo.nodes > 1:
-        raise ValueError(
-            f"outer loop: the model is wrapped with the compressed scheme {engine.scheme.text!r} across "
-            f"{engine.topo.nodes} nodes; inside an outer loop keep the per-step synchronization inside the "
-            "node (DDP(process_group=outer.inner_group), or wrap with a dense scheme) and give the outer "
-            "loop the codec"
+def _refuse_per_step_crossing(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, node: list[int]
+) -> None:
+    """The outer loop's slow link carries pseudo-gradients only: a per-step synchronization
+    (wrap or DDP) over ranks beyond this rank's node (global ranks ``node``), or an optimizer
+    that exchanges compressed momentum every step, would cross it every step as well."""
+    if isinstance(model, GradSync):
+        check_outer_scope_of(
+            model.engine.topo.global_ranks(), node, f"wrapped ({model.engine.scheme.text!r})"
         )
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        check_outer_scope_of(dist.get_process_group_ranks(model.process_group), node, "wrapped in DDP")
     if isinstance(optimizer, CompressedMomentumOptimizer):
         raise ValueError(
             f"outer loop: {type(optimizer).__name__} exchanges compressed momentum across ranks every step; "
             "inside an outer loop use a local optimizer (AdamW, SGD, LAMB...) and let the outer loop "
             "average the pseudo-gradients"
+        )
+
+
+def check_outer_scope_of(ranks: list[int], node: list[int], what: str) -> None:
+    """Refuse a model synchronized every step over global ``ranks`` beyond the node ``node``."""
+    outside = sorted(set(ranks) - set(node))
+    if outside:
+        raise ValueError(
+            f"outer loop: the model is {what} over ranks {sorted(ranks)}, beyond this rank's node (ranks "
+            f"{node}): it would average across nodes every inner step, crossing the slow link the outer "
+            "loop spares. Synchronize inside the node: create the OuterLoop first, then "
+            "gradsync.wrap(model, ..., process_group=outer.inner_group) or "
+            "DDP(model, process_group=outer.inner_group), and give the outer loop the codec"
         )
 
 

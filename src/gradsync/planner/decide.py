@@ -613,12 +613,12 @@ def share_plan(topo: Topology, decide: Callable[[], Plan | None]) -> Plan | None
             error, status = e, 1
             wire = torch.tensor(list(f"{type(e).__name__}: {e}".encode()), dtype=torch.int64, device=dev)
     head = torch.tensor([wire.numel(), status], dtype=torch.int64, device=dev)
-    dist.broadcast(head, 0, group=group)  # the control group holds every rank
+    dist.broadcast(head, topo.global_rank(0), group=group)  # the control group holds every rank
     size, status = head.tolist()
     if topo.rank != 0:
         wire = torch.zeros(size, dtype=torch.int64, device=dev)
     if size:
-        dist.broadcast(wire, 0, group=group)
+        dist.broadcast(wire, topo.global_rank(0), group=group)
     if status == 1:
         if error is not None:
             raise error

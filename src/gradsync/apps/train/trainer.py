@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from gradsync.collectives.primitives import comm_device
 from gradsync.observe.telemetry import format_line, step_record
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim.layerwise import LayerwiseOptimizer
+from gradsync.sync import Scheme
 
 
 class TrainingDiverged(RuntimeError):
@@ -184,7 +186,10 @@ class Trainer:
                 outer_momentum=args.outer_momentum, fragments=args.fragments, delay=args.outer_delay,
                 mix=args.outer_mix, topology=self.topo,
             )  # fmt: skip
-            self.model = NodeSync(net, self.outer, self.device)
+            # inside the node: --scheme when it is dense (the default names none: a flat ring)
+            dense = Scheme.parse(args.scheme).kind == "dense"
+            inner = replace(self.config, scheme=args.scheme if dense else "flat")
+            self.model = NodeSync(net, self.outer, inner, self.scaler)
             if args.trace:  # the inner steps on the training thread, the exchanges on gradsync's
                 self.outer_trace = TraceRecorder(
                     self.topo, trace_steps(args.trace_steps) if args.trace_steps else None

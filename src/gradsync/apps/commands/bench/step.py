@@ -264,7 +264,7 @@ def measure_contender(
         model = ddp_model(name, model, args.warmup, carry)
     elif is_outer(name):  # each node alone (DDP inside it), the nodes meet every H steps
         outer = gradsync.OuterLoop(model, topology=topo, **outer_options(name))
-        if outer.inner_group is not None:
+        if outer.inner_group is not None and outer.topo.per_node > 1:
             model = DDP(model, process_group=outer.inner_group)
     elif is_sharded(name):  # FSDP2, HSDP or replicate, unit by unit
         model, _compression = shard_model(model, name, topo)
