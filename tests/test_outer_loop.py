@@ -137,7 +137,7 @@ def check_the_outer_loop_is_diloco_written_out():
                   9, None, 0, 0.0))  # fmt: skip
     with expect_all() as expect:
         for label, kw, steps, frags, delay, mix in cases:
-            net, model, outer = train(steps, **kw)
+            net, _, outer = train(steps, **kw)
             frags = frags or outer.fragments
             want = reference(steps, kw["every"], frags, delay, mix)[node]
             with expect(label):  # (before close(), which applies an exchange still in flight)
