@@ -6,8 +6,11 @@ tensor), timed with CUDA events at 2^20 .. 2^26 float32 elements and k = 1 %.
         [--modes resident,host]
 
 Each codec runs in resident mode (``Compressor.set_resident``: the host-free versions, what
-gradsync uses on a GPU) and, for comparison, on its host path (counts and thresholds read back
-by the host). ``compile=true`` rows run the quantizers' fused passes through torch.compile.
+gradsync uses on a GPU), replayed as CUDA graphs as gradsync runs it (``resident``); the same
+without the graphs (``eager``: ``GRADSYNC_CUDA_GRAPHS=0``, every kernel launched from Python, what
+the fixed cost per call was before them); and, for comparison, on its host path (``host``:
+counts and thresholds read back by the host). ``compile=true`` rows run the quantizers' fused
+passes through torch.compile.
 
 Prints one table and writes the rows as JSON with the device, torch and CUDA versions. Each
 contender is timed right after its own copy-floor and torch.topk runs, so every ratio comes from
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -84,9 +88,12 @@ def time_codec(spec: str, g: torch.Tensor, reps: int, mode: str = "resident") ->
     ref = median_ms(lambda: torch.topk(g.abs(), k, sorted=False), reps, g.device)
     row: dict[str, object] = {"log2": g.numel().bit_length() - 1, "codec": spec, "mode": mode,
                               "copy_ms": floor, "torch_topk_ms": ref}  # fmt: skip
+    graphs = os.environ.get("GRADSYNC_CUDA_GRAPHS")
+    if mode == "eager":
+        os.environ["GRADSYNC_CUDA_GRAPHS"] = "0"
     try:
         codec = build_codec(spec)
-        codec.set_resident(mode == "resident")
+        codec.set_resident(mode in ("resident", "eager"))
         row["host_free"] = codec.host_free
         ctx = EncodeContext(key="w")
         payload = codec.encode(g, ctx)
@@ -96,8 +103,15 @@ def time_codec(spec: str, g: torch.Tensor, reps: int, mode: str = "resident") ->
         dec = median_ms(lambda: codec.decode(payload, out=out), reps, g.device)
         row.update(encode_ms=enc, decode_ms=dec, payload_bytes=int(payload.nbytes),
                    vs_torch_topk=ref / enc, x_copy=enc / floor)  # fmt: skip
+        if mode == "resident":
+            row["replays"] = codec.plain.replayer.replayed
     except Exception as e:  # reported in its row; the table goes on
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        if graphs is None:
+            os.environ.pop("GRADSYNC_CUDA_GRAPHS", None)
+        else:
+            os.environ["GRADSYNC_CUDA_GRAPHS"] = graphs
     return row
 
 
@@ -107,7 +121,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="20,22,24,26", help="log2 of the element counts")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cuda (default), or cpu for a smoke run")
-    p.add_argument("--modes", default="resident,host", help="resident (the GPU path) and/or host")
+    p.add_argument(
+        "--modes",
+        default="resident,eager",
+        help="resident (replayed graphs: the GPU path), eager and/or host",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -563,3 +563,51 @@ def _count_syncs_world():
         assert len(syncs) <= 2, f"{scheme}: {len(syncs)} synchronizations in 2 steps: " + "; ".join(
             str(w.message)[:200] for w in syncs
         )
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+GRAPHED = (
+    "topk:density=0.01", "chunktopk:density=0.01", "mstopk:density=0.01", "bsearch:density=0.01,reuse=3",
+    "dgc:density=0.01", "randomk:density=0.01", "onebit", "tbq:threshold=0.01", "terngrad", "fp16",
+    "none", "topk:density=0.01+ef", "chunktopk:density=0.01+ef:momentum=0.9", "dgc:density=0.01+ef",
+    "onebit+ef", "terngrad+ef", "fp16+ef",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", GRAPHED)
+def test_a_replayed_codec_equals_its_eager_path_on_cuda(spec, monkeypatch):
+    """The resident encode and decode captured as CUDA graphs and replayed (gradsync.codecs.graphs)
+    send the bytes, decode the tensor and keep the residual the eager path does, step after
+    step (a non-finite step among them), from a bucket that stays at one address as the
+    engine's do; after the captures every call is a replay, and no replay waits for the host."""
+    n = 1 << 20
+    eager, replayed = gradsync.build_codec(spec), gradsync.build_codec(spec)
+    for c in (eager, replayed):
+        c.set_resident(True)
+    bucket = torch.empty(n, device="cuda")
+    out = torch.empty(n, device="cuda")
+    for step in range(8):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step)).cuda()
+        if step == 3:
+            g[7] = float("nan")
+        monkeypatch.setenv("GRADSYNC_CUDA_GRAPHS", "0")
+        want = eager.encode(g, gradsync.codecs.EncodeContext(key="b"))
+        want_decoded = eager.decode(want)
+        monkeypatch.delenv("GRADSYNC_CUDA_GRAPHS")
+        bucket.copy_(g)
+        if step >= 4:  # captured by now: replays only, none waits for the host
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = replayed.encode(bucket, gradsync.codecs.EncodeContext(key="b"))
+            replayed.decode(got, out=out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.data, want.data), (spec, step)
+        assert torch.equal(out.nan_to_num(7.0), want_decoded.nan_to_num(7.0)), (spec, step)
+        if "+ef" in spec:
+            assert torch.equal(replayed.residual("b"), eager.residual("b")), (spec, step)
+    plain = replayed.plain
+    assert plain.replayer.captured <= (6 if spec.startswith("bsearch") else 4), plain.replayer.captured
+    assert plain.replayer.replayed >= 2 * 8 - 2 - plain.replayer.captured, plain.replayer.replayed
+    assert eager.plain.replayer.captured == 0

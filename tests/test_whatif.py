@@ -625,6 +625,12 @@ def test_cli_notes_what_the_numbers_rest_on(files, capsys):
         (["--png", "/no/such/folder/out.png"], "--png /no/such/folder/out.png: the folder"),
         (["--scheme", "hierarchical:comm_dtype=fp16"], "hierarchical/fp16"),
         (["--sweep", "ratio=10,100"], "no scheme has one"),
+        (["--codec-device", "tpu"], "--codec-device must be cpu, cuda or cuda:N"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [(["--codec-device", "cuda"], "--codec-device cuda: this machine")]
+        ),
     ],
 )
 def test_cli_errors_name_the_option(files, extra, message, capsys):

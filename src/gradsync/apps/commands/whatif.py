@@ -155,6 +155,12 @@ def add_arguments(p: argparse.ArgumentParser, pictures: bool = True) -> None:
     )
     p.add_argument("--save-codec-costs", metavar="PATH.json", help="write the codec costs used")
     p.add_argument(
+        "--codec-device",
+        default="cpu",
+        help="where codecs missing from --codec-costs are timed: cpu (scaled by --codec-scale) or cuda "
+        "(resident, as the engine runs them on a GPU; not scaled unless --codec-scale is given)",
+    )
+    p.add_argument(
         "--host-cores",
         type=float,
         help="effective cores a host's workers share (CPU training; default: unbounded)",
@@ -204,6 +210,24 @@ def _schemes(args: argparse.Namespace) -> list[str]:
     return [s.strip() for s in args.scheme.split(",") if s.strip()]
 
 
+def check_codec_device(device: str) -> None:
+    """``--codec-device``: ``cpu``, or ``cuda``/``cuda:N`` on a machine with that GPU."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--codec-device must be cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda" and (
+        not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()
+    ):
+        raise ValueError(
+            f"--codec-device {device}: this machine has no such CUDA device (time the codecs on cpu)"
+        )
+
+
 def check(args: argparse.Namespace) -> None:
     from gradsync.observe.profile_format import Profile
     from gradsync.sync.config import SyncConfig, parse_options
@@ -242,6 +266,7 @@ def check(args: argparse.Namespace) -> None:
     if args.step_time is not None and not parse_duration(args.step_time, "--step-time") > 0:
         raise ValueError(f"--step-time must be a positive duration such as 90ms, got {args.step_time!r}")
     _check_outputs(args)
+    check_codec_device(args.codec_device)
     for name in ("compute_scale", "codec_scale", "host_cores", "ddp_bucket_mb"):
         v = getattr(args, name)
         if v is not None and not (v > 0 and v != float("inf")):
@@ -297,8 +322,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         links = link_options(args)
         network = from_rates(links["inter"], links["intra"], links["inter_latency"], links["intra_latency"],
                              1.0 / parse_rate(links["add_rate"], "--add-rate"))  # fmt: skip
-    codec_scale = args.codec_scale if args.codec_scale is not None else workload.compute_scale
-    costs = CodecTable.load(args.codec_costs, codec_scale) if args.codec_costs else CodecTable(codec_scale)
+    on_gpu = args.codec_device != "cpu"
+    codec_scale = (
+        args.codec_scale if args.codec_scale is not None else 1.0 if on_gpu else workload.compute_scale
+    )
+    if args.codec_costs:
+        costs = CodecTable.load(args.codec_costs, codec_scale)
+        costs.device = args.codec_device
+    else:
+        costs = CodecTable(codec_scale, device=args.codec_device)
     if engine is not None:  # the engine's own codec costs come first
         costs.entries.update(engine.codecs)
     cpu = Cpu(args.ranks_per_host or per_node, args.host_cores) if args.host_cores else Cpu()
