@@ -34,6 +34,24 @@ def check_outer_options(
     return float(mix)
 
 
+SHORT_PERIOD = 100
+"""Below this many inner steps between meetings, :func:`outer_step_for` averages (lr 1.0) with
+a little momentum; from it on, DiLoCo's published step."""
+
+
+def outer_step_for(every: int) -> tuple[float, float]:
+    """The outer SGD's ``(lr, Nesterov momentum)`` for a period of ``every`` inner steps, where
+    the user names none (``gradsync train --outer H``).
+
+    Short periods: ``(1.0, 0.3)``, the step that trained best of six at H = 10 on the digits
+    default, 2 nodes x 2 ranks, seeds 0-2 (``scripts/outer-step-study.sh``: 99.54 % mean
+    validation accuracy against 99.16 % dense, and 96.29 % with DiLoCo's 0.7 / 0.9, which swings
+    the shared model too far when it meets that often), and on the text recipe (perplexity 4.147
+    against 4.184 for a plain average). From :data:`SHORT_PERIOD` inner steps on: DiLoCo's
+    ``(0.7, 0.9)``, its paper's choice for periods in the hundreds (not measured here)."""
+    return (1.0, 0.3) if every < SHORT_PERIOD else (0.7, 0.9)
+
+
 def _check_int(name: str, value: object, lo: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"outer loop: {name} must be an integer >= {lo}, got {value!r}")

@@ -34,6 +34,7 @@ from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
+from gradsync.sync.outer_options import outer_step_for
 from gradsync.units import parse_size
 
 __all__ = [
@@ -226,13 +227,16 @@ def _check_outer(args: argparse.Namespace) -> None:
             name for name, value, default in (
                 ("--outer-codec", args.outer_codec, None), ("--fragments", args.fragments, 1),
                 ("--outer-delay", args.outer_delay, 0), ("--outer-mix", args.outer_mix, None),
-                ("--outer-lr", args.outer_lr, 0.7), ("--outer-momentum", args.outer_momentum, 0.9),
+                ("--outer-lr", args.outer_lr, None), ("--outer-momentum", args.outer_momentum, None),
             ) if value != default
         ]  # fmt: skip
         if given:
             raise ValueError(f"{', '.join(given)} need --outer H (the inner steps between two meetings)")
         return
     _at_least("--outer", outer, 1)
+    lr, momentum = outer_step_for(outer)  # what the period asks for, where not named
+    args.outer_lr = lr if args.outer_lr is None else args.outer_lr
+    args.outer_momentum = momentum if args.outer_momentum is None else args.outer_momentum
     _at_least("--fragments", args.fragments, 1)
     if not 0 <= args.outer_delay < outer:
         raise ValueError(f"--outer-delay must be in [0, --outer) = [0, {outer}), got {args.outer_delay}")
