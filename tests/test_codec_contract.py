@@ -14,6 +14,7 @@ SPECS = {
     "bf16": "bf16",
     "topk": "topk:density=0.05",
     "chunktopk": "chunktopk:density=0.05,chunk=64",
+    "sparseloco": "sparseloco:density=0.05,chunk=64",
     "mstopk": "mstopk:density=0.05",
     "trimmed_topk": "trimmed_topk:density=0.05",
     "bsearch": "bsearch:density=0.05",
@@ -29,6 +30,7 @@ SPECS = {
 FIXED_SIZE = {
     "none",
     "chunktopk",
+    "sparseloco",
     "fp16",
     "bf16",
     "topk",

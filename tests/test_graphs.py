@@ -23,6 +23,7 @@ N = 4000
 CODECS = [
     "topk:density=0.01",
     "chunktopk:density=0.01,chunk=512",
+    "sparseloco:density=0.02,chunk=512",
     "mstopk:density=0.01",
     "trimmed_topk:density=0.01",
     "bsearch:density=0.01,reuse=3",
@@ -42,6 +43,7 @@ CODECS = [
 WITH_FEEDBACK = [
     "topk:density=0.01+ef",
     "chunktopk:density=0.01,chunk=512+ef:momentum=0.9",
+    "sparseloco:density=0.02,chunk=512,bits=4+ef:decay=0.9",
     "mstopk:density=0.01+ef:momentum=0.9,nesterov=true,masking=false",
     "bsearch:density=0.01,reuse=3+ef",
     "dgc:density=0.01+ef:momentum=0.9",

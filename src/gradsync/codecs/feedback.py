@@ -66,9 +66,14 @@ class FeedbackConfig(OptionsConfig):
     nesterov: bool = False
     masking: bool = True
     clip: float | None = None
+    decay: float = 1.0
+    """The residual's weight when the next gradient joins it (``v = decay * r + g``): below 1 an
+    old residual fades instead of being owed for ever, SparseLoCo's error feedback in place of
+    momentum. The invariant becomes ``g + decay * r_old == sent + r_new``."""
 
     def validate(self) -> None:
         check_range(self.codec, "momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        check_range(self.codec, "decay", self.decay, 0.0, 1.0, lo_open=True)
         if self.nesterov and self.momentum == 0.0:
             raise ValueError(f"{self.codec}: nesterov needs momentum > 0")
         if self.clip is not None:
@@ -184,6 +189,7 @@ class ErrorFeedback(Compressor):
             self.fuse_sum
             and self.config.momentum == 0
             and self.config.clip is None
+            and self.config.decay == 1.0
             and grad.dtype not in _HALF
         ):
             # v = r + g is all there is to accumulate: the codec adds it up as it reads (one pass
@@ -230,7 +236,8 @@ class ErrorFeedback(Compressor):
             s.wire = _buffer(s.wire, flat)
         else:
             s.wire = None
-        fused = getattr(codec, "fuses_sum", False) and m == 0 and s.wire is None
+        decay = self.config.decay
+        fused = getattr(codec, "fuses_sum", False) and m == 0 and decay == 1.0 and s.wire is None
         codec.check_numel(n)
         cstream = follow_device(codec.stream(ctx.key), flat.device)
         decided = codec.before_device_work(cstream, flat.device)
@@ -255,9 +262,8 @@ class ErrorFeedback(Compressor):
                 if fused:  # the codec adds r and g as it reads (SparseCodec.encode_sum)
                     codec._encode(v, shape, c, cstream, data, (r, g))  # type: ignore[call-arg]
                 else:
-                    _accumulate_into(
-                        v, r, g if g.dtype == r.dtype else g.to(r.dtype), uo, un, m, nesterov, 1.0
-                    )
+                    g = g if g.dtype == r.dtype else g.to(r.dtype)
+                    _accumulate_into(v, r, g, uo, un, m, nesterov, 1.0, decay)
                     src = v if wire is None else wire.copy_(v)
                     codec._encode(src, shape, c, cstream, data)
             payload = Payload(data, codec.name, shape, grad.dtype)
@@ -268,7 +274,7 @@ class ErrorFeedback(Compressor):
                 _subtract_sent(v, un, self.config.masking, True, dense=codec.decode(payload).view(-1))
             _restore_where(payload.flag_word(), v, r, un, uo)
 
-        consts = (tuple(shape), grad.dtype, m, nesterov, self.config.masking, fused, decided, ctx.rank,
+        consts = (tuple(shape), grad.dtype, m, nesterov, self.config.masking, decay, fused, decided, ctx.rank,
                   ctx.summands, None if agreed is not None else ctx.amax)  # fmt: skip
         codec.replayer.run("encode+ef", work, inputs=inputs, static=static, consts=consts)
         codec.after_device_work(cstream)
@@ -355,7 +361,8 @@ class ErrorFeedback(Compressor):
         v = _buffer(s.spare, s.residual)
         m = self.config.momentum
         s.pending_u = _buffer(s.spare_u, s.residual) if m > 0 else None
-        _accumulate_into(v, s.residual, g, s.momentum, s.pending_u, m, self.config.nesterov, alpha)
+        c = self.config
+        _accumulate_into(v, s.residual, g, s.momentum, s.pending_u, m, c.nesterov, alpha, c.decay)
         s.pending = v
         return v
 
@@ -562,21 +569,30 @@ def _accumulate_into(
     m: float,
     nesterov: bool,
     alpha: float,
+    decay: float = 1.0,
 ) -> None:
-    """``v = r + g`` (``alpha``: the clipping factor on g), with momentum correction into
+    """``v = decay * r + g`` (``alpha``: the clipping factor on g), with momentum correction into
     ``new_u`` from ``u`` when ``m > 0`` (``u`` None: no momentum yet, zero)."""
     if m > 0:
         assert new_u is not None
         if u is None:
             u = torch.zeros_like(r)
-        if nesterov:  # u' = m (u + g); v = r + u' + g
+        if nesterov:  # u' = m (u + g); v = decay r + u' + g
             torch.add(u, g, alpha=alpha, out=new_u).mul_(m)
-            torch.add(r, new_u, out=v).add_(g, alpha=alpha)
-        else:  # u' = m u + g; v = r + u'
+            if decay == 1.0:
+                torch.add(r, new_u, out=v).add_(g, alpha=alpha)
+            else:
+                torch.mul(r, decay, out=v).add_(new_u).add_(g, alpha=alpha)
+        else:  # u' = m u + g; v = decay r + u'
             torch.mul(u, m, out=new_u).add_(g, alpha=alpha)
-            torch.add(r, new_u, out=v)
-    else:
+            if decay == 1.0:
+                torch.add(r, new_u, out=v)
+            else:
+                torch.mul(r, decay, out=v).add_(new_u)
+    elif decay == 1.0:
         torch.add(r, g, alpha=alpha, out=v)
+    else:
+        torch.mul(r, decay, out=v).add_(g, alpha=alpha)
 
 
 def _subtract_sent(

@@ -63,4 +63,4 @@ def build_codec(spec: str | CodecConfig) -> Compressor:
 
 def _load() -> None:
     # importing the codec modules registers them
-    from gradsync.codecs import dense, lowrank, quantize, sparse  # noqa: F401
+    from gradsync.codecs import dense, lowrank, quantize, sparse, sparseloco  # noqa: F401

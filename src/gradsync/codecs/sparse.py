@@ -33,6 +33,16 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel <= 2**31 - 1 else torch.int64
 
 
+def chunk_counts(numel: int, chunk: int, density: float) -> tuple[int, int, int]:
+    """A chunked selection's counts for ``numel`` elements: (full chunks, elements kept per full
+    chunk, elements kept of the last, shorter one), each chunk keeping ``ceil(density * its
+    size)`` and at least one."""
+    full, tail = divmod(numel, chunk)
+    per_chunk = min(chunk, max(1, math.ceil(density * chunk)))
+    of_tail = min(tail, max(1, math.ceil(density * tail))) if tail else 0
+    return full, per_chunk, of_tail
+
+
 def sparse_layout(numel: int, count: int, dtype: torch.dtype) -> Layout:
     return Layout([("idx", count, index_dtype(numel)), ("val", count, dtype)])
 
@@ -229,13 +239,9 @@ class ChunkTopK(SparseCodec[Stream]):
 
     def _counts(self, numel: int) -> tuple[int, int, int]:
         """(full chunks, elements kept per full chunk, elements kept of the last, shorter one)."""
-        chunk = self.config.chunk
         density = self.scheduled_density if self.scheduled_density is not None else self.config.density
         assert density is not None
-        full, tail = divmod(numel, chunk)
-        per_chunk = min(chunk, max(1, math.ceil(density * chunk)))
-        of_tail = min(tail, max(1, math.ceil(density * tail))) if tail else 0
-        return full, per_chunk, of_tail
+        return chunk_counts(numel, self.config.chunk, density)
 
     def target_count(self, numel: int) -> int:
         full, per_chunk, of_tail = self._counts(numel)
