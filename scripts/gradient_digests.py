@@ -8,9 +8,10 @@ engine changes no result: run it before and after the change and compare the fol
 A world of 4 gloo ranks on loopback (2 nodes x 2, a FileStore, as the tests start them) runs 16
 configurations of ``gradsync.wrap`` (every strategy, error feedback with momentum correction,
 clipping, unused parameters, dense_from_step, a density schedule, a large-tensor codec,
-zero-copy buckets), 3 of the DDP comm hook and 3 of FSDP2 (``compress_fsdp`` on the shard,
-the replicate and both dimensions, a parameter frozen for two steps), 7 to 9 steps each with an
-SGD update, and writes
+zero-copy buckets), 3 of the DDP comm hook, 3 of FSDP2 (``compress_fsdp`` on the shard,
+the replicate and both dimensions, a parameter frozen for two steps) and 4 of the outer loop
+(DDP or gradsync.wrap inside the nodes; dense, compressed, streamed, SparseLoCo's codec), 7 to 9
+steps each with an SGD update, and writes
 one line per gradient per step (a SHA-1 of its bytes) and per final parameter. The plans are
 fixed (``plan="compress"``, one partition unless a configuration says, no fusion timeout), so
 the only lines that may differ are the
@@ -158,6 +159,49 @@ def run_fsdp(scheme: str, where: str) -> list[str]:
     return lines
 
 
+OUTER = [
+    ("o-dense", "ddp", {"every": 3}),
+    ("o-wrap-chunktopk", "wrap", {"every": 3, "codec": "chunktopk:density=0.1,chunk=64"}),
+    ("o-streamed", "ddp", {"every": 4, "fragments": 2, "delay": 1, "codec": "onebit"}),
+    (
+        "o-sparseloco",
+        "ddp",
+        {
+            "every": 3,
+            "codec": "sparseloco:density=0.1,chunk=64+ef:decay=0.9",
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+        },
+    ),
+]
+
+
+def run_outer(inner: str, opts: dict[str, object]) -> list[str]:
+    """The outer loop over 2 nodes x 2 ranks, DDP or gradsync.wrap inside each node."""
+    module = Net()
+    outer = gradsync.OuterLoop(module, topology=Topology(nodes=2, per_node=2), **opts)  # type: ignore[arg-type]
+    if inner == "wrap":
+        model: nn.Module = gradsync.wrap(module, "flat", process_group=outer.inner_group, calibrate=False,
+                                         log_plan=False)  # fmt: skip
+    else:
+        model = DistributedDataParallel(module, process_group=outer.inner_group)
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    lines = []
+    for step in range(9):
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        lines += [f"{step} {n} {digest(p.grad)}" for n, p in module.named_parameters()]
+        opt.step()
+        opt.zero_grad()
+        outer.step()
+        lines += [f"{step} anchor{i} {digest(a)}" for i, a in enumerate(outer.anchors)]
+    outer.close()
+    lines += [f"final {n} {digest(p.data)}" for n, p in module.named_parameters()]
+    if inner == "wrap":
+        model.close()  # type: ignore[operator]
+    return lines
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     lines = []
@@ -167,6 +211,8 @@ def main(out: str) -> None:
         lines += [f"== hook {name}", *run_hook(scheme)]
     for name, scheme, where in FSDP:
         lines += [f"== fsdp {name}", *run_fsdp(scheme, where)]
+    for name, inner, opts in OUTER:
+        lines += [f"== outer {name}", *run_outer(inner, opts)]
     with open(os.path.join(out, f"rank{dist.get_rank()}.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
