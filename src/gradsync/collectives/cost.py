@@ -22,7 +22,9 @@ Formulas (p ranks, m nodes of n ranks), one method of :class:`CostModel` each:
   CaSync-Ring on sparsifiers and quantizers, (2(N-1), 1, 1) for low rank, and (2(N-1), K, N) for
   CaSync-PS with co-located aggregators;
 - ``lowrank``: PowerSGD's two factor all-reduces; ``locally_aggregated``: the HiPress paper's
-  local aggregation around any of them;
+  local aggregation around any of them; :func:`powersgd_hook_split`: what PyTorch's PowerSGD
+  communication hook sends of a bucket (its tensors too small to gain left dense, one factor
+  pair per matrix), the sizes of its three all-reduces;
 - ``parallel_tensor_op``: the MSTopK paper's Eq. 13-14, a per-layer computation split over the
   ranks (the largest share's work) plus the all-gather of its results.
 
@@ -48,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +202,49 @@ class CodecCost:
         if not (isinstance(summable, bool) and isinstance(lowrank, bool) and isinstance(bounded, bool)):
             raise ValueError(f"{where}: summable, lowrank and bounded must be true or false")
         return cls(enc, dec, pay, summable=summable, lowrank=lowrank, bounded=bounded)
+
+
+HOOK_MIN_COMPRESSION_RATE = 2.0
+"""PyTorch's ``PowerSGDState.min_compression_rate`` default (``torch.distributed.algorithms.
+ddp_comm_hooks.powerSGD_hook``): the hook sends a matrix as factors only where they are less than
+half its size."""
+
+
+@dataclass(frozen=True)
+class HookSplit:
+    """What PyTorch's PowerSGD hook sends of one bucket, in bytes: ``dense``, the tensors it leaves
+    uncompressed (one all-reduce, issued first); ``p`` and ``q``, the factors of the others (one
+    all-reduce each); ``matrices``, the bytes of the tensors sent as factors."""
+
+    dense: float
+    p: float
+    q: float
+    matrices: float
+
+
+def powersgd_hook_split(
+    shapes: Iterable[tuple[int, ...]],
+    rank: int,
+    itemsize: int = 4,
+    min_compression_rate: float = HOOK_MIN_COMPRESSION_RATE,
+) -> HookSplit:
+    """PyTorch's PowerSGD hook's choice over a bucket's tensors, as the hook makes it (``powerSGD_hook``,
+    step I): each tensor is viewed as ``shape[0]`` rows by the rest; with ``r = min(rows, cols,
+    rank)`` it is compressed iff ``(rows + cols) r min_compression_rate < rows cols``, and then
+    sends ``rows r`` values in P and ``cols r`` in Q. A vector (one column) never passes, nor does a
+    small matrix: a small ResNet's 3 x 3 convolutions of 16 channels (16 x 144) pass at rank 1, its
+    biases and batch-norm weights do not."""
+    dense = p = q = matrices = 0.0
+    for shape in shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if shape else 1
+        cols = numel // rows if rows else 0
+        r = min(rows, cols, rank)
+        if len(shape) >= 1 and r > 0 and (rows + cols) * r * min_compression_rate < rows * cols:
+            p, q, matrices = p + rows * r * itemsize, q + cols * r * itemsize, matrices + numel * itemsize
+        else:
+            dense += numel * itemsize
+    return HookSplit(dense, p, q, matrices)
 
 
 def log2(p: int) -> float:

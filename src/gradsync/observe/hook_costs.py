@@ -10,16 +10,19 @@ this project's CPU) that is 129-150 ms a step against the codec's 14-17 ms (the 
 ``bench whatif`` runs, docs/whatif.md), all of it after the backward pass (the hook sees the
 whole model's bucket), so the prediction came out 9-45 % fast.
 
-:func:`powersgd_hook_rate` times the hook itself: DDP on a process group of this one rank, with
-and without the hook, in alternating passes; the difference per bucket byte is the rate the
-simulator charges (:func:`gradsync.whatif.contenders.build_program`'s ``hook_rate``).
+:func:`powersgd_hook_rate` times the hook itself: DDP on a process group of this one rank, each
+call of the hook from its start to its future's completion; that work per bucket byte is the rate
+the simulator charges (:func:`gradsync.whatif.contenders.build_program`'s ``hook_rate``). What
+the hook sends is not timed but modelled from the tensors' shapes
+(:func:`gradsync.collectives.cost.powersgd_hook_split`), and checked against the hook's own
+counters in a run (:func:`powersgd_hook_sent`).
 """
-
-from __future__ import annotations
+# (no ``from __future__ import annotations``: DDP reads the timing hook's annotations at run time)
 
 import contextlib
 import copy
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -49,16 +52,20 @@ def cross_entropy_of(x: torch.Tensor, y: torch.Tensor) -> LossOf:
     return lambda model: default_loss(model(x), y)
 
 
-def _step_seconds(model: nn.Module, loss_of: LossOf, device: torch.device, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss_of(model).backward()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return times
+HOOK_WARMUP_STEPS = 3
+"""Steps before the hook is timed: its dense warm-up (``start_powerSGD_iter`` = 2, the least PyTorch
+allows with error feedback) and its first compressed step, which allocates its factors' and
+residual's buffers."""
+
+
+def _busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The time during which at least one of the ``(start, end)`` intervals is open."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def powersgd_hook_rate(
@@ -67,16 +74,23 @@ def powersgd_hook_rate(
     rank: int,
     bucket_mb: float | None,
     device: torch.device | None = None,
-    passes: int = 5,
+    steps: int = 12,
 ) -> float:
     """Seconds per byte of gradient that PyTorch's PowerSGD hook (``rank``, error feedback and
-    warm start as by default) adds to a forward and backward pass of ``base`` (``loss_of``), on
+    warm start as by default) works in a forward and backward pass of ``base`` (``loss_of``), on
     ``device`` (default: where ``base`` is), in DDP buckets of ``bucket_mb`` (None: DDP's
-    default). Run by one rank alone: it makes a process group of itself (no other rank takes
-    part), so the hook's collectives move nothing. Over ``passes`` alternating passes of 4 steps
-    each (after 3 warm-up steps, which also end the hook's dense start), the median over the
-    passes of each pass's median step with the hook minus its median without. Needs an
-    initialized process group (:func:`one_rank_world` makes one in a single process)."""
+    default). Run by one rank alone: it makes a process group of itself (no other rank takes part),
+    so the hook's collectives move nothing and what is timed is the hook's own work: from each call
+    of the hook to the completion of the future it returns (its callbacks included), the
+    intervals of a step's buckets counted once where they overlap, the median over ``steps``
+    steps after :data:`HOOK_WARMUP_STEPS`. Needs an initialized process group
+    (:func:`one_rank_world` makes one in a single process).
+
+    Until issue 64 this was the difference between the median step with and without the hook.
+    The hook's work is a few milliseconds on a small model, a step's noise on this project's
+    busy 2-core machine tens: on the CIFAR ResNet (0.7 MB) five such differences read 0.0-7.9 ms
+    while the hook timed itself at 2.8-3.7 ms; a stored ``bench whatif`` run had read 0.0 and
+    another 11.3 ms (docs/whatif.md, issue 64's section)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     me = dist.get_rank()
@@ -84,36 +98,53 @@ def powersgd_hook_rate(
     params = list(base.parameters())
     device = device or (params[0].device if params else torch.device("cpu"))
     ids = [device.index] if device.type == "cuda" else None
-
-    def wrapped() -> DDP:
-        # find_unused_parameters: a model may leave parameters without a gradient; both wrappers
-        # pay the same search, which the difference cancels
-        model = copy.deepcopy(base).to(device)
-        kw: dict[str, Any] = {"find_unused_parameters": True}
-        if bucket_mb is not None:
-            kw["bucket_cap_mb"] = bucket_mb
-        return DDP(model, process_group=alone, device_ids=ids, **kw)
-
-    plain, hooked = wrapped(), wrapped()
+    # find_unused_parameters: a model may leave parameters without a gradient
+    kw: dict[str, Any] = {"find_unused_parameters": True}
+    if bucket_mb is not None:
+        kw["bucket_cap_mb"] = bucket_mb
+    model = DDP(copy.deepcopy(base).to(device), process_group=alone, device_ids=ids, **kw)
     state = psgd.PowerSGDState(process_group=alone, matrix_approximation_rank=rank, start_powerSGD_iter=2)
-    hooked.register_comm_hook(state, psgd.powerSGD_hook)
-    _step_seconds(plain, loss_of, device, 3)
-    _step_seconds(hooked, loss_of, device, 3)
-    # each pass's difference of medians, then their median: a stretch of a busy machine slows
-    # the passes it falls in, not the estimate (over all steps at once, one run of the bench
-    # read twice the work of six others)
-    differences = []
-    for _ in range(passes):
-        without = _step_seconds(plain, loss_of, device, 4)
-        with_hook = _step_seconds(hooked, loss_of, device, 4)
-        differences.append(statistics.median(with_hook) - statistics.median(without))
-    extra = max(statistics.median(differences), 0.0)
-    # the DDP wrappers (their reducers hold the group) go first; the one-rank group itself stays
+    spans: list[tuple[float, float]] = []
+
+    def timed(state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        synchronize(device)  # the backward pass's queued kernels are not the hook's work
+        t0 = time.perf_counter()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            synchronize(device)
+            spans.append((t0, time.perf_counter()))
+            return fut.value()
+
+        return psgd.powerSGD_hook(state, bucket).then(done)
+
+    model.register_comm_hook(state, timed)
+    busy = []
+    for step in range(HOOK_WARMUP_STEPS + steps):
+        spans.clear()
+        loss_of(model).backward()  # DDP waits for every bucket's future before it returns
+        model.zero_grad(set_to_none=True)
+        if step >= HOOK_WARMUP_STEPS:
+            busy.append(_busy_seconds(spans))
+    # the DDP wrapper (its reducer holds the group) goes first; the one-rank group itself stays
     # until the world is destroyed: destroying it here, under a live reducer, can abort the
     # process ("Resource deadlock avoided")
-    del plain, hooked, state
+    del model, state
     gc.collect()
-    return extra / max(gradient_bytes(base), 1)
+    return statistics.median(busy) / max(gradient_bytes(base), 1)
+
+
+def powersgd_hook_sent(state: Any, numel: int) -> dict[str, float]:
+    """What PyTorch's PowerSGD hook sent so far, by its own counters (``PowerSGDState``'s
+    ``compression_stats()``, summed over the steps it compressed): ``compressed_steps``, its
+    elements before compression over the model's ``numel`` (the steps past its dense warm-up,
+    ``start_powerSGD_iter``), and ``sent_fraction``, the elements it sent (the tensors it left
+    uncompressed and the P and Q factors) over those before compression. The simulator's
+    :func:`gradsync.collectives.cost.powersgd_hook_split` predicts the fraction from the shapes."""
+    _, before, after = state.compression_stats()
+    return {
+        "compressed_steps": before / max(numel, 1),
+        "sent_fraction": after / before if before else 1.0,
+    }
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link
+from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Link, powersgd_hook_split
 from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.planner.closed_loop import plan_seconds
 from gradsync.planner.decide import (
@@ -395,35 +395,39 @@ def _powersgd_hook(
     name: str, workload: Workload, members: list[int], model: CostModel, bytes_model: CostModel,
     host: CostModel, costs: CodecCosts, prog: StepProgram, hook_rate: float | None = None,
 ) -> list[Stage]:  # fmt: skip
-    """PyTorch's PowerSGD hook on one bucket: the vectors (biases) all-reduced as they are; the
-    matrices' P = M Q computed in the hook and all-reduced, then (in the callback) orthogonalized,
-    Q = M^T P computed and all-reduced, and M = P Q^T decoded.
+    """PyTorch's PowerSGD hook on one bucket: the tensors it leaves uncompressed all-reduced as they
+    are; the matrices' P = M Q computed in the hook and all-reduced, then (in the callback)
+    orthogonalized, Q = M^T P computed and all-reduced, and M = P Q^T decoded. Which tensors are
+    matrices and how large P and Q are follow the hook's own rule, tensor by tensor
+    (:func:`gradsync.collectives.cost.powersgd_hook_split`: by shape, with its minimum compression
+    rate of 2).
 
     The compute is gradsync's PowerSGD codec's measured cost at the matrices' size, half of its
     encode before each factor's all-reduce, its decode at the end; with ``hook_rate`` (the hook's
     own work measured as it runs, seconds per bucket byte: error feedback, copies, the per-tensor
     products and orthogonalization) that total, split in the same proportions."""
     rank = powersgd_rank(name)
-    vec = sum(workload.tensors[i].nbytes for i in members if workload.tensors[i].numel < 2**16)
-    mat = _bytes_of(workload, members) - vec
-    c = costs(f"powersgd:rank={rank}", [mat])
-    factor = c.payload(mat) / 2
-    encode, decode = c.encode(mat), c.decode(mat)
-    if hook_rate is not None and encode + decode > 0:
+    tensors = [workload.tensors[i] for i in members]
+    split = powersgd_hook_split([t.dims for t in tensors], rank, tensors[0].itemsize if tensors else 4)
+    c = costs(f"powersgd:rank={rank}", [split.matrices])
+    encode, decode = c.encode(split.matrices), c.decode(split.matrices)
+    if hook_rate is not None:
         total = hook_rate * _bytes_of(workload, members)
-        encode, decode = total * encode / (encode + decode), total * decode / (encode + decode)
-    stages = [Stage(MAIN, encode / 2, "compute P")]
-    if vec:
-        stages += comm_stages("allreduce vectors", ring(model, vec), host.flat(vec), vec)
-        prog.cable_bytes += bytes_model.flat(vec)
-    stages += [
-        *comm_stages("allreduce P", ring(model, factor), host.flat(factor), factor),
+        share = encode / (encode + decode) if encode + decode > 0 else 0.5
+        encode, decode = total * share, total * (1 - share)
+
+    def allreduce(label: str, nbytes: float) -> list[Stage]:  # the hook makes all three calls, empty or not
+        prog.cable_bytes += bytes_model.flat(nbytes)
+        return comm_stages(label, ring(model, nbytes), host.flat(nbytes), nbytes)
+
+    return [
+        Stage(MAIN, encode / 2, "compute P"),
+        *allreduce("allreduce uncompressed", split.dense),
+        *allreduce("allreduce P", split.p),
         Stage(COMM, encode / 2, "orthogonalize, compute Q"),
-        *comm_stages("allreduce Q", ring(model, factor), host.flat(factor), factor),
+        *allreduce("allreduce Q", split.q),
         Stage(COMM, decode, "decompress"),
     ]
-    prog.cable_bytes += 2 * bytes_model.flat(factor)
-    return stages
 
 
 def lowrank_stages(

@@ -1,7 +1,7 @@
 """What one worker computes in a step, as the simulator replays it: read from a profile.
 
-A :class:`Workload` holds, per parameter, its size, dtype and the median offset from the start of
-the backward pass at which its gradient became ready (``gradsync profile``, docs/profile.md), and
+A :class:`Workload` holds, per parameter, its size, shape, dtype and the median offset from the
+start of the backward pass at which its gradient became ready (``gradsync profile``, docs/profile.md), and
 the medians of the step's phases (data, forward, backward, optimizer). All times are seconds of
 one worker computing alone on the profiled device.
 
@@ -21,13 +21,21 @@ from gradsync.observe.profile_format import Profile
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: ``ready`` is None when it never got a gradient (it is never synchronized)."""
+    """One parameter: ``ready`` is None when it never got a gradient (it is never synchronized).
+    ``shape``: the parameter's shape (what a per-tensor codec such as PowerSGD sees); None where
+    it is not known (a synthetic workload), taken as a vector of ``numel``."""
 
     name: str
     numel: int
     itemsize: int
     floating: bool
     ready: float | None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The shape, or ``(numel,)`` where it is not known."""
+        return self.shape if self.shape is not None else (self.numel,)
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +65,7 @@ class Workload:
                 Tensor(
                     p.name, p.numel, p.bytes // max(p.numel, 1) if p.numel else 4,
                     dtype.startswith(("float", "bfloat")), p.ready.median if p.ready else None,
+                    tuple(p.shape),
                 )
             )  # fmt: skip
         ph = profile.phases

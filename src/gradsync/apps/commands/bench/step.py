@@ -379,6 +379,10 @@ def measure_contender(
         synced.close()
     if self_syncing:  # the optimizer's steps measured (0/1 Adam's exchanges follow its step count)
         extra["optimizer_steps"] = [warmup + 1, warmup + count]
+    if carry is not None and carry.hook_state is not None:  # what PyTorch's PowerSGD hook sent
+        from gradsync.observe.hook_costs import powersgd_hook_sent
+
+        extra["hook_sent"] = powersgd_hook_sent(carry.hook_state, sum(p.numel() for p in base.parameters()))
     if carry is not None:
         carry.rounds += 1
     if nic_details:

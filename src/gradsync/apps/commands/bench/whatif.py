@@ -327,7 +327,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                                             bench_step.powersgd_bucket_mb(base), x.device)
                       for c in contenders if c.startswith("ddp-powersgd")}  # fmt: skip
         for c, rate in hook_rates.items():
-            say(f"  {c}: PyTorch's hook adds {rate * gradient_bytes(base) * 1e3:.1f} ms of work per step")
+            say(
+                f"  {c}: PyTorch's hook works {rate * gradient_bytes(base) * 1e3:.1f} ms a step (timed alone)"
+            )
         own = [c for c in contenders if is_self_syncing(c) or is_sharded(c) or is_outer(c)]
         if own:  # their own step's work, in a process of its own (a world of one rank)
             keys = ("model", "batch_size", "image_size", "classes", "seq_len", "vocab", "dim", "layers",
@@ -534,6 +536,7 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
     summary.update(worst_round(rows, predicted))
     summary.update(advise_check(rows, predicted))
     summary.update(host_spread(cont))
+    summary.update(hook_sent(result, workload, contenders))
     # again with what one engine of this run measured: its closed loop's refitted links, call
     # cost, efficiencies per class of collective and codecs (as gradsync whatif --costs would)
     source = next(
@@ -566,6 +569,31 @@ def compare(result: dict[str, Any], charge_busy_calls: bool = False) -> dict[str
             refit_max_abs_error=max(refit_errors), refit_median_abs_error=statistics.median(refit_errors),
         )  # fmt: skip
     return {**result, "rows": table, "predicted": predicted, "contention_used": used, "summary": summary}
+
+
+def hook_sent(result: dict[str, Any], workload: Any, contenders: list[str]) -> dict[str, Any]:
+    """Per PyTorch PowerSGD hook contender, the share of its gradient's elements the hook sent in
+    the run, by its own counters (``details[name]["hook_sent"]``, absent in older results), beside
+    the share the simulator sends for it (:func:`gradsync.collectives.cost.powersgd_hook_split`
+    over the profile's shapes), and the steps it compressed."""
+    from gradsync.collectives.cost import powersgd_hook_split
+    from gradsync.whatif.contenders import powersgd_rank
+
+    out = {}
+    for name in contenders:
+        measured = ((result.get("details") or {}).get(name) or {}).get("hook_sent")
+        if not name.startswith("ddp-powersgd") or not measured:
+            continue
+        tensors = [t for t in workload.tensors if t.ready is not None]
+        if not tensors:
+            continue
+        split = powersgd_hook_split([t.dims for t in tensors], powersgd_rank(name), tensors[0].itemsize)
+        out[name] = {
+            "measured_sent_fraction": measured["sent_fraction"],
+            "predicted_sent_fraction": (split.dense + split.p + split.q) / (split.dense + split.matrices),
+            "compressed_steps": measured["compressed_steps"],
+        }
+    return {"hook_sent": out} if out else {}
 
 
 def worst_round(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> dict[str, Any]:
@@ -657,6 +685,12 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(
             f"the host over the rounds: streaming work {s0:.2f}-{s1:.2f} effective cores, computing "
             f"work {c0:.2f}-{c1:.2f} (probed before each round)"
+        )
+    for name, h in (s.get("hook_sent") or {}).items():
+        lines.append(
+            f"{name} sent {100 * h['measured_sent_fraction']:.2f} % of the gradient's elements by its own "
+            f"counters over {h['compressed_steps']:.0f} compressed steps; the simulator sends "
+            f"{100 * h['predicted_sent_fraction']:.2f} %"
         )
     if "refit_from" in s:
         eff = ", ".join(f"{k} x{v:.2f}" for k, v in s["refit_efficiency"].items()) or "none"
