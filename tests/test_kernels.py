@@ -21,6 +21,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (the test extra brings it)", allow_module_level=True)
 
+from gradsync.codecs import EncodeContext
 from gradsync.codecs import kernels as K
 from gradsync.codecs import selection_on_device as sod
 from gradsync.codecs.kernels import launch, topk
@@ -561,3 +562,60 @@ def test_hashes_match_the_reference_bit_for_bit(dev):
     K.sampled_threshold(a, 10, 1.0, words, torch.empty(1, device=dev), keys_out=keys)
     pos = (hashed_uniform(s, words[0], words[1], dev) * s).long().clamp(max=s - 1)
     assert torch.equal(keys, (pos + 1).float())
+
+
+# ------------------------------------------------------------------ the codecs on the kernels
+CODECS_ON_KERNELS = [
+    "chunktopk:density=0.02,chunk=512",
+    "chunktopk:density=0.02,chunk=512+ef",
+    "sparseloco:density=0.02,chunk=512,bits=2+ef:decay=0.9",
+    "mstopk:density=0.02",
+    "mstopk:density=0.02+ef",
+    "dgc:density=0.02",
+    "graddrop:density=0.02",
+    "randomk:density=0.02,unbiased=true",
+    "onebit",
+    "onebit+ef",
+    "tbq:threshold=0.5",
+    "terngrad",
+    "terngrad:bits=4+ef",
+    "fp16",
+    "bf16+ef",
+]
+
+
+@pytest.mark.parametrize("spec", CODECS_ON_KERNELS)
+def test_a_resident_codec_on_the_kernels_equals_its_torch_path(spec, dev, monkeypatch):
+    """The resident codec with its work on the fused kernels sends what its torch path sends
+    (GRADSYNC_KERNELS=0), step after step with error feedback, a non-finite step among them:
+    the same bytes, decodes and residuals; MSTopK (its mean summed in another order) the same
+    decode where its thresholds agree, which they do on this data."""
+    n = 5000
+    on, off = (gradsync_codec(spec) for _ in range(2))
+    for step in range(4):
+        g = data(n, torch.float32, dev, seed=step, kind="nonfinite" if step == 2 else "normal")
+        got = on.encode(g, EncodeContext(key="b"))
+        got_decoded = on.decode(got)
+        monkeypatch.setenv("GRADSYNC_KERNELS", "0")
+        want = off.encode(g, EncodeContext(key="b"))
+        want_decoded = off.decode(want)
+        monkeypatch.delenv("GRADSYNC_KERNELS")
+        # onebit's scales are float sums; a 16-bit NaN's sign and payload bits are not defined
+        # alike by torch's own casts (the flag is, and the decode is all NaN)
+        nan_casts = step == 2 and spec.startswith(("fp16", "bf16"))
+        exact = not spec.startswith(("onebit", "mstopk")) and not nan_casts
+        if exact:
+            assert torch.equal(got.data, want.data), (spec, step)
+        tol = {"rtol": 1e-5, "atol": 1e-6} if spec.startswith("onebit") else {"rtol": 1e-6, "atol": 1e-7}
+        torch.testing.assert_close(got_decoded.nan_to_num(7.0), want_decoded.nan_to_num(7.0),
+                                   msg=f"{spec} step {step}", **tol)  # fmt: skip
+        if "+ef" in spec:
+            torch.testing.assert_close(on.residual("b"), off.residual("b"), **tol)
+
+
+def gradsync_codec(spec):
+    from gradsync.codecs import build_codec
+
+    codec = build_codec(spec)
+    codec.set_resident(True)
+    return codec

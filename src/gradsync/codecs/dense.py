@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from gradsync.codecs import kernels
 from gradsync.codecs.base import Codec, EncodeContext, Stream
 from gradsync.codecs.config import CodecConfig, check_choice
 from gradsync.codecs.ops import (
@@ -220,7 +221,12 @@ class _HalfCodec(Codec[CastStream]):
             if not isinstance(amax, torch.Tensor):
                 amax = torch.full((), amax, dtype=torch.float32, device=x.device)
             e = self._exponent_on_device(amax, ctx.summands)
-        st = cast_on_device(x, self.fmt, torch.exp2(e.float()), vals)
+        scale = torch.exp2(e.float())
+        if kernels.use_kernels(x):  # one fused pass (gradsync.codecs.kernels)
+            st = torch.empty(3, dtype=torch.float32, device=x.device)
+            kernels.cast_encode(x, self.fmt, scale.reshape(1), vals, st)
+        else:
+            st = cast_on_device(x, self.fmt, scale, vals)
         nonfinite = st[1] > 0
         write_device_header(data, x.numel(), device_flags(nonfinite, (st[2] > 0) & ~nonfinite), e)
         return payload

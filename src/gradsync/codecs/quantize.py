@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from gradsync.codecs import kernels
 from gradsync.codecs.base import Codec, EncodeContext, Stream, nonfinite_flag
 from gradsync.codecs.config import CodecConfig, SparsityConfig, check_choice, check_range
 from gradsync.codecs.ops import (
@@ -102,7 +103,12 @@ class OneBit(Codec[Stream]):
     def _encode_on_device(
         self, x: torch.Tensor, data: torch.Tensor, payload: Payload, codes: torch.Tensor
     ) -> Payload:
-        pos_sum, pos_count, neg_sum, nonfinite = sign_pack_on_device(x, codes).unbind()
+        if kernels.use_kernels(x):  # one fused pass (gradsync.codecs.kernels)
+            sums = torch.empty(4, dtype=torch.float64, device=x.device)
+            kernels.onebit_encode(x, codes, sums)
+        else:
+            sums = sign_pack_on_device(x, codes)
+        pos_sum, pos_count, neg_sum, nonfinite = sums.unbind()
         n = x.numel()
         if self.config.scales == 2:
             hi = torch.where(pos_count > 0, pos_sum / pos_count.clamp(min=1), 0.0)
@@ -153,7 +159,12 @@ class TBQ(Codec[Stream]):
         data, payload = self._new_payload(lay, x, shape, out)
         tau = self.config.threshold
         if self._on_device:
-            nonzero_t, nonfinite_t = threshold_pack_on_device(x, tau, lay.view(data, "codes")).unbind()
+            if kernels.use_kernels(x):  # one fused pass (gradsync.codecs.kernels)
+                counts = torch.empty(2, dtype=torch.int64, device=x.device)
+                kernels.tbq_encode(x, tau, lay.view(data, "codes"), counts)
+            else:
+                counts = threshold_pack_on_device(x, tau, lay.view(data, "codes"))
+            nonzero_t, nonfinite_t = counts.unbind()
             write_device_header(data, nonzero_t, device_flags(nonfinite_t), 0, tau)
             return payload
         nonzero, nonfinite = threshold_pack(x, tau, lay.view(data, "codes"))
@@ -255,7 +266,11 @@ class TernGrad(Codec[Stream]):
         mult = torch.where(usable, self.levels / torch.where(usable, scale, 1.0), 0.0)
         k1, k2 = words[0], words[1]  # (distinct noise per worker, as on the host path)
         k2 = (k2 + 0x9E3779B9 * ctx.rank) & 0xFFFFFFFF
-        stochastic_pack(x, mult, self.levels, bits, (k1, k2), codes)
+        if kernels.use_kernels(x):  # one fused pass (gradsync.codecs.kernels)
+            keys = torch.stack([k1.reshape(()), k2.reshape(())]).to(torch.int64)
+            kernels.stochastic_encode(x, mult.float().reshape(1), self.levels, bits, keys, codes)
+        else:
+            stochastic_pack(x, mult, self.levels, bits, (k1, k2), codes)
         s0 = torch.where(scale.isfinite(), scale, 0.0)
         write_device_header(data, n, device_flags(st.nonfinite), bits, s0)
         return payload

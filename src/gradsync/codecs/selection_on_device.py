@@ -25,13 +25,20 @@ version decides on a count it would have to read:
 - trimmed top-k takes the exact top-k of the survivors when at most ``8k`` of them survive the
   chosen threshold (the usual case: the threshold is lowered only until ``k`` pass);
 - a threshold is never above ``max |x|``, so at least one element is sent;
-- random-k draws its indices from the counter-based hash (:func:`~gradsync.codecs.ops.hashed_uniform`),
-  not from ``randperm`` on the host;
+- random-k draws one position in each of ``k`` equal strata from the counter-based hash (O(k),
+  on the device), not a uniform ``k``-subset from ``randperm`` on the host: every element is
+  still sent with the same probability, and the unbiased variant scales by its stratum's size;
 - random words come from the stream's device counter (:meth:`~gradsync.codecs.base.Stream.words`),
   not from its CPU generator, so that a replayed CUDA graph draws new ones every call.
 
 MSTopK is the MSTopK paper's Algorithm 1 as printed for GPUs: ``iters`` bisection steps, each one
 counting pass, then the random contiguous run of the band in one prefix sum.
+
+Where the fused Triton kernels run (:mod:`gradsync.codecs.kernels`: CUDA with triton, or the CPU
+under ``TRITON_INTERPRET=1``), chunked top-k, MSTopK, DGC, GradDrop and random-k run them, with
+error feedback's addition (``addends``) fused into their first read; elsewhere the torch
+versions below run (the same selections: bit for bit, but for MSTopK's and DGC's sums of
+magnitudes, summed in another order).
 
 References:
 
@@ -49,18 +56,44 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.codecs import kernels
 from gradsync.codecs.ops import DeviceStats, device_stats, hashed_uniform
+
+Addends = tuple[torch.Tensor, torch.Tensor] | None
+"""Error feedback's two addends: the input is their sum, written into it as it is read (one pass
+where a fused kernel runs, an addition first elsewhere)."""
 
 
 @dataclass
 class Capped:
     """A selection in a fixed number of slots: the selected indices in increasing order, then
-    padding (the first index again, value 0); ``count`` (0-dim int64) says how many are real."""
+    padding (the first index again, value 0); ``count`` (0-dim int64) says how many are real;
+    ``nonfinite`` (0-dim bool) whether the input held inf or NaN."""
 
     idx: torch.Tensor
     val: torch.Tensor
     count: torch.Tensor
-    stats: DeviceStats
+    nonfinite: torch.Tensor
+
+
+def _summed(x: torch.Tensor, addends: Addends) -> None:
+    """Where no kernel fuses it: the input made the sum of its addends first."""
+    if addends is not None:
+        torch.add(*addends, out=x)
+
+
+def _fused(x: torch.Tensor, addends: Addends) -> bool:
+    """Whether the fused kernels take this input (and its addends)."""
+    return kernels.use_kernels(x) and (addends is None or all(kernels.use_kernels(a) for a in addends))
+
+
+def _source(
+    x: torch.Tensor, addends: Addends
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A kernel's ``a``, ``b`` and ``v_out``: the addends (the sum written into ``x``), or ``x``."""
+    if addends is None:
+        return x, None, None
+    return addends[0], addends[1], x
 
 
 def _keys(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +111,24 @@ def _slots(x: torch.Tensor, cand: torch.Tensor, stats: DeviceStats) -> Capped:
     first = cand[:1].clamp(min=0)
     idx = torch.where(real, cand, first)
     val = torch.where(real, x[idx], torch.zeros((), dtype=x.dtype, device=x.device))
-    return Capped(idx.to(_index_dtype(x.numel())), val, real.sum(), stats)
+    return Capped(idx.to(_index_dtype(x.numel())), val, real.sum(), stats.nonfinite)
+
+
+def _outputs(x: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused kernel's outputs: ``slots`` indices and values, a count and the statistics."""
+    dev = x.device
+    idx = torch.empty(slots, dtype=_index_dtype(x.numel()), device=dev)
+    val = torch.empty(slots, dtype=x.dtype, device=dev)
+    count = torch.empty(1, dtype=torch.int64, device=dev)
+    return idx, val, count, torch.empty(4, dtype=torch.float64, device=dev)
+
+
+def _above_fused(x: torch.Tensor, addends: Addends, t: torch.Tensor, capacity: int, strict: bool) -> Capped:
+    """:func:`above` in the fused kernel (two reads, the statistics and the add fused)."""
+    a, b, v = _source(x, addends)
+    idx, val, count, stats = _outputs(x, min(capacity, x.numel()))
+    kernels.select_above(a, t, capacity, idx, val, count, stats, strict=strict, b=b, v_out=v)
+    return Capped(idx, val, count[0], stats[2] > 0)
 
 
 def _largest_of(keys: torch.Tensor, cand: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -113,15 +163,25 @@ def above(
     return _slots(x, _largest_of(keys, cand, capacity), stats)
 
 
-def exact_topk(x: torch.Tensor, k: int) -> Capped:
+def exact_topk(x: torch.Tensor, k: int, addends: Addends = None) -> Capped:
     """The ``k`` largest magnitudes (``torch.topk``: no host read)."""
+    _summed(x, addends)
     idx = _keys(x).nan_to_num(nan=math.inf).topk(k, sorted=False).indices.sort().values
     return _slots(x, idx, device_stats(x))
 
 
-def mstopk(x: torch.Tensor, k: int, iters: int, words: torch.Tensor) -> Capped:
+def mstopk(x: torch.Tensor, k: int, iters: int, words: torch.Tensor, addends: Addends = None) -> Capped:
     """The MSTopK paper's Algorithm 1 on the device: exactly ``min(k, numel)`` elements when the
-    tensor is finite. ``words``: the call's random words (a device tensor; the first is used)."""
+    tensor is finite. ``words``: the call's random words (a device tensor; the first is used).
+
+    Where the fused kernels run (:mod:`gradsync.codecs.kernels`), in five reads instead of one
+    counting pass per bisection step: the same thresholds, evaluated through histograms."""
+    if _fused(x, addends) and iters <= kernels.MAX_ITERS:
+        a, b, v = _source(x, addends)
+        idx, val, count, stats_out = _outputs(x, min(k, x.numel()))
+        kernels.mstopk(a, k, iters, words[:1], idx, val, count, stats_out, b=b, v_out=v)
+        return Capped(idx, val, count[0], stats_out[2] > 0)
+    _summed(x, addends)
     keys, stats = _keys(x), device_stats(x)
     mean, top = stats.mean_abs.float(), stats.max_abs.float()
     lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
@@ -149,10 +209,11 @@ def mstopk(x: torch.Tensor, k: int, iters: int, words: torch.Tensor) -> Capped:
     return _slots(x, cand, stats)
 
 
-def trimmed_topk(x: torch.Tensor, k: int, step: float) -> Capped:
+def trimmed_topk(x: torch.Tensor, k: int, step: float, addends: Addends = None) -> Capped:
     """The RedSync paper's trimmed top-k on the device: every lowered threshold counted in one
     pass each (a fixed number: ``ceil(1 / step)``), the first with ``k`` survivors chosen, then
     the exact top-k of its survivors."""
+    _summed(x, addends)
     keys, stats = _keys(x), device_stats(x)
     mean, top = stats.mean_abs.float(), stats.max_abs.float()
     ratios, r = [], 1.0
@@ -205,25 +266,64 @@ def sampled_threshold(x: torch.Tensor, k: int, sample: float, words: torch.Tenso
     return keys.topk(rank, sorted=False).values.min()
 
 
-def dgc(x: torch.Tensor, k: int, sample: float, words: torch.Tensor) -> Capped:
+def _sampled_above(x: torch.Tensor, k: int, sample: float, words: torch.Tensor, addends: Addends,
+                   capacity: int) -> Capped:  # fmt: skip
+    """What passes the sampled threshold for ``k``, at most ``capacity``."""
+    if _fused(x, addends):
+        a, b, _ = _source(x, addends)
+        t = torch.empty(1, dtype=torch.float32, device=x.device)
+        kernels.sampled_threshold(a, k, sample, words, t, b=b)
+        return _above_fused(x, addends, t, capacity, strict=False)
+    _summed(x, addends)
+    return above(x, _keys(x), sampled_threshold(x, k, sample, words), capacity)
+
+
+def dgc(x: torch.Tensor, k: int, sample: float, words: torch.Tensor, addends: Addends = None) -> Capped:
     """DGC on the device: what passes the sampled threshold, at most ``k``."""
-    return above(x, _keys(x), sampled_threshold(x, k, sample, words), k)
+    return _sampled_above(x, k, sample, words, addends, k)
 
 
-def graddrop(x: torch.Tensor, k: int, sample: float, words: torch.Tensor) -> Capped:
+def graddrop(x: torch.Tensor, k: int, sample: float, words: torch.Tensor, addends: Addends = None) -> Capped:
     """GradDrop with a sampled threshold for about ``k`` elements, at most ``2k``."""
-    return above(x, _keys(x), sampled_threshold(x, k, sample, words), min(x.numel(), 2 * k))
+    return _sampled_above(x, k, sample, words, addends, min(x.numel(), 2 * k))
 
 
-def randomk(x: torch.Tensor, k: int, words: torch.Tensor) -> Capped:
-    """``k`` distinct positions: the ``k`` largest of per-element hashed uniforms."""
-    u = hashed_uniform(x.numel(), words[0], words[1], x.device)
-    return _slots(x, u.topk(k, sorted=False).indices.sort().values, device_stats(x))
-
-
-def chunked_topk(x: torch.Tensor, chunk: int, per_chunk: int, of_tail: int) -> Capped:
-    """:func:`gradsync.codecs.selection.chunked_topk` with its statistics left on the device."""
+def randomk(
+    x: torch.Tensor, k: int, words: torch.Tensor, addends: Addends = None
+) -> tuple[Capped, torch.Tensor]:
+    """``k`` distinct positions in increasing order, one drawn uniformly from each of ``k``
+    strata of (nearly) equal size (:func:`gradsync.codecs.kernels.stratified_randomk`: O(k)
+    work); returns the selection and each stratum's size (float32), by which an unbiased
+    variant scales its values. Every element is sent with probability 1 / its stratum's size."""
+    _summed(x, addends)
     n = x.numel()
+    idx = torch.empty(k, dtype=_index_dtype(n), device=x.device)
+    sizes = torch.empty(k, dtype=torch.float32, device=x.device)
+    val = torch.empty(k, dtype=x.dtype, device=x.device)
+    kernels.stratified_randomk(n, k, words, idx, sizes_out=sizes, a=x, val_out=val)
+    bad = (
+        ~torch.isfinite(x).all()
+        if x.is_floating_point()
+        else torch.zeros((), dtype=torch.bool, device=x.device)
+    )
+    return Capped(idx, val, torch.full((), k, dtype=torch.int64, device=x.device), bad), sizes
+
+
+def chunked_topk(
+    x: torch.Tensor, chunk: int, per_chunk: int, of_tail: int, addends: Addends = None
+) -> Capped:
+    """:func:`gradsync.codecs.selection.chunked_topk` with its statistics left on the device: in
+    one read where the fused kernel runs (:func:`gradsync.codecs.kernels.chunked_topk`)."""
+    n = x.numel()
+    if _fused(x, addends):
+        a, b, v = _source(x, addends)
+        count = (n // chunk) * per_chunk + of_tail
+        idx = torch.empty(count, dtype=_index_dtype(n), device=x.device)
+        val = torch.empty(count, dtype=x.dtype, device=x.device)
+        bad = torch.empty(1, dtype=torch.int32, device=x.device)
+        kernels.chunked_topk(a, chunk, per_chunk, of_tail, idx, val, bad, b=b, v_out=v)
+        return Capped(idx, val, torch.full((), count, dtype=torch.int64, device=x.device), bad[0] > 0)
+    _summed(x, addends)
     full = n // chunk
     parts = []
     if full:

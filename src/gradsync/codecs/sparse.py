@@ -81,9 +81,12 @@ class SparseCodec(Codec[StreamT]):
             flat, ctx, lambda stream: self._encode(flat, shape, ctx, stream, out, addends)
         )
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: StreamT) -> selection_on_device.Capped | None:
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: StreamT, addends: selection.Addends = None
+    ) -> selection_on_device.Capped | None:
         """The host-free selection (:mod:`gradsync.codecs.selection_on_device`) into
-        :meth:`device_capacity` slots; None where the codec has none."""
+        :meth:`device_capacity` slots; None where the codec has none. ``addends``: ``x`` is to be
+        their sum (error feedback's residual and gradient), written into it as it is read."""
         return None
 
     def device_capacity(self, numel: int) -> int:
@@ -143,19 +146,17 @@ class SparseCodec(Codec[StreamT]):
         addends: selection.Addends,
     ) -> Payload:
         """Resident mode: a fixed-capacity payload, its header written on the device."""
-        if addends is not None:
-            torch.add(*addends, out=x)
         n, cap = x.numel(), self.device_capacity(x.numel())
         lay = sparse_layout(n, cap, x.dtype)
         data, payload = self._new_payload(lay, x, shape, out)
         if n == 0:
             write_device_header(data, 0)
             return payload
-        sel = self.select_on_device(x, self.target_count(n), stream)
+        sel = self.select_on_device(x, self.target_count(n), stream, addends)
         assert sel is not None and sel.idx.numel() == cap, (self.name, cap)
         lay.view(data, "idx").copy_(sel.idx)
         lay.view(data, "val").copy_(sel.val)
-        write_device_header(data, sel.count, device_flags(sel.stats.nonfinite))
+        write_device_header(data, sel.count, device_flags(sel.nonfinite))
         return payload
 
     def sparse_view(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +211,10 @@ class TopK(SparseCodec[Stream]):
     ) -> selection.Selected:
         return selection.exact_topk(x, k, self.ws, addends)
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.exact_topk(x, k)
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.exact_topk(x, k, addends)
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,8 @@ class ChunkTopK(SparseCodec[Stream]):
     Config = ChunktopkConfig
     config: ChunktopkConfig
 
+    fuses_sum = True  # resident: error feedback's add fused into the selection kernel's read
+
     def _counts(self, numel: int) -> tuple[int, int, int]:
         """(full chunks, elements kept per full chunk, elements kept of the last, shorter one)."""
         density = self.scheduled_density if self.scheduled_density is not None else self.config.density
@@ -250,10 +255,14 @@ class ChunkTopK(SparseCodec[Stream]):
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
     ) -> selection.Selected:
+        if addends is not None:  # (the host path adds first; the resident kernel adds as it reads)
+            torch.add(*addends, out=x)
         return selection.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:])
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:])
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.chunked_topk(x, self.config.chunk, *self._counts(x.numel())[1:], addends)
 
 
 @dataclass(frozen=True)
@@ -284,8 +293,10 @@ class MSTopK(SparseCodec[Stream]):
         assert stream.generator is not None
         return selection.mstopk(x, k, self.config.iters, stream.generator, self.ws, addends)
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.mstopk(x, k, self.config.iters, stream.words(1))
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.mstopk(x, k, self.config.iters, stream.words(1), addends)
 
 
 @dataclass(frozen=True)
@@ -313,8 +324,10 @@ class TrimmedTopK(SparseCodec[Stream]):
     ) -> selection.Selected:
         return selection.trimmed_topk(x, k, self.config.step, self.ws, addends)
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.trimmed_topk(x, k, self.config.step)
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.trimmed_topk(x, k, self.config.step, addends)
 
 
 @dataclass(frozen=True)
@@ -376,9 +389,13 @@ class Bsearch(SparseCodec[BsearchStream]):
         super().after_device_work(stream)
         stream.age = stream.age + 1 if self._reuses(stream) else 1
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: BsearchStream) -> selection_on_device.Capped:
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: BsearchStream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
         t = stream.threshold
         assert isinstance(t, torch.Tensor)
+        if addends is not None:
+            torch.add(*addends, out=x)
         sel, threshold = selection_on_device.bsearch(
             x, k, self.config.eps, t if self._reuses(stream) else None
         )
@@ -425,8 +442,10 @@ class DGC(SparseCodec[Stream]):
         assert stream.generator is not None
         return selection.dgc(x, k, self.config.sample, self.config.tolerance, stream.generator, self.ws)
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.dgc(x, k, self.config.sample, stream.words())
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.dgc(x, k, self.config.sample, stream.words(), addends)
 
 
 @dataclass(frozen=True)
@@ -474,8 +493,10 @@ class GradDrop(SparseCodec[Stream]):
     def device_capacity(self, numel: int) -> int:
         return min(numel, 2 * self.target_count(numel))
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        return selection_on_device.graddrop(x, k, self.config.sample, stream.words())
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        return selection_on_device.graddrop(x, k, self.config.sample, stream.words(), addends)
 
     def select(
         self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
@@ -515,8 +536,10 @@ class RandomK(SparseCodec[Stream]):
             sel.val = sel.val * (x.numel() / k)
         return sel
 
-    def select_on_device(self, x: torch.Tensor, k: int, stream: Stream) -> selection_on_device.Capped:
-        sel = selection_on_device.randomk(x, k, stream.words())
-        if self.config.unbiased and k:
-            sel.val = sel.val * (x.numel() / k)
+    def select_on_device(
+        self, x: torch.Tensor, k: int, stream: Stream, addends: selection.Addends = None
+    ) -> selection_on_device.Capped:
+        sel, sizes = selection_on_device.randomk(x, k, stream.words(), addends)
+        if self.config.unbiased and k:  # each element sent with probability 1 / its stratum's size
+            sel.val = sel.val * sizes.to(sel.val.dtype)
         return sel

@@ -118,7 +118,7 @@ class SparseLoCo(Codec[Stream]):
         self._pack(data, lay, idx, val, full, per)
         if self._on_device:
             nonfinite = (
-                sel.stats.nonfinite if sel is not None else torch.zeros((), dtype=torch.bool, device=x.device)
+                sel.nonfinite if sel is not None else torch.zeros((), dtype=torch.bool, device=x.device)
             )
             write_device_header(data, idx.numel(), device_flags(nonfinite))
             return payload

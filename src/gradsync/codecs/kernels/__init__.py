@@ -22,7 +22,7 @@ runs.
 """
 
 from gradsync.codecs.kernels.approx_topk import MAX_ITERS, mstopk, mstopk_layout, mstopk_torch
-from gradsync.codecs.kernels.launch import KERNEL_DTYPES, ScratchLayout, available, interpreting
+from gradsync.codecs.kernels.launch import KERNEL_DTYPES, ScratchLayout, available, interpreting, use_kernels
 from gradsync.codecs.kernels.quantize import (
     cast_encode,
     cast_encode_torch,
@@ -85,4 +85,5 @@ __all__ = [
     "stratified_randomk_torch",
     "tbq_encode",
     "tbq_encode_torch",
+    "use_kernels",
 ]

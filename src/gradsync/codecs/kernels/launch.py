@@ -30,6 +30,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _TRUE = ("1", "true", "on", "yes")
 
+ENV = "GRADSYNC_KERNELS"
+"""Set to ``0`` to run the torch versions everywhere (the fused kernels never run)."""
+
 
 def interpreting() -> bool:
     """Whether ``TRITON_INTERPRET`` asks triton to interpret kernels (on the CPU)."""
@@ -77,9 +80,10 @@ def _probe(index: int) -> bool:
 def available(device: torch.device | str) -> bool:
     """Whether the triton kernels run for tensors on ``device``: on CUDA when triton imports and
     a probe kernel launches there (and the interpreter is off); on the CPU only under the
-    interpreter. The CUDA probe runs once per device and process."""
+    interpreter; nowhere with ``GRADSYNC_KERNELS=0``. The CUDA probe runs once per device and
+    process."""
     dev = torch.device(device)
-    if not _triton_imports():
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no") or not _triton_imports():
         return False
     loaded = _loaded_mode()
     if dev.type == "cuda":
