@@ -11,12 +11,9 @@ from gradsync.codecs import (
 )
 from gradsync.collectives import Topology
 from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, register_comm_hook, wrap
-from gradsync.moved import install as _install_moved_modules
 from gradsync.outer import OuterLoop
 from gradsync.sync import StepStats, SyncConfig
 from gradsync.sync.host_reads import audit_host_reads
-
-_install_moved_modules()  # old module names (gradsync.bench, gradsync.sync.engine...) import, with a warning
 
 __version__ = "0.1.0"
 

@@ -2,9 +2,6 @@
 strategies (packed sparse all-gather, hierarchical top-k, CaSync ring and parameter server) and
 their alpha-beta cost model. Only typed tensors move; codecs are used, never re-implemented."""
 
-import warnings
-from typing import Any
-
 from gradsync.collectives.compressed import compressed_allreduce, hitopk
 from gradsync.collectives.dense import (
     DenseAlgorithm,
@@ -42,15 +39,3 @@ __all__ = [
     "register_compressed_strategy",
     "register_dense_algorithm",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    moved = {"ALGORITHMS": dense_algorithm_names, "STRATEGIES": compressed_strategy_names}
-    if name in moved:
-        warnings.warn(
-            f"gradsync.collectives.{name} is deprecated: call {moved[name].__name__}()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return moved[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

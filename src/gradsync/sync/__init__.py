@@ -9,29 +9,9 @@ statistics. The planner that decides a plan is :mod:`gradsync.planner`; ``wrap``
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
 from gradsync.sync.tasks import Task, TaskError, TaskManager
 
 __all__ = ["Scheme", "StepStats", "SyncConfig", "Task", "TaskError", "TaskManager"]
-
-# Names that moved out of this package: still importable from here, with a DeprecationWarning.
-_MOVED = {
-    "SyncEngine": "gradsync.integrate.engine",
-    "Plan": "gradsync.planner.plan",
-    "BucketPlan": "gradsync.planner.plan",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"gradsync.sync.{name} is deprecated: import it from {_MOVED[name]}", DeprecationWarning, stacklevel=2
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
