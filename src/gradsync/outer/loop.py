@@ -22,7 +22,9 @@ what its inner steps made of it meanwhile).
 
 Checkpoints: :meth:`OuterLoop.state_dict` holds the shared parameters, the outer optimizer, the
 codec's residuals and any exchange still in flight (waited for, kept unapplied), so a run resumed
-from it continues bit for bit.
+from it continues bit for bit. :meth:`OuterLoop.load_resized` resumes on another number of nodes
+from every old rank's state: the shared state from any copy, and what error feedback owed summed
+over the old ranks and split evenly over the new ones.
 
 References:
 
@@ -36,7 +38,7 @@ References:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -124,7 +126,7 @@ class OuterLoop:
         if codec is not None:
             built = build_codec(codec)
             self.codec = ErrorFeedback(built.plain) if built.biased and not built.error_feedback else built
-        module = _bare(model)
+        module = bare_module(model)
         trained = list(trained_tensors(model))
         self.names = [n for n, _ in trained]
         self.params = [p for _, p in trained]
@@ -152,7 +154,7 @@ class OuterLoop:
         self._start_alike(module)
         # the shared parameters (where the workers last met; this rank's shards under FSDP2), in
         # float32, and their optimizer
-        self.anchors = [_local(p).detach().float().clone() for p in self.params]
+        self.anchors = [local_part(p).detach().float().clone() for p in self.params]
         # (Nesterov needs momentum: with none the outer step is plain SGD, lr 1 a plain average)
         # (foreach: the fused multi-tensor step, which PyTorch takes by default on GPUs only; on
         # a CPU it took VGG's outer step from 42 to 16 ms)
@@ -167,6 +169,9 @@ class OuterLoop:
             torch.empty(sum(self.anchors[i].numel() for i in m), device=self.anchors[m[0]].device)
             for m in self.fragments
         ]
+        self._carry: dict[int, torch.Tensor] = {}
+        """What error feedback owed before a resize (:meth:`load_resized`), per fragment: this
+        rank's share, added to the fragment's next pseudo-gradient (empty otherwise)."""
         self.inner_steps = 0
         self.meetings = [0] * fragments
         """How many times each fragment has been averaged (applied)."""
@@ -241,15 +246,23 @@ class OuterLoop:
     def _members(self, fragment: int) -> list[int]:
         return self.fragments[fragment]
 
-    def _start(self, fragment: int, t: int) -> _Exchange:
-        members = self._members(fragment)
+    def _pseudo_gradient(self, fragment: int) -> torch.Tensor:
+        """The fragment's anchor minus its parameters, written into its buffer (plus what error
+        feedback owed before a resize, :meth:`load_resized`, at the fragment's first meeting)."""
         flat, pos = self._flat[fragment], 0
         with torch.no_grad():
-            for i in members:  # the anchor minus the parameters, written into the buffer
-                p, n = _local(self.params[i]).detach(), self.anchors[i].numel()
+            for i in self._members(fragment):
+                p, n = local_part(self.params[i]).detach(), self.anchors[i].numel()
                 p = p if p.dtype == torch.float32 else p.float()
                 torch.sub(self.anchors[i].reshape(-1), p.reshape(-1), out=flat[pos : pos + n])
                 pos += n
+            carried = self._carry.pop(fragment, None)
+            if carried is not None:
+                flat.add_(carried.to(flat.device))
+        return flat
+
+    def _start(self, fragment: int, t: int) -> _Exchange:
+        flat = self._pseudo_gradient(fragment)
         ex = _Exchange(fragment, t + self.delay, flat)
         program = self._program(fragment, flat)
         if self._manager is None:
@@ -303,26 +316,32 @@ class OuterLoop:
             ex.task = None
         if ex in self._pending:
             self._pending.remove(ex)
-        members = self._members(ex.fragment)
+        self._outer_step(ex.fragment, ex.flat)
+        if ex.fragment == 0 and self.buffers and self.topo.world > 1:
+            with torch.no_grad():
+                self._average_buffers()
+        self.meetings[ex.fragment] += 1
+
+    def _outer_step(self, fragment: int, mean: torch.Tensor) -> None:
+        """The outer SGD on the fragment's anchors with the averaged pseudo-gradient ``mean``,
+        then the fragment's parameters take the anchors (or mix with them)."""
+        members = self._members(fragment)
         pos = 0
         for i in members:  # the averaged pseudo-gradient is the outer optimizer's gradient
             n = self.anchors[i].numel()
-            self.anchors[i].grad = ex.flat[pos : pos + n].view(self.anchors[i].shape)
+            self.anchors[i].grad = mean[pos : pos + n].view(self.anchors[i].shape)
             pos += n
         self.outer.step()
         with torch.no_grad():
             for i in members:
                 self.anchors[i].grad = None
-                p = _local(self.params[i])
+                p = local_part(self.params[i])
                 if self.mix and p.dtype == torch.float32:  # mix p + (1 - mix) anchor, in place
                     p.lerp_(self.anchors[i], 1.0 - self.mix)
                 elif self.mix:
                     p.copy_((self.mix * p.float() + (1.0 - self.mix) * self.anchors[i]).to(p.dtype))
                 else:
                     p.copy_(self.anchors[i].to(p.dtype))
-            if ex.fragment == 0 and self.buffers and self.topo.world > 1:
-                self._average_buffers()
-        self.meetings[ex.fragment] += 1
 
     def _average_buffers(self) -> None:
         """Floating buffers (BatchNorm statistics) averaged over every rank with fragment 0."""
@@ -362,15 +381,15 @@ class OuterLoop:
         """Inside the block the model holds the shared parameters (where the workers last met,
         DiLoCo's global model: what to evaluate); its own come back after."""
         with torch.no_grad():
-            own = [_local(p).detach().clone() for p in self.params]
+            own = [local_part(p).detach().clone() for p in self.params]
             for p, a in zip(self.params, self.anchors, strict=True):
-                _local(p).copy_(a.to(p.dtype))
+                local_part(p).copy_(a.to(p.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, o in zip(self.params, own, strict=True):
-                    _local(p).copy_(o)
+                    local_part(p).copy_(o)
 
     def describe(self) -> str:
         """One line: the schedule and the codec."""
@@ -418,6 +437,7 @@ class OuterLoop:
             "outer": self.outer.state_dict(),
             "codec": self.codec.state_dict() if self.codec is not None else None,
             "pending": pending,
+            **({"carry": {str(f): c.clone() for f, c in self._carry.items()}} if self._carry else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -444,6 +464,96 @@ class OuterLoop:
         self._pending = [
             _Exchange(int(p["fragment"]), int(p["due"]), p["mean"].to(device)) for p in state["pending"]
         ]
+        self._carry = {int(f): c.to(device) for f, c in state.get("carry", {}).items()}
+
+    def load_resized(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume from the :meth:`state_dict` of every rank of a run with another number of nodes
+        (or ranks per node): each rank of the new run passes the states of all the old ranks, in
+        rank order.
+
+        What is the same on every node (the anchors, the outer optimizer's momentum, the meetings
+        so far and an exchange still in flight, whose average every rank holds) is taken from
+        the first state, after checking that every state agrees on the anchors. What error
+        feedback owed differs per rank: the residuals of every old rank are placed at their
+        elements of each fragment and summed, and each new rank takes an equal share of that
+        total, ``1 / world`` of it, added to the fragment's next pseudo-gradient. Every path
+        sums what the ranks send (inside a node the ranks' copies are summed before a rank of
+        each node encodes its shard), so the new ranks' shares add up to the old total exactly:
+        the sum over ranks of what is owed carries over. Codec state other than residuals
+        (generators, reused thresholds) is the same on every rank and comes from the first state.
+
+        The model's parameters and the inner optimizer are the caller's: a node whose own
+        parameters are gone takes the shared ones (``load`` the anchors: see
+        :meth:`shared_parameters`). Refused, with a ``ValueError`` before anything changes: an
+        empty list, states of another configuration (apart from the topology), states that
+        disagree, and outer loops over FSDP2 shards (each rank's anchors are its shards; moving
+        them to another layout is a resharding this method does not do).
+        """
+        if not isinstance(states, Sequence) or not states or not all(isinstance(s, dict) for s in states):
+            raise ValueError(
+                "outer loop: load_resized needs the state_dict() of every old rank, in rank order"
+            )
+        if self.sharded:
+            raise ValueError(
+                "outer loop: load_resized does not reshard FSDP2 anchors; resume FSDP2 runs with "
+                "the same topology (load_state_dict)"
+            )
+        for r, state in enumerate(states):
+            if state.get("format") != FORMAT:
+                raise ValueError(
+                    f"outer loop: state {r} is not an outer-loop state ({state.get('format')!r})"
+                )
+            mine = {k: v for k, v in self._config().items() if k != "topology"}
+            theirs = {k: v for k, v in state["config"].items() if k != "topology"}
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            if diff:
+                detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in diff)
+                raise ValueError(f"outer loop: state {r} was saved with another configuration ({detail})")
+        first = states[0]
+        nodes, per_node = (int(v) for v in first["config"]["topology"])
+        if len(states) != nodes * per_node:
+            raise ValueError(
+                f"outer loop: load_resized needs the states of all {nodes * per_node} ranks of the saved "
+                f"run ({nodes} nodes x {per_node}), got {len(states)}"
+            )
+        for r, state in enumerate(states[1:], start=1):
+            same = state["inner_steps"] == first["inner_steps"] and list(state["meetings"]) == list(
+                first["meetings"]
+            )
+            same = same and all(
+                torch.equal(a, b) for a, b in zip(state["anchors"], first["anchors"], strict=True)
+            )
+            if not same:
+                raise ValueError(
+                    f"outer loop: the states of rank 0 and rank {r} disagree on the shared model "
+                    "(anchors or meetings): they are not one run's"
+                )
+        for i, a in enumerate(first["anchors"]):
+            if tuple(a.shape) != tuple(self.anchors[i].shape):
+                raise ValueError(
+                    f"outer loop: saved anchor {self.names[i]} has shape {tuple(a.shape)}, the model's "
+                    f"is {tuple(self.anchors[i].shape)}"
+                )
+        totals = owed_by_fragment(states, self.names, self.fragments, [a.numel() for a in self.anchors])
+        self.load_state_dict({**first, "config": self._config(), "codec": None, "carry": {}})
+        if self.codec is not None and first["codec"] is not None:
+            codec_state = dict(first["codec"])
+            if "streams" in codec_state:  # error feedback: the residuals travel as the shares below
+                codec_state["streams"] = {}
+            self.codec.load_state_dict(codec_state)
+        device = self.anchors[0].device
+        self._carry = {f: (t / self.topo.world).to(device) for f, t in totals.items()}
+
+    def owed(self) -> dict[int, torch.Tensor]:
+        """What this rank's error feedback owes, per fragment: its residuals placed at their
+        elements of the fragment's pseudo-gradient (float64), plus a share carried over a resize
+        that has not met yet. Summed over the ranks and divided by the world size, it is what
+        the average across nodes would still receive if nothing more were compressed away."""
+        state = {"codec": self.codec.state_dict() if self.codec is not None else None}
+        totals = owed_by_fragment([state], self.names, self.fragments, [a.numel() for a in self.anchors])
+        for f, c in self._carry.items():
+            totals[f] = totals.get(f, torch.zeros(c.numel(), dtype=torch.float64)) + c.double().cpu()
+        return totals
 
     def _config(self) -> dict[str, Any]:
         cut = {"cut": [g[0] for g in self.fragments]} if self.fragments_n > 1 else {}  # first tensors
@@ -457,6 +567,48 @@ class OuterLoop:
             "parameters": [f"{n}:{tuple(p.shape)}" for n, p in zip(self.names, self.params, strict=True)],
             "topology": [self.topo.nodes, self.topo.per_node],
         }
+
+
+def owed_by_fragment(
+    states: Sequence[dict[str, Any]], names: list[str], fragments: list[list[int]], numels: list[int]
+) -> dict[int, torch.Tensor]:
+    """The residuals of error feedback in outer-loop ``states`` (one per rank), placed at their
+    elements of each fragment's flat pseudo-gradient and summed over the states, in float64.
+
+    A stream's key names its fragment (``outer/F/...``, its offset counting from the fragment's
+    first element: padding past the end holds nothing) or, for codecs that take each tensor
+    alone (PowerSGD), its tensor (``outer/NAME``, the offset counting from the tensor's first
+    element)."""
+    size = [sum(numels[i] for i in m) for m in fragments]
+    where: dict[str, tuple[int, int]] = {}  # tensor name -> (fragment, its first element there)
+    for f, members in enumerate(fragments):
+        pos = 0
+        for i in members:
+            where[names[i]] = (f, pos)
+            pos += numels[i]
+    totals: dict[int, torch.Tensor] = {}
+    for state in states:
+        codec = state.get("codec")
+        if not codec or "streams" not in codec:
+            continue
+        for key, stream in codec["streams"].items():
+            residual = stream["residual"]
+            if residual is None:
+                continue
+            rest = key.removeprefix("outer/")
+            head = rest.split("/", 1)[0]
+            if head.isdigit() and int(head) < len(fragments):
+                f, base = int(head), 0
+            elif rest in where:
+                f, base = where[rest]
+            else:
+                raise ValueError(f"outer loop: an error-feedback stream {key!r} of no fragment or tensor")
+            start = base + int(stream.get("offset", 0))
+            flat = residual.reshape(-1).double().cpu()
+            n = max(0, min(flat.numel(), size[f] - start))
+            total = totals.setdefault(f, torch.zeros(size[f], dtype=torch.float64))
+            total[start : start + n] += flat[:n]
+    return totals
 
 
 def _refuse_per_step_crossing(
@@ -498,7 +650,7 @@ def _nothing_to_send() -> Program:
     yield  # (a generator: the task manager runs it like any program)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def local_part(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter: its shard under FSDP2 (a DTensor), else itself."""
     return p.to_local() if isinstance(p, DTensor) else p
 
@@ -531,7 +683,7 @@ def _check_sharding(
     return True
 
 
-def _bare(model: nn.Module) -> nn.Module:
+def bare_module(model: nn.Module) -> nn.Module:
     """The module inside a ``wrap`` or DDP wrapper (the model itself otherwise)."""
     inner = model.module if isinstance(model, (GradSync, nn.parallel.DistributedDataParallel)) else model
     assert isinstance(inner, nn.Module)
@@ -540,7 +692,7 @@ def _bare(model: nn.Module) -> nn.Module:
 
 def trained_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The parameters the outer loop averages: those that require a gradient, in model order."""
-    return ((n, p) for n, p in _bare(model).named_parameters() if p.requires_grad)
+    return ((n, p) for n, p in bare_module(model).named_parameters() if p.requires_grad)
 
 
-__all__ = ["FORMAT", "OuterLoop", "trained_tensors"]
+__all__ = ["FORMAT", "OuterLoop", "bare_module", "local_part", "owed_by_fragment", "trained_tensors"]

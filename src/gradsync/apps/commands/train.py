@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import Any
 
 from gradsync.apps.train import arguments
 from gradsync.apps.train.options import batch_plan, cache_config, validate
@@ -90,6 +91,77 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_fault_tolerant(args: argparse.Namespace) -> int:
+    """``--fault-tolerant``: a lighthouse in this process, and every node a torchrun of its own
+    (a world of ``--per-node`` workers whose agent restarts them up to ``--max-restarts``
+    times), so that a node that dies is recovered while the others train on."""
+    import subprocess
+
+    from gradsync.apps.train.options import FT_NODE_ENV, LIGHTHOUSE_ENV
+    from gradsync.outer.ft import start_lighthouse
+
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    lighthouse = start_lighthouse(min_nodes=args.min_nodes or 1)
+    print(
+        f"gradsync train: lighthouse at {lighthouse.address}, {args.nodes} nodes", file=sys.stderr, flush=True
+    )
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in range(args.nodes):
+            env = {
+                **os.environ,
+                LIGHTHOUSE_ENV: lighthouse.address,
+                FT_NODE_ENV: str(node),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads)),
+            }
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                f"--nproc-per-node={args.per_node}", f"--max-restarts={args.max_restarts}",
+                "--monitor-interval=0.5", "-m", "gradsync", *argv,
+            ]  # fmt: skip
+            nodes.append(subprocess.Popen(command, env=env))
+        codes = _wait_nodes(nodes, grace_s=max(60.0, args.timeout))
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.close()
+    failed = [i for i, code in enumerate(codes) if code != 0]
+    if failed:
+        print(
+            f"gradsync train: nodes {failed} failed (exit codes {[codes[i] for i in failed]})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _wait_nodes(nodes: list[Any], grace_s: float) -> list[int]:
+    """Every node's exit code. Once node 0 has finished the run, a node still running gets
+    ``grace_s`` seconds to finish too: one that came back after the others were done would
+    otherwise wait for a meeting no one else will hold. It is stopped and counted as failed."""
+    import time
+
+    deadline = None
+    while any(p.poll() is None for p in nodes):
+        if deadline is None and nodes[0].poll() == 0:
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for i, p in enumerate(nodes):
+                if p.poll() is None:
+                    print(
+                        f"gradsync train: node {i} was still running {grace_s:g} s after node 0 finished "
+                        "the run (it came back too late to rejoin): stopped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    p.terminate()
+            break
+        time.sleep(0.2)
+    return [p.wait() for p in nodes]
+
+
 def _is_worker() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -108,4 +180,6 @@ def main(args: argparse.Namespace) -> int:
         from gradsync.apps.train.trainer import run_worker
 
         return run_worker(args)
+    if args.fault_tolerant:
+        return _launch_fault_tolerant(args)
     return _launch(args)

@@ -292,6 +292,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weight of the local fragment when a delayed exchange lands (default 0.5 with a delay)",
     )
 
+    g.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="live recovery through torchft (pip install 'gradsync[ft]'): each node is a replica group of "
+        "its own; a node that dies is dropped from the next meeting and the others train on, and when it "
+        "comes back (--max-restarts) it heals from a live peer. Started by this command, a lighthouse "
+        "runs here and every node under a torchrun of its own",
+    )
+    g.add_argument(
+        "--lighthouse",
+        default=None,
+        metavar="ADDR",
+        help="with --fault-tolerant under your own torchrun per node: the lighthouse's address "
+        "(http://HOST:PORT; default: $TORCHFT_LIGHTHOUSE)",
+    )
+    g.add_argument(
+        "--node-index",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --fault-tolerant under your own torchrun per node: this node's index, 0 .. --nodes - 1 "
+        "(its name and its shard of the data)",
+    )
+    g.add_argument(
+        "--min-nodes",
+        type=int,
+        default=None,
+        help="with --fault-tolerant: a meeting with fewer live nodes is not applied (default 1)",
+    )
+
     g = p.add_argument_group("processes")
     g.add_argument(
         "--nproc",

@@ -320,6 +320,40 @@ def load(folder: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return main, local
 
 
+def saved_world(folder: Path) -> int:
+    """How many ranks saved the checkpoint in ``folder`` (its manifest's count; checked for form)."""
+    return int(read_manifest(folder)["world"])
+
+
+def load_every_rank(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(main, [rank 0's local, rank 1's, ...])``: every rank's file, each verified against the
+    manifest first, for a run resumed with another number of ranks (an outer loop's resize sums
+    what every old rank's error feedback owed). Under a process group every rank must call it:
+    they agree on the outcome, as in :func:`load`."""
+    error: CheckpointError | None = None
+    handles: list[IO[bytes]] = []
+    try:
+        manifest = read_manifest(folder)
+        files = manifest["files"]
+        names = [MAIN] + [rank_file(r) for r in range(int(manifest["world"]))]
+        for name in names:
+            if name not in files:
+                raise CheckpointError(f"{folder / MANIFEST} does not list {name}")
+            handles.append(_open_verified(folder, name, files[name]))
+    except CheckpointError as e:
+        error = e
+    error = _agree(error)
+    if error is not None:
+        for fh in handles:
+            fh.close()
+        raise error
+    loaded = []
+    for fh in handles:
+        with fh:
+            loaded.append(torch.load(fh, map_location="cpu", weights_only=True))
+    return loaded[0], loaded[1:]
+
+
 def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
     """Refuse a checkpoint of another run: ``ValueError`` listing what differs. A key that only
     one side has counts as a difference (options are recorded only when given)."""

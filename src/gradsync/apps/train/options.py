@@ -206,6 +206,7 @@ def validate(args: argparse.Namespace) -> None:
             check_trace_path(args.trace)
         except ValueError as e:
             raise ValueError(f"--trace: {e}") from e
+    _check_fault_tolerance(args)
     Scheme.parse(args.scheme)
     config = sync_config(args, per_epoch(1))  # every SyncConfig field and value
     codecs = _codecs(config)
@@ -259,6 +260,84 @@ def _check_outer(args: argparse.Namespace) -> None:
             "--outer the ranks of a node synchronize densely every step and only the outer loop crosses "
             "nodes (compress its pseudo-gradients with --outer-codec)"
         )
+
+
+FT_NODE_ENV = "GRADSYNC_FT_NODE"
+"""The node index ``gradsync train --fault-tolerant`` gives each node's workers."""
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""torchft's own variable for the lighthouse's address."""
+
+
+def ft_node_index(args: argparse.Namespace) -> int | None:
+    """This worker's node under ``--fault-tolerant`` (``--node-index``, else the launcher's
+    variable), or None."""
+    if args.node_index is not None:
+        return int(args.node_index)
+    value = os.environ.get(FT_NODE_ENV)
+    return int(value) if value not in (None, "") else None
+
+
+def ft_lighthouse(args: argparse.Namespace) -> str | None:
+    """The lighthouse's address under ``--fault-tolerant`` (``--lighthouse``, else torchft's variable)."""
+    return args.lighthouse or os.environ.get(LIGHTHOUSE_ENV) or None
+
+
+def _check_fault_tolerance(args: argparse.Namespace) -> None:
+    """``--fault-tolerant`` and the options that go with it."""
+    pairs = [("--lighthouse", args.lighthouse), ("--node-index", args.node_index)]
+    given = [name for name, value in [*pairs, ("--min-nodes", args.min_nodes)] if value is not None]
+    if not args.fault_tolerant:
+        if given:
+            raise ValueError(f"{', '.join(given)} need --fault-tolerant")
+        return
+    if args.outer is None:
+        raise ValueError(
+            "--fault-tolerant needs --outer H: it recovers the outer loop's meetings across nodes"
+        )
+    if args.nodes is None:
+        raise ValueError(
+            "--fault-tolerant needs --nodes N and --per-node P: every node is a replica group of its own"
+        )
+    if args.outer_delay:
+        raise ValueError(
+            f"--fault-tolerant with --outer-delay {args.outer_delay}: a delayed exchange would be in flight "
+            "across a change of the nodes that meet; use --outer-delay 0 (--fragments still staggers them)"
+        )
+    if args.outer_codec is not None:
+        codec = build_codec(args.outer_codec)
+        if codec.lowrank or codec.per_tensor:
+            raise ValueError(
+                f"--fault-tolerant with --outer-codec {args.outer_codec}: it needs whole matrices and each "
+                "rank of a node sends a slice; use chunktopk, topk, onebit, terngrad or bf16"
+            )
+    min_nodes = 1 if args.min_nodes is None else args.min_nodes
+    _at_least("--min-nodes", min_nodes, 1)
+    if min_nodes > args.nodes:
+        raise ValueError(f"--min-nodes must be at most --nodes ({args.nodes}), got {min_nodes}")
+    for option, value in (("--checkpoint-dir", args.checkpoint_dir), ("--trace", args.trace)):
+        if value:
+            raise ValueError(
+                f"--fault-tolerant with {option}: not offered yet (a node that dies heals from a live peer "
+                "instead of restarting from a checkpoint; the trace is written by one world)"
+            )
+    index = ft_node_index(args)
+    if index is not None and not 0 <= index < args.nodes:
+        raise ValueError(f"--node-index must be in [0, --nodes) = [0, {args.nodes}), got {index}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a worker: it must know where it belongs
+        if index is None:
+            raise ValueError(
+                "--fault-tolerant under your own torchrun needs --node-index N (this node's index)"
+            )
+        if ft_lighthouse(args) is None:
+            raise ValueError(
+                f"--fault-tolerant under your own torchrun needs --lighthouse ADDR (or ${LIGHTHOUSE_ENV})"
+            )
+    from gradsync.outer.ft import import_torchft
+
+    try:
+        import_torchft()
+    except ImportError as e:
+        raise ValueError(f"--fault-tolerant: {e}") from None
 
 
 def _check_self_syncing(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -25,9 +26,11 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +54,16 @@ from gradsync.apps.train.optim import (
     compressed_options,
     optimizer_kind,
 )
-from gradsync.apps.train.options import cache_config, clip_where, scaled_lr, sync_config, trace_steps
+from gradsync.apps.train.options import (
+    batch_plan,
+    cache_config,
+    clip_where,
+    ft_lighthouse,
+    ft_node_index,
+    scaled_lr,
+    sync_config,
+    trace_steps,
+)
 from gradsync.apps.train.outer import NodeSync
 from gradsync.apps.train.pto_choice import PtoChoice, choose_pto
 from gradsync.apps.train.resize import resize
@@ -144,9 +156,17 @@ class Trainer:
         self.args = args
         torch.set_num_threads(args.threads)
         self.device = self._join()
-        self.topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
+        self.ft_node = ft_node_index(args) if args.fault_tolerant else None
+        """This node's index under ``--fault-tolerant`` (then the world is the node's own)."""
+        if self.ft_node is not None:
+            self.topo = Topology(1, dist.get_world_size())
+        else:
+            self.topo = Topology(args.nodes, args.per_node) if args.nodes else Topology()
         self.rank, self.world = self.topo.rank, self.topo.world
-        self.node = self.rank // self.topo.per_node
+        self.node = self.rank // self.topo.per_node if self.ft_node is None else self.ft_node
+        # the data is sharded over every rank of every node (under --fault-tolerant the world is one node's)
+        self.data_rank = self.rank if self.ft_node is None else self.ft_node * self.world + self.rank
+        self.data_world = self.world if self.ft_node is None else args.nodes * self.world
         self.partitioned = args.cache is not None and args.cache_shuffle == "partition"
         """Each rank reads a fixed part of the data (``--cache``): the node's store holds only its part."""
         self.data: DataBundle = build_data(
@@ -159,11 +179,15 @@ class Trainer:
         self.grad_bytes = sum(p.numel() * 4 for p in net.parameters() if p.requires_grad)
         self.sampler: ShardedSampler | PartitionSampler
         if self.partitioned:
-            self.sampler = PartitionSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
+            self.sampler = PartitionSampler(
+                len(self.data.train), self.data_rank, self.data_world, seed=args.seed
+            )
         else:
-            self.sampler = ShardedSampler(len(self.data.train), self.rank, self.world, seed=args.seed)
+            self.sampler = ShardedSampler(
+                len(self.data.train), self.data_rank, self.data_world, seed=args.seed
+            )
         native = self.data.input_shape[-1] if self.data.task == "classify" else None
-        self.plan = epoch_plan(args, self.world, len(self.sampler), native)
+        self.plan = epoch_plan(args, self.data_world, len(self.sampler), native)
         self.accumulation = self.plan.accumulation
         self.loader = PrefetchLoader(self.data.train, self.sampler, self.plan.per_worker[0], drop_last=True)
         if min(self.plan.steps) == 0:
@@ -180,12 +204,31 @@ class Trainer:
         self.outer: gradsync.OuterLoop | None = None
         self.outer_trace: TraceRecorder | None = None
         self.model: gradsync.GradSync | NodeSync
-        if args.outer is not None:  # each node alone for H steps, then the outer loop
+        self._healed: dict[str, Any] | None = None  # a peer's position, until the optimizer exists
+        self._repositioned = False  # healed inside a step: the data position jumped
+        if args.outer is not None and self.ft_node is not None:  # torchft forms the meetings
+            from gradsync.outer.ft import FaultTolerance, FaultTolerantOuterLoop
+
+            lighthouse = ft_lighthouse(args)
+            assert lighthouse is not None  # (checked with the options)
+            fault = FaultTolerance(
+                lighthouse=lighthouse, replica_id=f"node{self.ft_node}", nodes=args.nodes,
+                min_nodes=args.min_nodes or 1, timeout_s=args.timeout,
+                quorum_timeout_s=max(600.0, args.timeout), join_timeout_s=max(600.0, args.timeout),
+            )  # fmt: skip
+            self.outer = FaultTolerantOuterLoop(
+                net, fault_tolerance=fault, every=args.outer, codec=args.outer_codec, outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum, fragments=args.fragments, topology=self.topo,
+                extra_state={"gradsync.train": (self._load_position, self._position_state)},
+            )  # fmt: skip
+        elif args.outer is not None:  # each node alone for H steps, then the outer loop
             self.outer = gradsync.OuterLoop(
                 net, every=args.outer, codec=args.outer_codec, outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum, fragments=args.fragments, delay=args.outer_delay,
                 mix=args.outer_mix, topology=self.topo,
             )  # fmt: skip
+        if args.outer is not None:
+            assert self.outer is not None
             # inside the node: --scheme when it is dense (the default names none: a flat ring)
             dense = Scheme.parse(args.scheme).kind == "dense"
             inner = replace(self.config, scheme=args.scheme if dense else "flat")
@@ -216,7 +259,7 @@ class Trainer:
             assert isinstance(self.model, gradsync.GradSync)  # (--outer refuses these optimizers)
             self._local_gradients.enter_context(self.model.no_sync())  # for the whole run
         lr = args.lr if args.lr is not None else optimizer_kind(args.optimizer).lr
-        base_lr = scaled_lr(lr, args, self.world, self.plan.global_batch(0))
+        base_lr = scaled_lr(lr, args, self.data_world, self.plan.global_batch(0))
         self.optimizer = build_optimizer(
             net,
             args.optimizer,
@@ -238,7 +281,7 @@ class Trainer:
             self.pto_choice = choose_pto(self.optimizer, group, self.topo)
             if self.rank == 0:
                 print(f"gradsync train: {self.pto_choice.line()}", file=sys.stderr, flush=True)
-        ratios = [scaled_lr(lr, args, self.world, self.plan.global_batch(e)) / base_lr
+        ratios = [scaled_lr(lr, args, self.data_world, self.plan.global_batch(e)) / base_lr
                   for e in range(self.plan.epochs)]  # fmt: skip
         self.scheduler = build_scheduler(
             self.optimizer,
@@ -255,9 +298,58 @@ class Trainer:
         self.telemetry: list[dict[str, Any]] = []  # rank 0's step records, every --log-every steps
         self._unchecked: StepFlags | None = None  # the last step's finiteness flags, in flight
         self.outer_met = False  # whether the outer loop's shared parameters moved at the last step
+        if self._healed is not None:  # healed while joining: the peer's optimizer, schedule, position
+            self._apply_position(self._healed, joining=True)
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if args.checkpoint_dir and (args.resume or restarted):
             self._resume()
+
+    # ------------------------------------------------------------------ live recovery
+    def _position_state(self) -> dict[str, Any]:
+        """What a node healing from this one takes besides the outer loop's state (the model,
+        the anchors): the inner optimizer, the schedule and the data position. Taken inside a
+        meeting, before this step's counters advance."""
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "global_step": self.global_step,
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "history": copy.deepcopy(self.history),
+        }
+
+    def _load_position(self, state: dict[str, Any]) -> None:
+        if not hasattr(self, "scheduler"):  # joining: the optimizer is not built yet
+            self._healed = state
+            return
+        self._apply_position(state, joining=False)
+
+    def _apply_position(self, state: dict[str, Any], joining: bool) -> None:
+        """Take a peer's position. Inside a step the loop then advances the counters as the
+        peer's own loop does; a node that healed while joining starts at the next batch. The
+        batches this node's shard had between its failure and now are skipped."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.history = list(state["history"])
+        self.epoch, self.batch, self.global_step = (
+            int(state["epoch"]),
+            int(state["batch"]),
+            int(state["global_step"]),
+        )
+        if joining:
+            self.batch, self.global_step = self.batch + 1, self.global_step + 1
+        else:
+            self._repositioned = True
+        self._healed = None
+        if self.rank == 0:
+            assert isinstance(self.outer, gradsync.OuterLoop)
+            took = getattr(self.outer, "heal_seconds", [0.0])[-1:] or [0.0]
+            print(
+                f"gradsync train: node {self.ft_node} healed from a live peer in {took[0]:.2f} s; it goes on "
+                f"at epoch {self.epoch + 1}, step {self.global_step + (0 if joining else 1)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # ------------------------------------------------------------------ set-up
     def _join(self) -> torch.device:
@@ -327,6 +419,12 @@ class Trainer:
                         self._save()
                     self._maybe_crash()
                     waited = time.perf_counter()
+                    if self._repositioned and self.batch < self.steps_per_epoch:
+                        break  # healed: go on from the peer's position (perhaps another epoch)
+            if self._repositioned:
+                self._repositioned = False
+                if self.batch < self.steps_per_epoch:
+                    continue
             self.synchronize_optimizer()  # evaluate one model (0/1 Adam's ranks drift between exchanges)
             record: dict[str, Any] = {"epoch": self.epoch + 1}
             record.update(
@@ -350,7 +448,8 @@ class Trainer:
         self.model.close()
         if self.outer_trace is not None:
             self.outer_trace.write(self.args.trace)  # (collective: every rank)
-        return self._summary() if self.rank == 0 else None
+        first = self.rank == 0 and self.ft_node in (None, 0)  # under --fault-tolerant node 0 reports
+        return self._summary() if first else None
 
     def _cache_counters(self) -> dict[str, float] | None:
         """The data cache's counters of this rank (``None`` for data read without the cache)."""
@@ -385,10 +484,15 @@ class Trainer:
         d = self.data
         return (
             f"gradsync train: {self.model_name} ({parameter_count(self.net) / 1e6:.2f} M parameters) on "
-            f"{d.name} ({len(d.train)} train / {len(d.val)} val), {self.world} workers as "
-            f"{self.topo.nodes} x {self.topo.per_node}, {self._sync_words()}, "
+            f"{d.name} ({len(d.train)} train / {len(d.val)} val), {self.data_world} workers as "
+            f"{self._nodes} x {self.topo.per_node}, {self._sync_words()}, "
             f"{self.steps_per_epoch} steps per epoch, device {self.device}"
         )
+
+    @property
+    def _nodes(self) -> int:
+        """The run's nodes (under ``--fault-tolerant`` this world is one node of them)."""
+        return self.topo.nodes if self.ft_node is None else int(self.args.nodes)
 
     def _sync_words(self) -> str:
         if self.outer is not None:
@@ -413,8 +517,8 @@ class Trainer:
             "plan_table": self.model.plan_table(),
             "plan_summary": self._plan_summary(),
             **({} if self.outer is None else {"outer": self.outer.describe()}),
-            "world": self.world,
-            "nodes": self.topo.nodes,
+            "world": self.data_world,
+            "nodes": self._nodes,
             "per_node": self.topo.per_node,
             "batch_size": a.batch_size,
             "global_batch": self.plan.global_batch(self.plan.epochs - 1),
@@ -513,6 +617,9 @@ class Trainer:
                     file=sys.stderr,
                 )
             return
+        if self.outer is not None and checkpoint.saved_world(folder) != self.world:
+            self._resume_resized(folder)
+            return
         main, local = checkpoint.load(folder, self.rank)
         checkpoint.check_identity(main["identity"], self.identity())
         self.net.load_state_dict(local.get("model", main["model"]))
@@ -536,6 +643,56 @@ class Trainer:
                 f"gradsync train: resumed from {folder} (epoch {self.epoch + 1}, batch {self.batch}, "
                 f"step {self.global_step})",
                 file=sys.stderr,
+            )
+
+    def _resume_resized(self, folder: Path) -> None:
+        """Resume an outer-loop run with another number of nodes (or ranks per node).
+
+        The outer loop takes its shared state from any old rank and what every old rank's error
+        feedback owed, summed and split evenly over the new ranks
+        (:meth:`gradsync.OuterLoop.load_resized`). Every node starts from the shared parameters
+        (where the nodes last met: the inner steps after the last meeting are not kept, so
+        checkpoint at meetings to keep everything) with rank 0's inner optimizer and buffers.
+        The data position keeps the samples the epoch has consumed: the old world took them as
+        a prefix of the epoch's order, so the new world starts at the first of its batches that
+        is not wholly inside that prefix (less than one new global batch is seen again). The
+        schedule follows the new plan's step count."""
+        main, locals_ = checkpoint.load_every_rank(folder)
+        old_world = len(locals_)
+        keep = ("world", "nodes")
+        saved = {k: v for k, v in main["identity"].items() if k not in keep}
+        checkpoint.check_identity(saved, {k: v for k, v in self.identity().items() if k not in keep})
+        assert self.outer is not None
+        self.outer.load_resized([loc["sync"]["outer"] for loc in locals_])
+        self.net.load_state_dict(main["model"])
+        with torch.no_grad():
+            for p, a in zip(self.outer.params, self.outer.anchors, strict=True):
+                p.copy_(a.to(p.dtype))
+        self.optimizer.load_state_dict(main["optimizer"])
+        if self.scaler is not None and main["scaler"] is not None:
+            self.scaler.load_state_dict(main["scaler"])
+        pos = main["position"]
+        self.epoch = int(pos["epoch"])
+        old_batch, _ = batch_plan(self.args, old_world)
+        consumed = int(pos["batch"]) * old_batch * old_world
+        per_worker = self.plan.per_worker[min(self.epoch, self.plan.epochs - 1)]
+        self.batch = consumed // (per_worker * self.data_world)
+        self.global_step = sum(self.plan.steps[: self.epoch]) + self.batch
+        with warnings.catch_warnings():  # (the schedule is stepped without optimizer steps)
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(self.global_step):
+                self.scheduler.step()
+        self.history = list(main["history"])
+        if self.rank == 0:
+            owed = sum(float(t.norm()) ** 2 for t in self.outer.owed().values()) ** 0.5
+            print(
+                f"gradsync train: resumed from {folder}, saved by {old_world} ranks "
+                f"({main['identity']['nodes']} nodes), on {self.world} ({self.topo.nodes} nodes): the shared "
+                "model and outer momentum kept, what error feedback owed split over the new ranks (this "
+                f"rank's share: norm {owed:.3g}); epoch {self.epoch + 1}, batch {self.batch}, "
+                f"step {self.global_step}",
+                file=sys.stderr,
+                flush=True,
             )
 
     # ------------------------------------------------------------------ steps
@@ -635,7 +792,8 @@ class Trainer:
     def _maybe_crash(self) -> None:
         a = self.args
         first_try = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-        last_rank = self.rank == self.world - 1
+        last_node = self.ft_node is None or self.ft_node == a.nodes - 1  # (under --fault-tolerant)
+        last_rank = self.rank == self.world - 1 and last_node
         if a.crash_at_step is not None and first_try and last_rank and self.global_step == a.crash_at_step:
             print(
                 f"gradsync train: rank {self.rank} kills itself at step {self.global_step} (--crash-at-step)",
