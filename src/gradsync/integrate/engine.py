@@ -79,9 +79,10 @@ from gradsync.sync.checkpoint import must_reset
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.flags import apply_flags, flags_program, read_flags, rescale_for_join
+from gradsync.sync.flags import flags_program, read_flags, rescale_for_join
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.momentum import SyncMomentum
+from gradsync.sync.round import Round, RoundFlags
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, LagClock, sequence_program, warn_forwards_apart
 from gradsync.sync.stats import BucketStats, StepState, StepStats, bucket_stats, step_stats
@@ -113,6 +114,8 @@ class SyncEngine:
         self.schemes: list[Scheme] = self.codec_set.schemes
         """The scheme each codec runs under (by codec id): the scheme's own, then the candidates'."""
         self.ledger = Ledger(self.codecs)
+        self.round = Round(self.ledger)
+        """The iteration around the ledger: its state and its end (:mod:`gradsync.sync.round`)."""
         """What error feedback owes: the codecs' streams, momentum correction's momentum and the
         carry, with the round that can undo them (:mod:`gradsync.sync.ledger`)."""
         self.slots = [Slot(i, n, p) for i, (n, p) in enumerate((n, p) for n, p in params if p.requires_grad)]
@@ -298,16 +301,15 @@ class SyncEngine:
         with self._failing():
             self.manager.wait(self.cur.tasks, timeout=self.config.timeout_s)
             self.codec_set.own_density(self.step)
-            overflow, unused = False, set[str]()
+            agreed = RoundFlags()
             if flags is not None:
-                overflow, unused = apply_flags(
-                    read_flags(flags), self.slots, self.ledger, self._agreeing, self.layout.layouts
-                )
+                tracked = [s.name for s in self.slots] if self._agreeing else []
+                agreed = RoundFlags.from_values(read_flags(flags), tracked)
+            for s in self.slots:
+                if s.name in agreed.unused:
+                    s.param.grad = None  # no rank used it: leave it as DDP would
+            # what error feedback sent of a frozen parameter never reaches it: owed still
             frozen = {self.slots[i].name for i in self._frozen}
-            if frozen - unused and not overflow:
-                # what error feedback sent of a frozen parameter never reaches it: owed still
-                self.ledger.give_back(self.layout.layouts(), frozen - unused)
-            unused |= frozen
             if not self.cur.shadow:
                 self._note_missing()
             self._note_forwards()
@@ -316,9 +318,12 @@ class SyncEngine:
                 rescale_for_join(
                     work, self.join_divide_by_world, self.cur.shadow, self.slots, self.topo.world
                 )
-            if not overflow:
-                self.ledger.apply_agreed(self.slots, unused, self.cur.shadow, self.cur.loss_scale)
-            stats = self._stats(in_backward, overflow)
+            cur = self.cur
+            self.round.end(
+                agreed, poison=self._poison, layouts=self.layout.layouts, give_back=frozen,
+                settle=lambda back: self.ledger.apply_agreed(self.slots, back, cur.shadow, cur.loss_scale),
+            )  # fmt: skip
+            stats = self._stats(in_backward, agreed.overflow)
             for observe in list(self.observers):  # an observer may leave
                 observe(stats, self.cur.tasks, self.cur.task_bucket)
             self.history.append(stats)
@@ -331,7 +336,7 @@ class SyncEngine:
             shadow, self.cur.shadow = self.cur.shadow, False
             if self.plan is None:
                 self._make_plan()
-            elif self.replanner.due(stats, not overflow and not shadow, self.cur.ready_at):
+            elif self.replanner.due(stats, not agreed.overflow and not shadow, self.cur.ready_at):
                 t0 = time.perf_counter()
                 if self.replanner.round(self.plan, len(self._buckets), self.step, self._switch_plan):
                     self._report_plan(time.perf_counter() - t0)
@@ -340,6 +345,12 @@ class SyncEngine:
                 self._dense_flushed = True
                 self._end_all_streams()
         return stats
+
+    def _poison(self) -> None:
+        """Some rank overflowed: every rank skips the step (its GradScaler sees NaN)."""
+        for s in self.slots:
+            if s.param.grad is not None:
+                s.param.grad.fill_(float("nan"))
 
     def _note_missing(self) -> None:
         """After a step: did a parameter get no gradient on this rank (frozen ones aside)? The
@@ -400,7 +411,7 @@ class SyncEngine:
         elif any(b.skip for b in self._buckets):
             for b in self._buckets:
                 b.skip = frozenset()
-        self.ledger.begin_round()
+        self.round.begin()
         self.codec_set.set_density(self.step, self.config.log_plan and self.topo.rank == 0)
         self._words, self._check_task = None, None
         if cfg.check_steps:  # before any bucket: see gradsync.sync.sequence

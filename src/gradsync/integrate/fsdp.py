@@ -87,6 +87,7 @@ from gradsync.sync.checkpoint import front_state, must_reset
 from gradsync.sync.codec_set import resident_on
 from gradsync.sync.fsdp_scheme import parse_fsdp_scheme
 from gradsync.sync.ledger import Ledger
+from gradsync.sync.round import Round, RoundFlags
 from gradsync.sync.scheme import Scheme
 
 log = logging.getLogger("gradsync")
@@ -273,6 +274,9 @@ class FsdpCompression:
         self.streams: set[str] = set()
         """The streams :func:`compress_fsdp` installed (``<module>/rs``, ``<module>/ar``)."""
         self.ledger = Ledger([self.codec] if self.codec is not None else [])
+        self.round = Round(self.ledger)
+        """The iteration around the ledger (:mod:`gradsync.sync.round`): FSDP agrees on an overflow
+        reduction by reduction, so the round ends at the first one, rolled back."""
         """What error feedback owes: the codec's streams and, per parameter, what streams whose
         layout changed still owed (its carry, in the final gradient's units, unscaled), with the
         round an overflow undoes (:mod:`gradsync.sync.ledger`: the same object ``wrap``'s engine
@@ -283,10 +287,9 @@ class FsdpCompression:
         """The loss scale the gradients of this round carry (read from ``grad_scaler``)."""
         self._warned = False
         self._warned_waiting: set[str] = set()
-        # the synchronization round (one backward pass): streams called in it, and whether some
-        # rank overflowed in it
-        self._round: set[str] = set()
-        self._overflow = False
+        # the streams called in this round (one backward pass: a stream called again starts the
+        # next); whether some rank overflowed in it is the round's state (rolled back)
+        self._called: set[str] = set()
         # set by compress_fsdp: the FSDP module of each module key, parameter names by id
         self._modules: dict[str, FSDPModule] = {}
         self._names: dict[int, str] = {}
@@ -358,12 +361,11 @@ class FsdpCompression:
     def _enter(self, key: str) -> None:
         """A stream's call: the first call of a round (a stream called again starts the next
         one) opens it for rollback and reads the loss scale."""
-        if self._round and key not in self._round:
-            self._round.add(key)
+        if self._called and key not in self._called:
+            self._called.add(key)
             return
-        self._round = {key}
-        self._overflow = False
-        self.ledger.begin_round()
+        self._called = {key}
+        self.round.begin()
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
             self.loss_scale = host_reads.read_loss_scale(scaler)
@@ -372,7 +374,7 @@ class FsdpCompression:
         """Whether some rank's gradient overflowed in this round, agreed by every rank (a tiny
         all-reduce per reduction, with ``grad_scaler`` and a compressed scheme only). The first
         time: every rank undoes what the round did to its residuals and to the carry."""
-        if self._overflow:
+        if self.round.rolled_back:
             return True
         if self.grad_scaler is None or self.codec is None:
             return False
@@ -380,8 +382,7 @@ class FsdpCompression:
         P.all_reduce(flag, None, "control", op=dist.ReduceOp.MAX)
         if float(flag) == 0.0:
             return False
-        self._overflow = True
-        self.ledger.rollback_round()
+        self.round.end(RoundFlags(overflow=True))  # (the caller poisons its own output)
         return True
 
     # ------------------------------------------------------------------ layouts and carry
@@ -621,7 +622,7 @@ class FsdpCompression:
         if fmt in _SIGNED_FORMATS and must_reset(state, self.signature(), rank, reset_compression_state, fmt):
             self.ledger.reset()
             self.layouts = {}
-            self._round = set()
+            self._called = set()
             return
         for field in ("scheme", "where"):
             mine = self.scheme.text if field == "scheme" else self.where
@@ -633,7 +634,7 @@ class FsdpCompression:
         self.calls = {str(k): int(v) for k, v in state["calls"].items()}
         self.ledger.load_state_dict(state)
         self.layouts = {str(k): _StreamLayout.from_state(v) for k, v in (state.get("layouts") or {}).items()}
-        self._round = set()
+        self._called = set()
 
 
 def keep_alive_on_this_stream(buffer: torch.Tensor) -> None:

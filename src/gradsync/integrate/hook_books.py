@@ -26,6 +26,7 @@ from gradsync.sync.bucket_sync import nonfinite_flag
 from gradsync.sync.carry import Layouts, whole
 from gradsync.sync.flags import flags_program, read_flags
 from gradsync.sync.ledger import Ledger
+from gradsync.sync.round import Round, RoundFlags
 
 
 @dataclass
@@ -49,6 +50,8 @@ class HookBooks:
         self, ledger: Ledger, model: nn.Module | None, find_unused: bool, check_overflow: bool
     ) -> None:
         self.ledger = ledger
+        self.round = Round(ledger)
+        """The iteration around the ledger: its state and its end (:mod:`gradsync.sync.round`)."""
         self.find_unused = find_unused
         self.check_overflow = check_overflow
         self.layouts: dict[str, list[tuple[str, int]]] = {}
@@ -76,7 +79,7 @@ class HookBooks:
     def begin(self, joined: bool, dense: bool) -> Iteration:
         """The first bucket of an iteration (every bucket of the last one is done by now)."""
         it = Iteration(joined, dense)
-        self.ledger.begin_round()
+        self.round.begin()
         if dense and self.ledger.codecs:  # a dense iteration: every stream ends, what it owed is sent now
             self.ledger.end_streams(lambda key: False, self._layouts(), strict=False)
         return it
@@ -101,19 +104,22 @@ class HookBooks:
     def settle(self, it: Iteration, flags: torch.Tensor | None) -> None:
         """The iteration is over (compute thread): act on the agreed ``flags``, and carry what
         the streams of buckets DDP no longer forms owed. :meth:`release` then hands DDP the buckets."""
-        values = read_flags(flags) if flags is not None else [0.0]
-        overflow = values[0] > 0
-        unused = {n for n, v in zip(self._tracked, values[1:], strict=True) if v == 0}
-        if overflow:  # every rank skips the step: NaN reaches each rank's GradScaler
+        agreed = (
+            RoundFlags.from_values(read_flags(flags), self._tracked) if flags is not None else RoundFlags()
+        )
+
+        def poison() -> None:  # every rank skips the step: NaN reaches each rank's GradScaler
             for _, buf in it.held:
                 buf.fill_(math.nan)
-            self.ledger.rollback_round()
-        elif unused:  # DDP leaves them untouched: nothing sent reached them
-            self.ledger.give_back(self._layouts(), unused)
-        if not overflow and not it.joined:
+
+        def settle(unused: frozenset[str]) -> None:  # (DDP leaves unused ones untouched)
+            if it.joined:
+                return
             self.ledger.settle(n for members in it.members.values() for n, _ in members if n not in unused)
             self._warn_unplaced(it)
             self._warn_untracked(it)
+
+        self.round.end(agreed, poison=poison, layouts=self._layouts, settle=settle)
         if not it.dense and self.ledger.codecs:  # streams of buckets DDP no longer forms
             self.ledger.end_streams(
                 lambda key: key.split("/", 1)[0] in it.compressed or key in it.compressed,

@@ -1,12 +1,8 @@
 """The flags a synchronized step ends with, agreed by every rank in one tiny all-reduce: whether
 any rank's gradients overflowed (inf/NaN), and which parameters some rank used. The engine and
-the DDP hook both issue it after their last bucket and act on the result the same way:
-
-- an overflow on any rank makes every rank's gradients NaN, so that every rank's GradScaler skips
-  the step, and undoes what the step did to error feedback's residuals (and momentum);
-- a parameter that no rank used gets no gradient (as DDP leaves it), so what error feedback sent
-  of it never reached the model: its elements get their residual back
-  (:func:`~gradsync.sync.carry.give_back_unused`).
+the DDP hook both issue it after their last bucket; what a round does with the result is
+:class:`~gradsync.sync.round.Round`'s (an overflow anywhere: every rank skips the step and rolls
+the round back; a parameter no rank used: its residual comes back).
 
 Also here: the rescaling under ``Join(divide_by_initial_world_size=False)``.
 """
@@ -24,8 +20,6 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
-from gradsync.sync.carry import Layouts
-from gradsync.sync.ledger import Ledger
 
 STEP_FLAGS = "the step's flags"
 """How an audit of host reads (:mod:`gradsync.sync.host_reads`) names the one read of the agreed
@@ -65,37 +59,6 @@ def flags_program(
         return lambda: host.copy_(out)
 
     return program(), host
-
-
-def apply_flags(
-    values: list[float],
-    slots: Sequence[Slot],
-    ledger: Ledger,
-    find_unused: bool,
-    layouts: Callable[[], Layouts],
-) -> tuple[bool, set[str]]:
-    """Act on the agreed flags (``values``, read once from the host tensor): an overflow on any
-    rank skips the step everywhere; a parameter no rank used gets no gradient. Returns the
-    overflow and those parameters' names. ``layouts``: the buckets as they ran (made only when
-    some parameter went unused)."""
-    overflow = values[0] > 0
-    if overflow:
-        # some rank overflowed: every rank skips the step (its GradScaler sees NaN) and undoes
-        # what this step did to the residuals
-        for s in slots:
-            if s.param.grad is not None:
-                s.param.grad.fill_(float("nan"))
-        ledger.rollback_round()
-    unused: set[str] = set()
-    if find_unused:
-        unused = {s.name for i, s in enumerate(slots) if values[1 + i] == 0}
-        for s in slots:
-            if s.name in unused:
-                s.param.grad = None  # no rank used it: leave it as DDP would
-        if unused and not overflow:
-            # SGD skips a parameter without a gradient, so its momentum does not move either
-            ledger.give_back(layouts(), unused)
-    return overflow, unused
 
 
 def rescale_for_join(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any
 
 import torch
@@ -111,7 +111,7 @@ class Ledger:
         """A step applied what these parameters were owed (their carry went into its inputs)."""
         self.carry.settle(applied)
 
-    def apply_agreed(self, slots: Sequence[Slot], unused: set[str], shadow: bool, scale: float) -> None:
+    def apply_agreed(self, slots: Sequence[Slot], unused: Set[str], shadow: bool, scale: float) -> None:
         """After a step that was not skipped: the agreed carry (momentum correction) goes onto the
         synchronized gradients, and what the step applied is settled. A parameter without a
         gradient (no rank used it, or this rank joined without data) keeps its carry."""
