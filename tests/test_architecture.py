@@ -15,7 +15,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src" / "gradsync"
 
 # What each package of the library may import (besides itself). The order is the layering of
-# docs/architecture.md: codecs, collectives, sync, planner, observe, integrate, optim, whatif, outer.
+# docs/architecture.md: codecs, collectives, sync, planner, observe, integrate, optim, outer, whatif
+# (the simulator follows the outer loop's own schedule rules, gradsync.outer.schedule).
 ALLOWED = {
     "codecs": set(),
     "collectives": {"codecs"},
@@ -24,7 +25,7 @@ ALLOWED = {
     "observe": {"collectives", "sync"},
     "integrate": {"codecs", "collectives", "sync", "planner", "observe"},
     "optim": {"codecs", "collectives"},
-    "whatif": {"codecs", "collectives", "sync", "planner", "observe", "optim", "units"},
+    "whatif": {"codecs", "collectives", "sync", "planner", "observe", "optim", "units", "outer"},
     "outer": {"codecs", "collectives", "sync", "observe", "integrate", "optim"},
 }
 

@@ -991,7 +991,7 @@ def test_the_outer_options_rule_is_the_loops_own():
     import inspect
 
     from gradsync import OuterLoop
-    from gradsync.sync.outer_options import check_outer_options
+    from gradsync.outer.schedule import check_outer_options
 
     loop = inspect.signature(OuterLoop.__init__).parameters
     for key, p in inspect.signature(check_outer_options).parameters.items():

@@ -5,6 +5,6 @@ through torchft in :mod:`gradsync.outer.ft` (which imports torchft only when use
 
 from gradsync.outer.ft import FaultTolerance, FaultTolerantOuterLoop, start_lighthouse
 from gradsync.outer.loop import OuterLoop
-from gradsync.sync.buckets import split_fragments  # the fragments' cut, shared with whatif
+from gradsync.outer.schedule import split_fragments  # the fragments' cut, shared with whatif
 
 __all__ = ["FaultTolerance", "FaultTolerantOuterLoop", "OuterLoop", "split_fragments", "start_lighthouse"]

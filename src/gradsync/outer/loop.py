@@ -60,8 +60,7 @@ from gradsync.integrate.checks import OUTER_NODE
 from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
-from gradsync.sync.buckets import fragment_offset, split_fragments
-from gradsync.sync.outer_options import check_outer_options
+from gradsync.outer.schedule import check_outer_options, fragment_offset, split_fragments
 from gradsync.sync.tasks import Task, TaskManager
 
 FORMAT = "gradsync.outer/1"

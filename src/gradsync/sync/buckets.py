@@ -20,7 +20,6 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -271,54 +270,3 @@ class Bucket:
         """Element range of part ``part`` of ``parts`` (equal cuts)."""
         lo = self.numel * part // parts
         return lo, self.numel * (part + 1) // parts
-
-
-def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
-    """Cut tensors of these sizes, in order, into ``fragments`` contiguous groups (each at least
-    one tensor) whose largest total is as small as a cut by whole tensors allows: the outer loop's
-    fragments (:class:`gradsync.OuterLoop`), and the simulator's of it (:mod:`gradsync.whatif.modes`).
-
-    The largest fragment's exchange is what a streamed loop must hide behind its inner steps, so
-    that is the size to keep small. Filling each group up to an equal share instead puts a tensor
-    that crosses the share into the group before it: on VGG (one tensor of 16.8 M parameters of
-    21.4 M) four fragments came out 21.36 M, 4 k, 41 k and 10 parameters, where the smallest
-    largest is the big tensor alone."""
-    n = len(sizes)
-    if not 1 <= fragments <= n:
-        raise ValueError(
-            f"outer loop: fragments must be between 1 and the number of trained parameter tensors "
-            f"({n}), got {fragments}"
-        )
-
-    def fits(cap: int) -> bool:  # greedy: at most ``fragments`` groups of at most ``cap`` each
-        groups, filled = 1, 0
-        for s in sizes:
-            if filled and filled + s > cap:
-                groups, filled = groups + 1, 0
-            filled += s
-        return groups <= fragments
-
-    low, high = max(sizes), sum(sizes)  # the smallest cap that fits, by bisection
-    while low < high:
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle + 1
-    out: list[list[int]] = [[]]
-    filled = 0
-    for i, s in enumerate(sizes):
-        groups_left = fragments - len(out)  # groups still to open after the current one
-        if out[-1] and (filled + s > low or n - i <= groups_left):
-            out.append([])
-            filled = 0
-        out[-1].append(i)
-        filled += s
-    return out
-
-
-def fragment_offset(fragment: int, every: int, fragments: int) -> int:
-    """The inner step (1-based) after which ``fragment`` of ``fragments`` first meets, then every
-    ``every`` steps: the outer loop's staggered schedule (Streaming DiLoCo), shared with its
-    simulation."""
-    return (fragment + 1) * every // fragments

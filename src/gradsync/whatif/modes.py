@@ -45,9 +45,8 @@ from gradsync.collectives.cost import CodecCost, CostModel
 from gradsync.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
 from gradsync.optim.compressed_momentum import build_exchange_codec
 from gradsync.optim.zeroone_adam import exchange_steps
+from gradsync.outer.schedule import check_outer_options, fragment_offset, split_fragments
 from gradsync.planner.decide import no_compute, predict
-from gradsync.sync.buckets import fragment_offset, split_fragments
-from gradsync.sync.outer_options import check_outer_options
 from gradsync.sync.scheme import Scheme
 
 OUTER_KEYS: dict[str, type] = {
@@ -258,8 +257,9 @@ def outer_period(
 
 def outer_fragment_bytes(numels: Sequence[int], fragments: int) -> list[float]:
     """The bytes of each fragment's pseudo-gradient (float32, whatever the parameters' dtype), cut
-    by whole tensors as :class:`gradsync.OuterLoop` cuts them (:func:`gradsync.sync.buckets.split_fragments`:
-    a model with one huge tensor has one huge fragment)."""
+    by whole tensors as :class:`gradsync.OuterLoop` cuts them
+    (:func:`gradsync.outer.schedule.split_fragments`: a model with one huge tensor has one huge
+    fragment)."""
     return [4.0 * sum(numels[i] for i in group) for group in split_fragments(numels, fragments)]
 
 

@@ -30,11 +30,11 @@ from gradsync.apps.train.optim import optimizer_kind, optimizer_names
 from gradsync.apps.train.resize import parse_resize_schedule
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.integrate.wrap import check_trace_path
+from gradsync.outer.schedule import outer_step_for
 from gradsync.sync import Scheme, SyncConfig
 from gradsync.sync.codec_set import build_candidates, build_codecs
 from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
-from gradsync.sync.outer_options import outer_step_for
 from gradsync.units import parse_size
 
 __all__ = [
