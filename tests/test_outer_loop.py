@@ -388,8 +388,89 @@ def check_ranks_seeded_differently_start_from_rank_0s_model():
         outer.close()
 
 
+def check_a_non_finite_meeting_is_skipped_on_every_rank_and_owes_what_it_owed():
+    """Node 1's inner steps diverge (a NaN in one rank's parameters before a meeting): the
+    averaged pseudo-gradient is NaN on every rank, so the meeting is skipped everywhere (the
+    anchors unchanged, every parameter back at the anchors) and error feedback's commits of it are
+    undone (each rank's residuals as before the meeting); the next meeting applies. Its streams
+    are in the ledger: what it owes, per parameter, is its residuals placed by hand here."""
+    topo = Topology(nodes=NODES, per_node=PER_NODE)
+    net = Net()
+    outer = OuterLoop(net, topology=topo, every=2, codec="chunktopk:density=0.25,chunk=8")
+    model = DDP(net, process_group=outer.inner_group)
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+
+    def inner(t: int) -> None:
+        x, y = data(dist.get_rank(), t)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for t in (1, 2):  # one meeting: the residuals hold something
+        inner(t)
+        outer.step()
+    streams = outer.codec.state_dict()["streams"]  # type: ignore[union-attr]
+    residuals = {k: v["residual"].clone() for k, v in streams.items() if v["residual"] is not None}
+    anchors = [a.clone() for a in outer.anchors]
+    inner(3)
+    outer.step()
+    inner(4)
+    if dist.get_rank() == 2:
+        with torch.no_grad():
+            net.a.weight[0, 0] = float("nan")
+    outer.step()  # the meeting after step 4
+    with expect_all() as expect:
+        with expect("skipped on every rank, the anchors unchanged"):
+            assert outer.skipped_meetings == 1 and outer.meetings == [1]
+            for a, b in zip(outer.anchors, anchors, strict=True):
+                assert torch.equal(a, b)
+        with expect("every parameter back at the anchors"):
+            for p, a in zip(net.parameters(), outer.anchors, strict=True):
+                assert torch.equal(p.detach(), a)
+        with expect("the residuals as before the meeting"):
+            now = outer.codec.state_dict()["streams"]  # type: ignore[union-attr]
+            for k, v in residuals.items():
+                assert torch.equal(now[k]["residual"], v), k
+        with expect("what the ledger says is owed: the residuals placed at their parameters"):
+            flat = torch.zeros(sum(p.numel() for p in net.parameters()), dtype=torch.float64)
+            for v in outer.codec.state_dict()["streams"].values():  # type: ignore[union-attr]
+                r = v["residual"].reshape(-1).double()
+                n = min(r.numel(), flat.numel() - int(v["offset"]))
+                flat[int(v["offset"]) : int(v["offset"]) + n] += r[:n]
+            owed = outer.owed_gradients()
+            zero = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
+            got = torch.cat([owed[n].reshape(-1).double() if n in owed else zero[n] for n in zero])
+            torch.testing.assert_close(got * dist.get_world_size(), flat)
+        inner(5)
+        outer.step()
+        inner(6)
+        outer.step()
+        with expect("the next meeting applies"):
+            assert outer.meetings == [2] and all(torch.isfinite(a).all() for a in outer.anchors)
+            same_on_every_rank(list(net.parameters()), "after the next meeting")
+    outer.close()
+
+
+def check_a_state_saved_before_the_ledger_loads():
+    """An outer-loop state of the last release kept the codec's state under "codec": it loads."""
+    kw = {"every": 2, "codec": "chunktopk:density=0.25,chunk=8"}
+    _, _, outer = train(3, **kw)
+    state = outer.state_dict()
+    old = {k: v for k, v in state.items() if k != "ledger"}
+    old["codec"] = state["ledger"]["codecs"][0]
+    outer.close()
+    again = OuterLoop(Net(), topology=Topology(nodes=NODES, per_node=PER_NODE), **kw)
+    again.load_state_dict(old)
+    assert again.codec.state_dict()["streams"].keys() == old["codec"]["streams"].keys()  # type: ignore[union-attr]
+    for k, v in again.codec.state_dict()["streams"].items():  # type: ignore[union-attr]
+        assert torch.equal(v["residual"], old["codec"]["streams"][k]["residual"])
+    again.close()
+
+
 def _world():
     run_checks(
+        named_check(check_a_non_finite_meeting_is_skipped_on_every_rank_and_owes_what_it_owed),
+        named_check(check_a_state_saved_before_the_ledger_loads),
         named_check(check_ranks_seeded_differently_start_from_rank_0s_model),
         named_check(check_one_node_sends_nothing),
         named_check(check_fsdp_inside_the_node_is_diloco_written_out),

@@ -52,7 +52,8 @@ def owed_in(state: dict) -> torch.Tensor:
     """What one saved rank owed, placed at its elements of the (single) fragment, in float64:
     written out here from the stream table (key, offset, residual), not with the library's helper."""
     total = torch.zeros(sum(numels()), dtype=torch.float64)
-    for stream in state["codec"]["streams"].values():
+    (codec,) = state["ledger"]["codecs"]
+    for stream in codec["streams"].values():
         r = stream["residual"].reshape(-1).double()
         start = int(stream["offset"])
         n = min(r.numel(), total.numel() - start)
@@ -125,7 +126,7 @@ def _resume(folder: str, nodes: int, per_node: int, old_world: int) -> None:
     dist.all_reduce(owed_after)
     # per node the ranks' copies are summed before one rank encodes each shard: world x mean
     torch.testing.assert_close(fed_all + saved_total, world * mean + owed_after, rtol=1e-4, atol=1e-5)
-    assert not outer._carry  # spent at the meeting
+    assert not outer.ledger.carry.local  # spent at the meeting
     _train(nodes, per_node, EVERY, t, outer, net)  # and on, through another meeting
     flat = torch.cat([a.double().reshape(-1) for a in outer.anchors])
     ref = flat.clone()

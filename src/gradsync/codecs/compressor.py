@@ -248,11 +248,13 @@ class Compressor(abc.ABC):
         not finite), restore the state the commit replaced; read on the device only (resident
         mode's :meth:`discard`)."""
 
-    def begin_round(self) -> None:  # noqa: B027 - nothing to keep without error feedback
-        """A synchronization round (a training step) starts: :meth:`rollback_round` undoes it."""
+    def begin_round(self, scope: Callable[[str], bool] | None = None) -> None:  # noqa: B027 - nothing to keep without error feedback
+        """A synchronization round (a training step) starts: :meth:`rollback_round` undoes it.
+        ``scope``: the round covers the streams whose key it accepts (None: every stream)."""
 
-    def rollback_round(self) -> int:
-        """Undo what this round did to the state; return how many streams changed."""
+    def rollback_round(self, scope: Callable[[str], bool] | None = None) -> int:
+        """Undo what this round did to the state (of the streams ``scope`` accepts); return how
+        many streams changed."""
         return 0
 
     def residual_norm(self) -> float | None:

@@ -445,20 +445,23 @@ class ErrorFeedback(Compressor):
             s.spare, s.spare_u = s.pending, s.pending_u
             s.pending = s.pending_u = None
 
-    def begin_round(self) -> None:
+    def begin_round(self, scope: Callable[[str], bool] | None = None) -> None:
         """Start a synchronization round (a training step): :meth:`rollback_round` undoes the
-        commits made after this call."""
-        for s in self._streams.values():
-            s.committed = False
+        commits made after this call (to the streams ``scope`` accepts: the outer loop's
+        fragments meet in rounds of their own, which overlap)."""
+        for key, s in self._streams.items():
+            if scope is None or scope(key):
+                s.committed = False
 
-    def rollback_round(self) -> int:
-        """Undo every commit since :meth:`begin_round` and return how many streams were reset.
+    def rollback_round(self, scope: Callable[[str], bool] | None = None) -> int:
+        """Undo every commit since :meth:`begin_round` (to the streams ``scope`` accepts) and
+        return how many streams were reset.
 
         For a step that every rank skips because *some* rank's gradient overflowed: this rank's
         own gradient was finite, so its residual and momentum were updated and must go back."""
         undone = 0
-        for s in self._streams.values():
-            if not s.committed:
+        for key, s in self._streams.items():
+            if not s.committed or (scope is not None and not scope(key)):
                 continue
             s.residual, s.spare = s.spare, s.residual
             if self.config.momentum > 0:

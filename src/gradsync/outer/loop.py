@@ -38,7 +38,7 @@ References:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gradsync.codecs import Compressor, ErrorFeedback, build_codec
+from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.compressed import compressed_program
 from gradsync.collectives.dense import allreduce_program
@@ -61,6 +61,10 @@ from gradsync.integrate.wrap import GradSync
 from gradsync.observe.trace import TraceRecorder
 from gradsync.optim import CompressedMomentumOptimizer
 from gradsync.outer.schedule import check_outer_options, fragment_offset, split_fragments
+from gradsync.sync.carry import Layouts, Piece, whole
+from gradsync.sync.ledger import Ledger
+from gradsync.sync.round import Round, RoundFlags
+from gradsync.sync.scheme import Scheme
 from gradsync.sync.tasks import Task, TaskManager
 
 FORMAT = "gradsync.outer/1"
@@ -121,10 +125,10 @@ class OuterLoop:
         )
         if not isinstance(model, nn.Module):
             raise TypeError(f"outer loop: model must be a torch.nn.Module, got {type(model).__name__}")
-        self.codec: Compressor | None = None
-        if codec is not None:
-            built = build_codec(codec)
-            self.codec = ErrorFeedback(built.plain) if built.biased and not built.error_feedback else built
+        # the pseudo-gradients' exchange as a scheme (the codec built as every front builds it:
+        # error feedback added to biased codecs)
+        self.scheme = Scheme.parse(f"allgather/{codec}") if codec is not None else None
+        self.codec: Compressor | None = self.scheme.build() if self.scheme is not None else None
         module = bare_module(model)
         trained = list(trained_tensors(model))
         self.names = [n for n, _ in trained]
@@ -168,12 +172,18 @@ class OuterLoop:
             torch.empty(sum(self.anchors[i].numel() for i in m), device=self.anchors[m[0]].device)
             for m in self.fragments
         ]
-        self._carry: dict[int, torch.Tensor] = {}
-        """What error feedback owed before a resize (:meth:`load_resized`), per fragment: this
-        rank's share, added to the fragment's next pseudo-gradient (empty otherwise)."""
+        self.ledger = Ledger([self.codec] if self.codec is not None else [])
+        """What the codec's error feedback owes (its streams, and the carry a resize leaves:
+        :meth:`load_resized`), kept by the sync core as every front's is."""
+        self.rounds = [Round(self.ledger, _fragment_scope(f, [self.names[i] for i in m]))
+                       for f, m in enumerate(self.fragments)]  # fmt: skip
+        """Each fragment's meetings as rounds of the ledger, over its own streams (the fragments'
+        exchanges overlap when streamed)."""
         self.inner_steps = 0
         self.meetings = [0] * fragments
         """How many times each fragment has been averaged (applied)."""
+        self.skipped_meetings = 0
+        """Meetings whose average was not finite, skipped on every rank."""
         self.traffic = P.Traffic()
         """Bytes this rank sent in the outer exchanges, per level (``inter``: across nodes)."""
         self._pending: list[_Exchange] = []
@@ -255,12 +265,26 @@ class OuterLoop:
                 p = p if p.dtype == torch.float32 else p.float()
                 torch.sub(self.anchors[i].reshape(-1), p.reshape(-1), out=flat[pos : pos + n])
                 pos += n
-            carried = self._carry.pop(fragment, None)
-            if carried is not None:
-                flat.add_(carried.to(flat.device))
+            if self.ledger.carry.local:  # what a resize left owed, given now (take: it is spent)
+                self.ledger.inject(flat, self._pieces(fragment), 1.0, take=True)
         return flat
 
+    def _pieces(self, fragment: int) -> list[Piece]:
+        """The fragment's pseudo-gradient as the ledger sees it: its tensors, whole, in order."""
+        return whole([(self.names[i], self.anchors[i].numel()) for i in self._members(fragment)])
+
+    def layouts(self) -> Layouts:
+        """Where each stream's elements lie: a fragment's streams (``outer/F/...``) in its
+        pseudo-gradient, a per-tensor codec's (``outer/NAME/...``) in its tensor."""
+        out = Layouts()
+        for f in range(self.fragments_n):
+            out.add(f"outer/{f}", self._pieces(f))
+        for name, a in zip(self.names, self.anchors, strict=True):
+            out.add(f"outer/{name}", whole([(name, a.numel())]))
+        return out
+
     def _start(self, fragment: int, t: int) -> _Exchange:
+        self.rounds[fragment].begin()
         flat = self._pseudo_gradient(fragment)
         ex = _Exchange(fragment, t + self.delay, flat)
         program = self._program(fragment, flat)
@@ -315,11 +339,27 @@ class OuterLoop:
             ex.task = None
         if ex in self._pending:
             self._pending.remove(ex)
+        # the average is the same on every rank: a non-finite one (some node's inner steps
+        # diverged) is skipped everywhere, never half applied: the fragment's parameters go back
+        # to the anchors and error feedback's commits of this exchange are undone
+        overflow = not bool(torch.isfinite(ex.flat).all())
+        self.rounds[ex.fragment].end(RoundFlags(overflow), poison=lambda: self._reset_to_anchors(ex.fragment))
+        if overflow:
+            self.skipped_meetings += 1
+            return
         self._outer_step(ex.fragment, ex.flat)
         if ex.fragment == 0 and self.buffers and self.topo.world > 1:
             with torch.no_grad():
                 self._average_buffers()
         self.meetings[ex.fragment] += 1
+
+    def _reset_to_anchors(self, fragment: int) -> None:
+        """The fragment's parameters take the anchors (its inner steps since the last meeting are
+        dropped: they led somewhere non-finite on some node)."""
+        with torch.no_grad():
+            for i in self._members(fragment):
+                p = local_part(self.params[i])
+                p.copy_(self.anchors[i].to(p.dtype))
 
     def _outer_step(self, fragment: int, mean: torch.Tensor) -> None:
         """The outer SGD on the fragment's anchors with the averaged pseudo-gradient ``mean``,
@@ -434,9 +474,8 @@ class OuterLoop:
             "meetings": list(self.meetings),
             "anchors": [a.detach().clone() for a in self.anchors],
             "outer": self.outer.state_dict(),
-            "codec": self.codec.state_dict() if self.codec is not None else None,
+            "ledger": self.ledger.state_dict(),
             "pending": pending,
-            **({"carry": {str(f): c.clone() for f, c in self._carry.items()}} if self._carry else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -457,13 +496,12 @@ class OuterLoop:
             for a, saved in zip(self.anchors, state["anchors"], strict=True):
                 a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-        if self.codec is not None and state["codec"] is not None:
-            self.codec.load_state_dict(state["codec"])
+        # (a state saved before the ledger held the codec: its "codec" entry, which the ledger reads)
+        self.ledger.load_state_dict(state.get("ledger", state))
         device = self.anchors[0].device
         self._pending = [
             _Exchange(int(p["fragment"]), int(p["due"]), p["mean"].to(device)) for p in state["pending"]
         ]
-        self._carry = {int(f): c.to(device) for f, c in state.get("carry", {}).items()}
 
     def load_resized(self, states: Sequence[dict[str, Any]]) -> None:
         """Resume from the :meth:`state_dict` of every rank of a run with another number of nodes
@@ -533,26 +571,51 @@ class OuterLoop:
                     f"outer loop: saved anchor {self.names[i]} has shape {tuple(a.shape)}, the model's "
                     f"is {tuple(self.anchors[i].shape)}"
                 )
-        totals = owed_by_fragment(states, self.names, self.fragments, [a.numel() for a in self.anchors])
-        self.load_state_dict({**first, "config": self._config(), "codec": None, "carry": {}})
-        if self.codec is not None and first["codec"] is not None:
-            codec_state = dict(first["codec"])
-            if "streams" in codec_state:  # error feedback: the residuals travel as the shares below
-                codec_state["streams"] = {}
-            self.codec.load_state_dict(codec_state)
-        device = self.anchors[0].device
-        self._carry = {f: (t / self.topo.world).to(device) for f, t in totals.items()}
+        # every old rank's residuals (and what a resize before left it), traced back to the
+        # parameters by the core's books and summed
+        totals: dict[str, torch.Tensor] = {}
+        for state in states:
+            fresh = self.scheme.build() if self.scheme is not None else None
+            old = Ledger([fresh] if fresh is not None else [])
+            old.load_state_dict(state.get("ledger", state))
+            for name, t in old.owed_gradients(self.layouts(), 1).items():
+                totals[name] = totals[name] + t.double().cpu() if name in totals else t.double().cpu()
+        first_ledger = dict(first["ledger"] if "ledger" in first else {"codec": first.get("codec")})
+        if self.codec is not None:  # generators and thresholds from the first state; residuals below
+            codecs = first_ledger.get("codecs") or [first_ledger.get("codec")]
+            kept = dict(codecs[0]) if codecs and codecs[0] is not None else None
+            if kept is not None and "streams" in kept:  # error feedback: the residuals travel as shares
+                kept["streams"] = {}
+            first_ledger = {"codecs": [kept] if kept is not None else [], "carry": None}
+        else:
+            first_ledger = {"codecs": [], "carry": None}
+        self.load_state_dict({**first, "config": self._config(), "ledger": first_ledger})
+        for name, t in totals.items():  # this rank's share, given to the next pseudo-gradients
+            anchor = self.anchors[self.names.index(name)]
+            self.ledger.carry.add_local(name, (t / self.topo.world).to(anchor.device, anchor.dtype))
+
+    def owed_gradients(self) -> dict[str, torch.Tensor]:
+        """What this rank's error feedback still owes the average across nodes, per parameter
+        name (the core's books: :meth:`~gradsync.sync.ledger.Ledger.owed_gradients`, the
+        residuals traced back through :meth:`layouts`, and a share carried over a resize that has
+        not met yet), divided by the world size: summed over the ranks, what the averages would
+        still receive if nothing more were compressed away."""
+        return self.ledger.owed_gradients(self.layouts(), self.topo.world)
 
     def owed(self) -> dict[int, torch.Tensor]:
-        """What this rank's error feedback owes, per fragment: its residuals placed at their
-        elements of the fragment's pseudo-gradient (float64), plus a share carried over a resize
-        that has not met yet. Summed over the ranks and divided by the world size, it is what
-        the average across nodes would still receive if nothing more were compressed away."""
-        state = {"codec": self.codec.state_dict() if self.codec is not None else None}
-        totals = owed_by_fragment([state], self.names, self.fragments, [a.numel() for a in self.anchors])
-        for f, c in self._carry.items():
-            totals[f] = totals.get(f, torch.zeros(c.numel(), dtype=torch.float64)) + c.double().cpu()
-        return totals
+        """What this rank's error feedback owes, per fragment, in float64, not divided by the
+        world size: :meth:`owed_gradients` times the world, laid out as each fragment's
+        pseudo-gradient (fragments that owe nothing left out)."""
+        per = self.ledger.owed_gradients(self.layouts(), 1)
+        out = {}
+        for f, members in enumerate(self.fragments):
+            if any(self.names[i] in per for i in members):
+                out[f] = torch.cat([
+                    per[self.names[i]].reshape(-1).double().cpu() if self.names[i] in per
+                    else torch.zeros(self.anchors[i].numel(), dtype=torch.float64)
+                    for i in members
+                ])  # fmt: skip
+        return out
 
     def _config(self) -> dict[str, Any]:
         cut = {"cut": [g[0] for g in self.fragments]} if self.fragments_n > 1 else {}  # first tensors
@@ -568,46 +631,16 @@ class OuterLoop:
         }
 
 
-def owed_by_fragment(
-    states: Sequence[dict[str, Any]], names: list[str], fragments: list[list[int]], numels: list[int]
-) -> dict[int, torch.Tensor]:
-    """The residuals of error feedback in outer-loop ``states`` (one per rank), placed at their
-    elements of each fragment's flat pseudo-gradient and summed over the states, in float64.
+def _fragment_scope(fragment: int, names: list[str]) -> Callable[[str], bool]:
+    """Whether a stream key is one of ``fragment``'s: ``outer/F/...``, or a per-tensor codec's
+    ``outer/NAME...`` of one of its tensors."""
+    own = f"outer/{fragment}/"
+    tensors = tuple(f"outer/{n}" for n in names)
 
-    A stream's key names its fragment (``outer/F/...``, its offset counting from the fragment's
-    first element: padding past the end holds nothing) or, for codecs that take each tensor
-    alone (PowerSGD), its tensor (``outer/NAME``, the offset counting from the tensor's first
-    element)."""
-    size = [sum(numels[i] for i in m) for m in fragments]
-    where: dict[str, tuple[int, int]] = {}  # tensor name -> (fragment, its first element there)
-    for f, members in enumerate(fragments):
-        pos = 0
-        for i in members:
-            where[names[i]] = (f, pos)
-            pos += numels[i]
-    totals: dict[int, torch.Tensor] = {}
-    for state in states:
-        codec = state.get("codec")
-        if not codec or "streams" not in codec:
-            continue
-        for key, stream in codec["streams"].items():
-            residual = stream["residual"]
-            if residual is None:
-                continue
-            rest = key.removeprefix("outer/")
-            head = rest.split("/", 1)[0]
-            if head.isdigit() and int(head) < len(fragments):
-                f, base = int(head), 0
-            elif rest in where:
-                f, base = where[rest]
-            else:
-                raise ValueError(f"outer loop: an error-feedback stream {key!r} of no fragment or tensor")
-            start = base + int(stream.get("offset", 0))
-            flat = residual.reshape(-1).double().cpu()
-            n = max(0, min(flat.numel(), size[f] - start))
-            total = totals.setdefault(f, torch.zeros(size[f], dtype=torch.float64))
-            total[start : start + n] += flat[:n]
-    return totals
+    def scope(key: str) -> bool:
+        return key.startswith(own) or any(key == t or key.startswith(t + "/") for t in tensors)
+
+    return scope
 
 
 def _refuse_per_step_crossing(
@@ -694,4 +727,4 @@ def trained_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     return ((n, p) for n, p in bare_module(model).named_parameters() if p.requires_grad)
 
 
-__all__ = ["FORMAT", "OuterLoop", "bare_module", "local_part", "owed_by_fragment", "trained_tensors"]
+__all__ = ["FORMAT", "OuterLoop", "bare_module", "local_part", "trained_tensors"]

@@ -61,10 +61,15 @@ class Ledger:
         self._taken: list[tuple[str, torch.Tensor]] = []  # carry given to this round's inputs
 
     # ------------------------------------------------------------------ the round
-    def begin_round(self) -> None:
-        """A synchronized backward pass starts: what it does can be undone until the next one."""
+    def begin_round(self, scope: Callable[[str], bool] | None = None) -> None:
+        """A synchronized backward pass starts: what it does can be undone until the next one.
+        ``scope``: the round covers the codecs' streams whose key it accepts (a front whose
+        rounds overlap, the outer loop's fragments); a scoped round leaves momentum correction
+        and the carry's taken gifts alone."""
         for codec in self.codecs:
-            codec.begin_round()
+            codec.begin_round(scope)
+        if scope is not None:
+            return
         if self.momentum is not None:
             self.momentum.begin_round()
         self._taken = []
@@ -86,11 +91,13 @@ class Ledger:
             for name in dict.fromkeys(given):
                 self._taken.append((name, self.carry.local.pop(name)))
 
-    def rollback_round(self) -> None:
+    def rollback_round(self, scope: Callable[[str], bool] | None = None) -> None:
         """Some rank's gradients overflowed: every rank skips the step and undoes what the round
-        did to its residuals, momentum and carry."""
+        did to its residuals, momentum and carry (``scope``: as :meth:`begin_round`)."""
         for codec in self.codecs:
-            codec.rollback_round()
+            codec.rollback_round(scope)
+        if scope is not None:
+            return
         if self.momentum is not None:
             self.momentum.rollback_round()
         for name, owed in self._taken:

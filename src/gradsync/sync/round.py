@@ -61,8 +61,11 @@ class RoundFlags:
 class Round:
     """One front's iteration around ``ledger``: its state and its end (see the module)."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, scope: Callable[[str], bool] | None = None) -> None:
         self.ledger = ledger
+        self.scope = scope
+        """The codec streams the round covers (None: all of them; see
+        :meth:`~gradsync.sync.ledger.Ledger.begin_round`)."""
         self.state = RoundState.IDLE
 
     @property
@@ -72,7 +75,7 @@ class Round:
 
     def begin(self) -> None:
         """An iteration starts: what it does to the ledger can be undone until :meth:`end`."""
-        self.ledger.begin_round()
+        self.ledger.begin_round(self.scope)
         self.state = RoundState.OPEN
 
     def end(
@@ -96,7 +99,7 @@ class Round:
             raise RuntimeError(f"gradsync: a round can end only while open, this one is {self.state.value}")
         if flags.overflow:
             poison()
-            self.ledger.rollback_round()
+            self.ledger.rollback_round(self.scope)
             self.state = RoundState.ROLLED_BACK
             return self.state
         back = set(flags.unused) | set(give_back)
