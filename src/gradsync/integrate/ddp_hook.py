@@ -71,9 +71,9 @@ from gradsync.integrate.wrap import build_config
 from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import bucket_program
 from gradsync.sync.checkpoint import front_state, must_reset
-from gradsync.sync.codec_set import build_codecs, resident_on, sync_momentum
+from gradsync.sync.codec_set import CodecSet, build_codecs, sync_momentum
 from gradsync.sync.config import SyncConfig
-from gradsync.sync.density_schedule import apply_schedule, schedule_for
+from gradsync.sync.density_schedule import apply_schedule
 from gradsync.sync.ledger import Ledger
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, sequence_program, warn_forwards_apart
@@ -113,10 +113,11 @@ class HookState:
         self.grad_scaler = grad_scaler
         self.iteration: Iteration | None = None
         self._dense_next = False  # the first iteration after load_state_dict is dense
-        self.codec = Scheme.parse(config.scheme).build(config.error_feedback)
-        self.density_schedule = schedule_for(
-            config.density_schedule, [self.codec] if self.codec is not None else [], config.scheme
-        )
+        self.codec_set = CodecSet(config, Scheme.parse(config.scheme))
+        """The hook's codecs, built as wrap's engine builds them: one, or none for a dense scheme
+        (``hook_config`` refuses candidates and a codec for large tensors)."""
+        self.codec = self.codec_set.codecs[0] if self.codec_set.codecs else None
+        self.density_schedule = self.codec_set.density_schedule
         check_overflow = grad_scaler is not None if config.check_overflow is None else config.check_overflow
         self.ledger = Ledger([self.codec] if self.codec is not None else [])
         """What error feedback owes: the codec's streams and the carry, with the round an overflow
@@ -164,10 +165,8 @@ class HookState:
     def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
-        self.resident = resident_on(self.config.resident, topo.comm_device)
+        self.resident = self.codec_set.set_resident(topo.comm_device)
         """Resident mode (:attr:`SyncConfig.resident`), decided once the device is known."""
-        if self.codec is not None:
-            self.codec.set_resident(self.resident)
         self.manager.device = topo.device  # the threads start with the first bucket
         return topo
 

@@ -79,9 +79,11 @@ def resident_on(choice: bool | None, device: torch.device) -> bool:
 
 
 class CodecSet:
-    """The codecs of one engine, by id, each with the scheme it runs under."""
+    """The codecs of one front, by id, each with the scheme it runs under: ``wrap``'s engine's
+    (with a topology: the candidates of ``auto:candidates=...`` resolved for it), the DDP hook's
+    (before it knows its process group: no candidates, which the hook refuses)."""
 
-    def __init__(self, config: SyncConfig, scheme: Scheme, topology: Topology) -> None:
+    def __init__(self, config: SyncConfig, scheme: Scheme, topology: Topology | None = None) -> None:
         self.config = config
         self.scheme = scheme
         self.topo = topology
@@ -90,7 +92,8 @@ class CodecSet:
         """The codecs a tensor belongs to by its size (the candidates are not among them)."""
         self.schemes: list[Scheme] = [scheme] * len(self.codecs)
         """The scheme each codec runs under (by id): the scheme's own, then the candidates'."""
-        for alt, codec in build_candidates(config, scheme, topology.nodes, topology.per_node):
+        alternatives = build_candidates(config, scheme, topology.nodes, topology.per_node) if topology else []
+        for alt, codec in alternatives:
             self.schemes.append(alt)
             self.codecs.append(codec)
         self.candidates = list(range(self.class_count, len(self.codecs)))
@@ -124,10 +127,14 @@ class CodecSet:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ what a codec can take
+    def _bound(self) -> Topology:
+        assert self.topo is not None, "the codecs' limits depend on the topology: make the set with one"
+        return self.topo
+
     def refusal(self, codec_id: int, numel: int, itemsize: int) -> str | None:
         """Why codec ``codec_id`` cannot compress ``numel`` elements in one encode call of its
         scheme (None when it can)."""
-        s, t = self.schemes[codec_id], self.topo
+        s, t = self.schemes[codec_id], self._bound()
         return codec_refusal(
             self.codecs[codec_id], numel, s.strategy or "allgather", bool(s.local), t.nodes, t.per_node,
             itemsize, self.config.rehearse,
@@ -162,11 +169,11 @@ class CodecSet:
                 largest = min(total, cap)
                 why = self.refusal(cid, largest, itemsize)
                 if why is not None:
+                    t = self._bound()
                     raise ValueError(
                         f"{why}: the largest bucket of this model's compressible {members[0].param.dtype} "
                         f"tensors ({len(members)} tensors, {largest} elements) is too small for it under "
-                        f"{self.schemes[cid].name} on {self.topo.nodes} x {self.topo.per_node}; use a "
-                        "density instead of k"
+                        f"{self.schemes[cid].name} on {t.nodes} x {t.per_node}; use a density instead of k"
                     )
 
     # ------------------------------------------------------------------ the density schedule
