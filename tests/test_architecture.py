@@ -30,6 +30,14 @@ ALLOWED = {
 }
 
 
+LEAVES = ("_native", "version")
+"""Modules of the top level that import nothing of gradsync: every layer may read them."""
+
+PACKAGES = {*ALLOWED, "units", "apps"}
+"""What ``from gradsync import X`` may name below the facade: a package or module, not one of
+the facade's own names (``from gradsync import wrap`` in the library is an arrow back up)."""
+
+
 def _modules() -> dict[str, Path]:
     out = {}
     for path in SRC.rglob("*.py"):
@@ -58,12 +66,17 @@ def test_each_library_package_imports_only_the_layers_below_it():
             continue
         own = parts[1]
         for module, names, line in _imports(ast.parse(path.read_text())):
-            targets = [module] + [f"{module}.{n}" for n in names] if module == "gradsync" else [module]
+            if module == "gradsync" and not names:  # a bare ``import gradsync``: the facade, above all
+                bad.append(f"{path.relative_to(SRC)}:{line} imports the gradsync facade")
+                continue
+            targets = [f"{module}.{n}" for n in names] if module == "gradsync" else [module]
             for target in targets:
-                pkg = target.split(".")[1] if "." in target else ""
-                if pkg in ("", own, "_native") or pkg == "__version__":
+                pkg = target.split(".")[1]
+                if pkg in (own, *LEAVES):
                     continue
-                if pkg not in ALLOWED[own]:
+                if module == "gradsync" and pkg not in PACKAGES:  # a name of the facade itself
+                    bad.append(f"{path.relative_to(SRC)}:{line} imports {target} from the gradsync facade")
+                elif pkg not in ALLOWED[own]:
                     bad.append(f"{path.relative_to(SRC)}:{line} imports {target}")
     assert not bad, "layering broken:\n" + "\n".join(bad)
 

@@ -14,8 +14,9 @@ from gradsync.integrate import GradSync, SyncedOptimizer, ddp_comm_hook, registe
 from gradsync.outer import OuterLoop
 from gradsync.sync import StepStats, SyncConfig
 from gradsync.sync.host_reads import audit_host_reads
+from gradsync.version import VERSION
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "Codec",

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-import gradsync
 from gradsync.observe.profile_fields import (
     is_int,
     itemsize_of,
@@ -32,6 +31,7 @@ from gradsync.observe.profile_fields import (
     read_number,
     read_string,
 )
+from gradsync.version import VERSION
 
 PROFILE_FORMAT = "gradsync.profile/1"
 
@@ -187,7 +187,7 @@ class Profile:
     device: DeviceInfo
     overhead: Overhead | None = None
     format: str = PROFILE_FORMAT
-    gradsync_version: str = gradsync.__version__
+    gradsync_version: str = VERSION
     torch_version: str = torch.__version__
     created: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
