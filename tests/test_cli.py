@@ -13,7 +13,7 @@ import gradsync
 import gradsync.apps.commands.train
 from gradsync.apps.commands import main
 from gradsync.apps.commands.bench import codecs as bench_codecs
-from gradsync.apps.commands.bench.timing import paired
+from gradsync.apps.commands.bench.support.timing import paired
 from gradsync.apps.train.checkpoint import CheckpointError
 from gradsync.apps.train.trainer import TrainingDiverged
 from gradsync.collectives import MismatchError, TopologyError

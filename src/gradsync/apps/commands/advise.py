@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    from gradsync.apps.commands.bench.output import markdown_table
+    from gradsync.apps.commands.bench.support.output import markdown_table
 
     parts = []
     for p in result["advice"]:
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from gradsync.apps.commands.bench.output import save_result
+    from gradsync.apps.commands.bench.support.output import save_result
 
     result = run(args)
     console = Console() if sys.stdout.isatty() else Console(width=200)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.world import add_world_arguments, check_world_options, run_emulated
+from gradsync.apps.commands.bench.support.world import add_world_arguments, check_world_options, run_emulated
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from gradsync.apps.commands.bench.world import join_world
+    from gradsync.apps.commands.bench.support.world import join_world
     from gradsync.collectives.cost import calibrate
     from gradsync.whatif.network import links_document
 

@@ -449,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from gradsync.apps.commands.bench.output import save_result
+    from gradsync.apps.commands.bench.support.output import save_result
     from gradsync.whatif.report import COLUMNS, cells, markdown, plot, point_key
 
     result = run(args)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.timing import paired
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.timing import paired
 from gradsync.codecs import build_codec, codec_class, codec_names
 from gradsync.codecs.config import SparsityConfig
 from gradsync.codecs.ops import backend, native

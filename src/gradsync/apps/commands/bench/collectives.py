@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.world import CableMeter, join_world, link_bytes_per_s
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.world import CableMeter, join_world, link_bytes_per_s
 from gradsync.codecs import build_codec
 from gradsync.collectives import Topology, allreduce, compressed_allreduce
 from gradsync.collectives.cost import CostModel, CostParams, calibrate, measure_codec

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from gradsync.apps.command_line import command_line
 from gradsync.apps.commands import train
-from gradsync.apps.commands.bench.output import pick_names, save_result
+from gradsync.apps.commands.bench.support.output import pick_names, save_result
 from gradsync.sync import Scheme
 from gradsync.sync.density_schedule import DensitySchedule
 
@@ -38,6 +38,7 @@ OUTER = ["--outer", "10", "--outer-lr", "1.0", "--outer-momentum", "0"]
 # momentum 0.3 ended at perplexity 4.147, the plain average (0) at 4.184, 0.5 at 4.233; an outer
 # lr of 1.3 without momentum at 4.181 (single runs of gradsync train with these options)
 OUTER_M03 = ["--outer", "10", "--outer-lr", "1.0", "--outer-momentum", "0.3"]
+OUTER_H20 = ["--outer", "20", "--outer-lr", "1.0", "--outer-momentum", "0.3"]
 
 # scheme label -> (scheme spec, extra train options)
 RECIPES: dict[str, tuple[str, list[str]]] = {
@@ -70,6 +71,20 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     # DiLoCo sends its outer gradients, with the momentum-0.3 outer step; and its dense counterpart
     "outer-m03": ("none", OUTER_M03),
     "outer-int4": ("none", [*OUTER_M03, "--outer-codec", "terngrad:bits=4"]),
+    # meeting every 20 inner steps (on text-adam, seed 1: perplexity 4.147 against 4.177 at 10,
+    # 4.189 at 40 and 4.346 at 5, dense pseudo-gradients), dense and with 4-bit ones
+    "outer-h20": ("none", OUTER_H20),
+    "outer-int4-h20": ("none", [*OUTER_H20, "--outer-codec", "terngrad:bits=4"]),
+    # the sparseloco codec (chunked top-k, 16-bit positions, few-bit values, error feedback), as
+    # tuned at this scale (text-adam, seed 1: density 0.2 and 4-bit values, plain error feedback
+    # and the momentum-0.3 outer step: 4.172, below the dense outer loop's 4.177 at H = 10) and
+    # as SparseLoCo runs it (64 of 4096 with 2-bit values, error feedback decaying at 0.95 in
+    # place of outer momentum: 5.58 on seed 0 at H = 10, far behind at 612 inner steps)
+    "outer-sparseloco": ("none", [*OUTER_M03, "--outer-codec", "sparseloco:density=0.2,bits=4+ef"]),
+    "outer-sparseloco-paper": (
+        "none",
+        [*OUTER, "--outer-codec", "sparseloco:density=0.015625,bits=2+ef:decay=0.95"],
+    ),
     "outer-streaming": (
         "none",
         [*OUTER, "--outer-codec", "onebit", "--fragments", "4", "--outer-delay", "2"],

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
+from gradsync.apps.commands.bench.support.output import markdown_table, pick_names, save_result
 
 CONTENDERS: dict[str, list[str]] = {
     "uncached": [],

@@ -29,16 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.sharding import shard_model
-from gradsync.apps.commands.bench.train import check_world_options, round_order
-from gradsync.apps.commands.bench.world import (
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.sharding import shard_model
+from gradsync.apps.commands.bench.support.world import (
     CableMeter,
     add_world_arguments,
     join_world,
     max_over_ranks,
     run_emulated,
 )
+from gradsync.apps.commands.bench.train import check_world_options, round_order
 from gradsync.apps.models import parameter_count
 from gradsync.apps.models.text import TransformerLanguageModel
 from gradsync.collectives import Topology

@@ -63,7 +63,6 @@ from torch import nn
 
 import gradsync
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.output import markdown_table, save_result
 from gradsync.apps.commands.bench.step import (
     ROUND_WARMUP,
     bench_batch,
@@ -74,7 +73,8 @@ from gradsync.apps.commands.bench.step import (
     is_ddp,
     model_label,
 )
-from gradsync.apps.commands.bench.timing import StepClock
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.timing import StepClock
 from gradsync.apps.models import models_for, parameter_count
 from gradsync.collectives import Topology
 from gradsync.collectives.cost import CostModel

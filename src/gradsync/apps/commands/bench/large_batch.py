@@ -34,7 +34,7 @@ from typing import Any
 from gradsync.apps.command_line import command_line
 from gradsync.apps.commands import train
 from gradsync.apps.commands.bench.convergence import RunFailed, train_args
-from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
+from gradsync.apps.commands.bench.support.output import markdown_table, pick_names, save_result
 
 SMALL = 32  # samples per worker per step in the small-batch run
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
+from gradsync.apps.commands.bench.support.output import markdown_table, pick_names, save_result
 from gradsync.apps.models.paper import bert_base, resnet50
 from gradsync.optim import LAMB, LARS, layerwise_param_groups
 

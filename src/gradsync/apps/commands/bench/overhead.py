@@ -31,8 +31,8 @@ from torch import nn
 
 import gradsync
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench.output import save_result
-from gradsync.apps.commands.bench.world import add_world_arguments, join_world, max_over_ranks
+from gradsync.apps.commands.bench.support.output import save_result
+from gradsync.apps.commands.bench.support.world import add_world_arguments, join_world, max_over_ranks
 from gradsync.apps.models import build_model_for, models_for
 from gradsync.collectives import Topology
 from gradsync.sync import Scheme

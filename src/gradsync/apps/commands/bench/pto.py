@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.apps.commands.bench.output import markdown_table, pick_names, save_result
-from gradsync.apps.commands.bench.world import (
+from gradsync.apps.commands.bench.support.output import markdown_table, pick_names, save_result
+from gradsync.apps.commands.bench.support.world import (
     add_world_arguments,
     emulated_shape,
     join_world,

@@ -43,10 +43,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench import nic as bench_nic
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.sharding import shard_model
-from gradsync.apps.commands.bench.world import CableMeter, add_world_arguments, join_world, slowest_and_mean
+from gradsync.apps.commands.bench.support import nic as bench_nic
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.sharding import shard_model
+from gradsync.apps.commands.bench.support.world import (
+    CableMeter,
+    add_world_arguments,
+    join_world,
+    slowest_and_mean,
+)
 from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
@@ -84,7 +89,8 @@ class StepRow:
     mean_step_ms: float | None = None
     """The ranks' mean step, where ``step_ms`` is the slowest rank's: how far the slowest rank lags
     (``gradsync bench whatif`` reads it from ``local``, :attr:`gradsync.whatif.simulate.Cpu.lag_s`)."""
-    # with --nic (see gradsync.apps.commands.bench.nic): the communication phase's throughput, mean over nodes
+    # with --nic (see gradsync.apps.commands.bench.support.nic): the communication phase's
+    # throughput, mean over nodes
     nic_mb_per_s: float | None = None
     nic_link_pct: float | None = None
     nic_peak_pct: float | None = None

@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.apps.command_line import command_line
-from gradsync.apps.commands.bench import nic as bench_nic
 from gradsync.apps.commands.bench import step as bench_step
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.world import check_world_options, run_emulated
+from gradsync.apps.commands.bench.support import nic as bench_nic
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.world import check_world_options, run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.collectives import Topology
 from gradsync.observe.profiler import default_loss

@@ -46,9 +46,9 @@ from torch import nn
 from gradsync.apps.command_line import command_line
 from gradsync.apps.commands.bench import step as bench_step
 from gradsync.apps.commands.bench import train as bench_train
-from gradsync.apps.commands.bench.output import markdown_table, save_result
-from gradsync.apps.commands.bench.own_work import measure_in_subprocess
-from gradsync.apps.commands.bench.world import run_emulated
+from gradsync.apps.commands.bench.support.output import markdown_table, save_result
+from gradsync.apps.commands.bench.support.own_work import measure_in_subprocess
+from gradsync.apps.commands.bench.support.world import run_emulated
 from gradsync.apps.models import parameter_count
 from gradsync.collectives.topology import Topology
 from gradsync.observe.profiler import default_loss

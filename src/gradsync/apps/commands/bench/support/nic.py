@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.apps.commands.bench.world import link_bytes_per_s
+from gradsync.apps.commands.bench.support.world import link_bytes_per_s
 from gradsync.collectives import Topology
 from gradsync.observe.nic import (
     SYSFS_NET,

@@ -27,7 +27,7 @@ training thread, per gradient byte.
 A launched world cannot make a one-rank topology, so ``bench whatif`` runs this module in a
 fresh Python process on its rank 0::
 
-    python -m gradsync.apps.commands.bench.own_work '{"options": {...}, "contenders": [...]}'
+    python -m gradsync.apps.commands.bench.support.own_work '{"options": {...}, "contenders": [...]}'
 
 and reads the JSON it prints: contender name -> seconds per gradient byte.
 """
@@ -122,7 +122,7 @@ def measure(options: dict[str, Any], contenders: list[str]) -> dict[str, float]:
     import torch
 
     from gradsync.apps.commands.bench import step as bench_step
-    from gradsync.apps.commands.bench.sharding import shard_model
+    from gradsync.apps.commands.bench.support.sharding import shard_model
     from gradsync.collectives import Topology
     from gradsync.observe.hook_costs import one_rank_world
     from gradsync.whatif.modes import SELF_SYNCING, self_syncing_options

@@ -57,14 +57,14 @@ def slowest_and_mean(values: list[float]) -> tuple[list[float], list[float]]:
 
 
 def link_bytes_per_s(rate: str | None) -> float | None:
-    """``100mbit`` -> 12.5e6 bytes/s; None for unset or unshaped links."""
+    """The testbed's shaped rate (``100mbit``) in bytes/s, through the one rate parser
+    (:func:`gradsync.units.parse_rate`); None for an unset or unreadable one (an unshaped link)."""
     if not rate:
         return None
-    r = rate.strip().lower()
-    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if r.endswith(suffix):
-            return float(r[: -len(suffix)]) * mult / 8
-    return None
+    try:
+        return parse_rate(rate.strip(), "TB_RATE", tc_units=True)
+    except ValueError:
+        return None
 
 
 def nic_tx_bytes() -> int | None:
