@@ -40,7 +40,8 @@ order, the same on every rank, and the task manager issues their collectives in 
 The codecs are a :class:`~gradsync.sync.codec_set.CodecSet`; what error feedback owes (the
 codecs' streams, the carry of ended streams, the round an overflow undoes) is the
 :class:`~gradsync.sync.ledger.Ledger`, the same object the DDP hook and FSDP2 drive; the
-checkpoint format is :mod:`gradsync.integrate.engine_state`.
+checkpoint format is :meth:`SyncEngine.state_dict`'s (a state saved under another world size,
+topology, scheme, set of codecs or model is refused, or reset with a warning on request).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -63,8 +64,6 @@ from gradsync.collectives.program import Program
 from gradsync.collectives.topology import Topology
 from gradsync.integrate.engine_failure import Failure, SyncError
 from gradsync.integrate.engine_layout import BucketLayout
-from gradsync.integrate.engine_one_rank import finish_one_rank
-from gradsync.integrate.engine_state import STATE_FORMAT, engine_state, load_engine_state, signature
 from gradsync.planner.closed_loop import ClosedLoop, kept_streams
 from gradsync.planner.decide import FirstStep
 from gradsync.planner.engine_costs import EngineCosts
@@ -75,7 +74,7 @@ from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import bucket_program, nonfinite_flag, unpacker
 from gradsync.sync.buckets import Bucket, Slot
 from gradsync.sync.carry import Carry, whole
-from gradsync.sync.checkpoint import must_reset
+from gradsync.sync.checkpoint import front_state, must_reset
 from gradsync.sync.clipping import bucket_threshold, clip_, local_threshold
 from gradsync.sync.codec_set import CodecSet
 from gradsync.sync.config import SyncConfig
@@ -274,7 +273,7 @@ class SyncEngine:
     def finish_alone(self) -> None:
         """A world of one rank synchronizes nothing, but ``clip_local`` still clips and momentum
         correction still applies the momentum: once per synchronizing backward pass (the wrapper
-        calls this at its end; :mod:`gradsync.integrate.engine_one_rank`)."""
+        calls this at its end; :func:`finish_one_rank`)."""
         if not self.active and self.enabled:
             finish_one_rank(self.slots, self.config.clip_local, self.momentum, self.grad_scaler)
 
@@ -633,15 +632,29 @@ class SyncEngine:
     # ------------------------------------------------------------------ state
     def signature(self) -> dict[str, Any]:
         """What a checkpoint must match: world, topology, scheme, codecs and parameters."""
-        return signature(self.topo, self.codec_set, self.slots)
+        topo, codecs = self.topo, self.codec_set
+        return {
+            "world": topo.world,
+            "nodes": topo.nodes,
+            "per_node": topo.per_node,
+            "scheme": codecs.scheme.name,
+            "codecs": [c.spec() for c in codecs.codecs],
+            "params": [f"{s.name}:{tuple(s.param.shape)}" for s in self.slots],
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        """Engine and codec state: tensors and plain values only (``weights_only`` loads it).
-
-        It is this rank's: residuals differ between ranks, so save one per rank."""
+        """Engine and codec state (in the envelope of :mod:`gradsync.sync.checkpoint`): the codecs'
+        streams (error-feedback residuals, PowerSGD factors, RNG states, reused thresholds), the
+        momentum of momentum correction, what is carried for ended streams, the step count, the
+        plan and the closed loop's progress. Tensors and plain values only (``weights_only``
+        loads it). It is this rank's: residuals differ between ranks, so save one per rank."""
         if self._in_step:
             raise RuntimeError("gradsync: state_dict() during a step; call it after finish_sync()")
-        return engine_state(self)
+        return front_state(
+            STATE_FORMAT, self.topo.rank, self.signature(), self.step, self.ledger,
+            plan=None if self.plan is None else self.plan.to_state(),
+            closed_loop=self.replanner.state_dict(),
+        )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any], reset_compression_state: bool = False) -> None:
         """Restore :meth:`state_dict`. A state saved under another world size, topology, scheme
@@ -653,7 +666,11 @@ class SyncEngine:
             self.loop.load_state_dict(None)
             self.layout.reset()
             return
-        load_engine_state(self, state)
+        self.ledger.load_state_dict(state)
+        self.step = int(state["step"])
+        if state["plan"] is not None:
+            self.layout.install(Plan.from_state(state["plan"]), self.codecs)
+            self.replanner.load_state_dict(state.get("closed_loop"))
         if self.plan is not None:
             self._report_plan(0.0)
 
@@ -662,6 +679,10 @@ class SyncEngine:
         self.manager.close()
         self.cur.tasks = []
         self.join_work = None
+
+
+STATE_FORMAT = "gradsync.sync/1"
+"""The format of :meth:`SyncEngine.state_dict`."""
 
 
 def _signature(frozen: list[int]) -> int:
@@ -697,3 +718,25 @@ def buffers_program(buffers: list[torch.Tensor], topo: Topology, training: bool 
                     at += b.numel()
 
     return finish
+
+
+def finish_one_rank(
+    slots: Sequence[Slot], clip_local: float | None, momentum: SyncMomentum | None, grad_scaler: Any | None
+) -> None:
+    """``clip_local`` clips the gradients (plain clipping: the bound for one rank) and momentum
+    correction applies the momentum, unless the GradScaler will skip this step (inf/NaN in the
+    gradients: the momentum stays as it was)."""
+    scaled = grad_scaler is not None and bool(grad_scaler.is_enabled())
+    scale = float(grad_scaler.get_scale()) if grad_scaler is not None and scaled else 1.0
+    if clip_local is not None:
+        grads = [s.param.grad for s in slots if s.param.grad is not None]
+        clip_(grads, local_threshold(clip_local, 1), scale)
+    if momentum is None:
+        return
+    live = [(s.name, g) for s in slots if (g := s.param.grad) is not None]
+    if scaled and live:  # one read of the flags (kept on the device until then)
+        home = live[0][1].device
+        if not bool(torch.stack([torch.isfinite(g).all().to(home) for _, g in live]).all()):
+            return
+    momentum.begin_round()
+    momentum.dense([n for n, _ in live], [g for _, g in live], scale)
