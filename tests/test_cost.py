@@ -93,16 +93,16 @@ def test_every_collective_call_pays_the_call_cost():
 def test_casync_table_3():
     m = CostModel(PARAMS, nodes=4, per_node=1)
     q = codec(ratio=1 / 32)
-    assert m.casync_steps("ring", q, 4, 4) == (6, 4, 4)
-    assert m.casync_steps("ps", q, 4, 4) == (6, 5, 5)  # K + 1 encodes, N + 1 decodes
-    assert m.casync_steps("ring", codec(lowrank=True), 4, 4) == (6, 1, 1)
+    assert m.casync_steps(True, q, 4, 4) == (6, 4, 4)
+    assert m.casync_steps(False, q, 4, 4) == (6, 5, 5)  # K + 1 encodes, N + 1 decodes
+    assert m.casync_steps(True, codec(lowrank=True), 4, 4) == (6, 1, 1)
     part = S / 4
     want = 6 * INTER.send(q.payload(part)) + 4 * q.encode(part) + 4 * q.decode(part)
-    assert m.casync("ring", S, q) == pytest.approx(want)
+    assert m.casync(True, S, q) == pytest.approx(want)
     two = 6 * (2 * INTER.alpha + q.payload(part) * INTER.beta) + 4 * q.encode(part) + 4 * q.decode(part)
-    assert m.casync("ring", S, q, messages=2) == pytest.approx(two)
+    assert m.casync(True, S, q, messages=2) == pytest.approx(two)
     ps = 6 * INTER.send(q.payload(part)) + 5 * q.encode(part) + 5 * q.decode(part)
-    assert m.casync("ps", S, q) == pytest.approx(ps)
+    assert m.casync(False, S, q) == pytest.approx(ps)
 
 
 def test_one_rank_costs_nothing_to_communicate():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
 from gradsync.codecs.config import CodecConfig, split_spec
@@ -61,6 +64,12 @@ def build_codec(spec: str | CodecConfig) -> Compressor:
     return ErrorFeedback(codec, FeedbackConfig.from_options(wrappers[0][1]))
 
 
+@functools.cache
 def _load() -> None:
-    # importing the codec modules registers them
-    from gradsync.codecs import dense, lowrank, quantize, sparse, sparseloco  # noqa: F401
+    """Import every module of the codecs package, once: a codec module registers its codecs
+    (``@register``) as it is imported, so a new codec is a new module with nothing to list."""
+    import gradsync.codecs as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.ispkg:  # (ops/ and kernels/ are operators, not codecs)
+            importlib.import_module(f"{package.__name__}.{info.name}")

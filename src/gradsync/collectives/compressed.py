@@ -186,7 +186,7 @@ def _locally_aggregated(
         yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
         yield last(partial(P.all_gather, padded, shard, topo.intra_group, "intra"))
         return chain(copy_back, scaled(flat, scale))
-    if strategy == "allgather":
+    if compressed_strategy(strategy).pipelined:
         pieces = yield from pipelined_allgather(padded, topo, coder, pipeline, scratch, ws)
     else:
         yield partial(P.reduce_scatter, shard, padded, topo.intra_group, "intra", scratch)
@@ -238,14 +238,14 @@ def encode_numels(
         if nodes == 1:
             return []  # dense inside the node
         shard = -(-numel // per_node)
-        if strategy != "allgather":
+        if compressed_strategy(strategy).pieces:
             return _split_sizes(shard, nodes)
         padded = shard * per_node
         chunks = pipeline_chunks(padded * itemsize, pipeline)
         per_chunk = -(-padded // chunks)
         per_chunk = -(-per_chunk // per_node) * per_node  # as pipelined_allgather cuts
         return sorted({min(per_chunk, padded - start) // per_node for start in range(0, padded, per_chunk)})
-    return [numel] if strategy == "allgather" else _split_sizes(numel, world)
+    return _split_sizes(numel, world) if compressed_strategy(strategy).pieces else [numel]
 
 
 def codec_refusal(

@@ -361,7 +361,7 @@ class CostModel:
         return pipeline + t4 + self.m * self.n * chunks * c.decode(shard)
 
     # ------------------------------------------------------------------ CaSync (HiPress paper)
-    def casync_steps(self, strategy: str, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
+    def casync_steps(self, reencodes: bool, c: CodecCost, n: int, k: int) -> tuple[int, int, int]:
         """Table 3's (alpha, beta, gamma): communication steps, encodes and decodes on the path.
 
         PS with a sparsifier or quantizer: K + 1 encodes (the K partitions, then the owner's
@@ -371,18 +371,19 @@ class CostModel:
         servers take 2N)."""
         if c.lowrank or c.summable:
             return 2 * (n - 1), 1, 1
-        if strategy == "ring":
+        if reencodes:  # the ring: every hop decodes, merges and encodes again
             return 2 * (n - 1), n, n
         return 2 * (n - 1), k + 1, n + 1
 
-    def casync(self, strategy: str, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
+    def casync(self, reencodes: bool, nbytes: float, c: CodecCost, n: int | None = None, k: int | None = None,
                link: Link | None = None, messages: int = 1) -> float:  # fmt: skip
-        """Eq. 2 for ``ring`` or ``ps`` over n ranks (default: the world) with K partitions;
-        ``messages`` start-ups per send (gradsync's steps send a size, then the payload: 2)."""
+        """Eq. 2 for the ring (``reencodes``) or PS over n ranks (default: the world) with K
+        partitions; ``messages`` start-ups per send (gradsync's steps send a size, then the
+        payload: 2)."""
         n = n or self.p
         k = k or n
         link = link or self.world_link
-        a, b, g = self.casync_steps(strategy, c, n, k)
+        a, b, g = self.casync_steps(reencodes, c, n, k)
         part = nbytes / k
         send = messages * (link.alpha + self.params.call) + c.payload(part) * link.beta
         return a * send + b * c.encode(part) + g * c.decode(part)

@@ -261,16 +261,34 @@ StrategyCost = Callable[[CostModel, float, CodecCost, int, Link], float]
 """A strategy's predicted seconds: ``(model, bytes, codec cost, ranks, link)`` over one group."""
 
 
+Sends = Callable[[float, float], tuple[tuple[str, float, float], ...]]
+"""What one synchronization sends, from ``(payload of the whole tensor, payload of one piece)``:
+``(collective kind, bytes one call moves per rank, share of the communication time)`` each, the
+kinds and classes of :func:`gradsync.collectives.cost.measure_efficiency`."""
+
+
 @dataclass(frozen=True)
 class CompressedStrategy:
-    """A compressed aggregation over one group of ranks: its program and its predicted seconds."""
+    """A compressed aggregation over one group of ranks: its program, its predicted seconds, and
+    the facts about it that the planner, the cost model and the fronts read (never its name)."""
 
     name: str
     run: StrategyRun
     cost: StrategyCost
+    pieces: bool = False
+    """Each rank cuts its tensor into one piece per rank of the group and encodes each (an encode
+    call sees 1/p of the tensor); else it encodes the whole tensor once."""
+    sends: Sends = lambda whole, piece: (("allgather", whole, 1.0),)
+    """What it sends (see :data:`Sends`)."""
+    pipelined: bool = False
+    """With local aggregation it runs as a pipeline of chunks over the node's shard (the MSTopK
+    paper's HiTopKComm)."""
 
 
 _STRATEGIES: dict[str, CompressedStrategy] = {}
+
+DEFAULT_STRATEGY = "allgather"
+"""The strategy of a compressed synchronization that names none (the packed all-gather)."""
 
 
 def register_compressed_strategy(strategy: CompressedStrategy) -> CompressedStrategy:
@@ -299,16 +317,25 @@ def compressed_strategy_names() -> tuple[str, ...]:
     return tuple(_STRATEGIES)
 
 
-def _casync_cost(name: str) -> StrategyCost:
-    """The HiPress paper's Eq. 2 for its ring or PS; a send is one message when the codec's
-    payloads fit fixed slots, else a size, then the payload."""
+def _casync_cost(reencodes: bool) -> StrategyCost:
+    """The HiPress paper's Eq. 2 for its ring (``reencodes``: every hop decodes, merges and
+    encodes again) or PS; a send is one message when the codec's payloads fit fixed slots, else a
+    size, then the payload."""
 
     def cost(model: CostModel, nbytes: float, c: CodecCost, ranks: int, link: Link) -> float:
-        return model.casync(name, nbytes, c, n=ranks, link=link, messages=c.messages)
+        return model.casync(reencodes, nbytes, c, n=ranks, link=link, messages=c.messages)
 
     return cost
 
 
-register_compressed_strategy(CompressedStrategy("allgather", _allgather, CostModel.gathered))
-register_compressed_strategy(CompressedStrategy("ring", _ring, _casync_cost("ring")))
-register_compressed_strategy(CompressedStrategy("ps", _ps, _casync_cost("ps")))
+register_compressed_strategy(CompressedStrategy("allgather", _allgather, CostModel.gathered, pipelined=True))
+# CaSync-Ring: every step a point-to-point send of a piece
+register_compressed_strategy(CompressedStrategy(
+    "ring", _ring, _casync_cost(True), pieces=True, sends=lambda whole, piece: (("sendrecv", piece, 1.0),)
+))  # fmt: skip
+# CaSync-PS: two collectives of equal steps, the pieces to their owners (an all-to-all) and the
+# owners' aggregates back (an all-gather of one piece per rank)
+register_compressed_strategy(CompressedStrategy(
+    "ps", _ps, _casync_cost(False), pieces=True,
+    sends=lambda whole, piece: (("sendrecv", piece, 0.5), ("allgather", piece, 0.5)),
+))  # fmt: skip

@@ -78,7 +78,13 @@ from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
 from gradsync.collectives.pieces import apply_pieces
 from gradsync.collectives.program import Program, run
-from gradsync.collectives.strategies import Coder, reduce_scatter_pieces, run_strategy
+from gradsync.collectives.strategies import (
+    DEFAULT_STRATEGY,
+    Coder,
+    compressed_strategy,
+    reduce_scatter_pieces,
+    run_strategy,
+)
 from gradsync.integrate.agreement import explain_models, model_fingerprint
 from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import nonfinite_flag
@@ -542,10 +548,8 @@ class FsdpCompression:
         flat = shard.view(-1)
         layout = self._layout(module_key, flat, (own,), scale / self._post(module_key))
         self._settle_layout(key, module_key, flat, layout, self.where == "replicate")
-        strategy = self.scheme.strategy or "allgather"
-        why = self._dense_reason(
-            key, shard.numel(), r if strategy != "allgather" else 1, shard.element_size()
-        )
+        strategy = compressed_strategy(self.scheme.strategy or DEFAULT_STRATEGY)
+        why = self._dense_reason(key, shard.numel(), r if strategy.pieces else 1, shard.element_size())
         self._note(key, why)
         self.calls[key] = self.calls.get(key, 0) + 1
         if why is not None:
@@ -561,7 +565,7 @@ class FsdpCompression:
         rank = dist.get_rank()
 
         def program() -> Program:
-            pieces = yield from run_strategy(flat, group, "replicate", coder, strategy, rank, final=True)
+            pieces = yield from run_strategy(flat, group, "replicate", coder, strategy.name, rank, final=True)
             return partial(apply_pieces, pieces, flat, coder.plain, scale)
 
         with P.record_traffic() as t:

@@ -34,7 +34,7 @@ from gradsync.codecs import Compressor
 from gradsync.collectives.cost import CodecCost, CostModel, CostParams, Linear, Link, calibrate, measure_codec
 from gradsync.collectives.dense import dense_algorithm, dense_algorithm_names
 from gradsync.collectives.hitopk_pipeline import pipeline_chunks
-from gradsync.collectives.strategies import compressed_strategy
+from gradsync.collectives.strategies import DEFAULT_STRATEGY, compressed_strategy
 from gradsync.collectives.topology import Topology
 from gradsync.planner.plan import BucketPlan, Plan
 from gradsync.planner.recut import merge_compressed, rechoose_candidates
@@ -97,15 +97,11 @@ def collective_phases(
         return (("allreduce", nbytes / 2 if scheme.comm_dtype else nbytes, 1.0),)
     if codec.lowrank:
         return (("allreduce", codec.payload(nbytes), 1.0),)
-    strategy = scheme.strategy or "allgather"
-    if strategy == "allgather":
-        return (("allgather", codec.payload(nbytes), 1.0),)
+    strategy = compressed_strategy(scheme.strategy or DEFAULT_STRATEGY)
     local = bool(scheme.local) and per_node > 1
     group = nodes if local else nodes * per_node
     piece = codec.payload(nbytes / per_node if local else nbytes) / max(group, 1)
-    if strategy == "ps":
-        return (("sendrecv", piece, 0.5), ("allgather", piece, 0.5))
-    return (("sendrecv", piece, 1.0),)
+    return strategy.sends(codec.payload(nbytes), piece)
 
 
 def formula(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | None) -> float:
@@ -121,11 +117,12 @@ def formula(scheme: Scheme, model: CostModel, nbytes: float, codec: CodecCost | 
         return model.lowrank_locally_aggregated(nbytes, codec) if local else model.lowrank(nbytes, codec)
     if local and model.m == 1:  # nothing crosses a node: a dense reduce-scatter and all-gather
         return 2 * model.intra_shard_step(nbytes)
-    if scheme.strategy == "allgather" and local:  # hitopk, pipelined in chunks
-        return model.hitopk(nbytes, codec, pipeline_chunks(int(nbytes), 4))
+    # (a scheme not resolved for a topology: allgather with local aggregation, else the ring)
     strategy = compressed_strategy(scheme.strategy or ("allgather" if local else "ring"))
-    if local and strategy.name == "allgather":
-        return model.hitopk(nbytes, codec)
+    if local and strategy.pipelined:  # hitopk, pipelined in chunks (as the engine runs a resolved one)
+        if scheme.strategy is None:
+            return model.hitopk(nbytes, codec)
+        return model.hitopk(nbytes, codec, pipeline_chunks(int(nbytes), 4))
     if local:
         return model.locally_aggregated(
             nbytes, codec, lambda s, n, link: strategy.cost(model, s, codec, n, link)
@@ -206,7 +203,7 @@ def encode_sizes(scheme: Scheme, nbytes: float, nodes: int, per_node: int) -> fl
     """Bytes one encode call of the scheme sees for a bucket of ``nbytes``."""
     if scheme.local and per_node > 1 and nodes > 1:
         nbytes /= per_node
-    if scheme.strategy in ("ring", "ps"):
+    if compressed_strategy(scheme.strategy or DEFAULT_STRATEGY).pieces:
         nbytes /= nodes if scheme.local else nodes * per_node
     return nbytes
 
