@@ -22,6 +22,7 @@ device.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -246,3 +247,86 @@ def lowrank_codec(compressor: Compressor) -> PowerSGD:
     if not isinstance(codec, PowerSGD):
         raise TypeError(f"{compressor.spec()!r} is not a low-rank codec")
     return codec
+
+
+def summed_rounds(
+    compressor: Compressor, parts: list[tuple[torch.Tensor, str]], loss_scale: float = 1.0
+) -> Generator[tuple[torch.Tensor, bool], None, Callable[[], None] | None]:
+    """PowerSGD's synchronization of the tensors ``parts`` (with their stream keys) as rounds of
+    sums, the codec's half of it (the collective's half sums each round over the ranks:
+    :func:`gradsync.collectives.lowrank_rounds.lowrank_rounds`).
+
+    Yields ``(tensor, last)`` twice: the P factors of every matrix of ``parts`` (the tensors the
+    codec sends dense ride along), then the Q factors; the caller sums the tensor in place over
+    the ranks before it resumes the rounds, ``last`` saying that no round follows. Returns the
+    finisher that writes the summed result into ``parts`` (None when there is nothing to send).
+    Each matrix's state (factors, error feedback's residual, its offsets counting from the
+    matrix's first element) is its own stream, keyed by its key; a non-finite sum on any rank
+    leaves the factors and the residuals as they were and the results NaN."""
+    codec = lowrank_codec(compressor)
+    feedback = compressor if compressor.error_feedback else None
+    dense = [x for x, _ in parts if not codec.compresses(x.shape)]
+    mats = []
+    first_parts = [x.reshape(-1).float() for x in dense]
+    for x, key in parts:
+        if not codec.compresses(x.shape):
+            continue
+        v = compressor.accumulate(x, key, loss_scale)
+        m = v.view(matrix_shape(x.shape)).float()
+        stream = codec.stream(key)
+        p = codec.project(m, stream)
+        mats.append((x, key, m, stream, p.shape, stream.p))  # stream.p: restored if the sums overflow
+        first_parts.append(p.reshape(-1))
+    if not first_parts:
+        return None
+    first = torch.cat(first_parts)
+    yield first, not mats
+    pos = sum(x.numel() for x in dense)
+    q_locals = []
+    for _, _, m, stream, shape, _ in mats:
+        n = shape.numel()
+        q_locals.append(codec.reproject(m, first[pos : pos + n].view(shape), stream).contiguous())
+        pos += n
+    second = torch.cat([q.reshape(-1) for q in q_locals]) if q_locals else first.new_empty(0)
+    if mats:
+        yield second, True
+
+    def finish() -> None:
+        # any rank's inf/NaN reaches the summed factors (and stays there: never hidden); in
+        # resident mode the test stays on the device and every branch below becomes a where
+        finite_t = torch.isfinite(first).all() & torch.isfinite(second).all()
+        resident = codec.resident
+        finite = True if resident else bool(finite_t)
+        pos = 0
+        for x in dense:
+            x.copy_(first[pos : pos + x.numel()].view(x.shape))
+            pos += x.numel()
+        qpos = 0
+        for (x, key, _, stream, _, old_p), q_local in zip(mats, q_locals, strict=True):
+            q_sum = second[qpos : qpos + q_local.numel()].view(q_local.shape)
+            qpos += q_local.numel()
+            assert stream.p is not None  # reproject() kept orth(sum P) in the stream
+            old_q = stream.q
+            if feedback is not None:
+                if finite:  # what this rank's data contributed to the sum
+                    feedback.commit(key, factors=(stream.p, q_local))
+                    if resident:
+                        feedback.keep_if(~finite_t, key)
+                else:
+                    feedback.discard(key)
+            if not finite:  # keep the factors finite (a skipped step); the NaN result makes it skip
+                stream.p = old_p
+                x.fill_(float("nan"))
+                continue
+            out = x.view(matrix_shape(x.shape)) if x.dtype == torch.float32 and x.is_contiguous() else None
+            result = codec.reconstruct(q_sum, stream, out=out)
+            if out is None:
+                x.copy_(result.view(x.shape))
+            if resident:
+                x.masked_fill_(~finite_t, float("nan"))
+                if old_p is not None:
+                    stream.p = torch.where(finite_t, stream.p, old_p)
+                if old_q is not None and stream.q is not None:
+                    stream.q = torch.where(finite_t, stream.q, old_q)
+
+    return finish
