@@ -253,6 +253,41 @@ def test_codecs_without_a_device_version_still_work_when_resident():
         torch.testing.assert_close(codec.decode(codec.encode(x)), host.decode(host.encode(x)))
 
 
+@pytest.mark.parametrize("spec", ["topk:density=0.01+ef", "powersgd:rank=2", "fp16"])
+def test_resident_mode_is_chosen_once_at_build_or_before_the_first_encode(spec):
+    from gradsync.sync.scheme import Scheme
+
+    built = build_codec(spec, resident=True)
+    assert built.resident
+    via_scheme = Scheme.parse(f"allgather/{spec}" if "powersgd" not in spec else spec).build(resident=True)
+    assert via_scheme is not None and via_scheme.resident
+    codec = build_codec(spec)
+    assert not codec.resident
+    codec.set_resident(True)  # before any encode: still open
+    codec.set_resident(False)
+    x = sample(3, 4096).view(64, 64)
+    codec.decode(codec.encode(x))
+    codec.set_resident(False)  # the same choice again is fine
+    with pytest.raises(RuntimeError, match="resident mode is chosen once"):
+        codec.set_resident(True)
+    assert not codec.resident
+
+
+def test_a_front_chooses_resident_mode_once_for_all_its_codecs():
+    from gradsync.sync.codec_set import CodecSet
+    from gradsync.sync.config import SyncConfig
+    from gradsync.sync.scheme import Scheme
+
+    config = SyncConfig(scheme="allgather/topk:density=0.01", large_codec="onebit")
+    codecs = CodecSet(config, Scheme.parse(config.scheme))  # built before the device is known
+    assert codecs.resident is None and len(codecs) == 2
+    assert codecs.choose_resident(torch.device("meta")) is True
+    assert all(c.resident for c in codecs.codecs)
+    assert codecs.choose_resident(torch.device("meta")) is True
+    with pytest.raises(RuntimeError, match="resident mode is chosen once"):
+        codecs.choose_resident(torch.device("cpu"))
+
+
 def test_the_audit_sees_reads_on_the_host_and_names_the_line():
     x = torch.ones(4)
     with audit_host_reads() as audit:

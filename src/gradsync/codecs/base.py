@@ -127,7 +127,14 @@ class Codec(Compressor, Generic[StreamT]):
         return False
 
     def set_resident(self, on: bool) -> None:
-        self._resident = bool(on)
+        on = bool(on)
+        if on != self._resident and (self._streams or self._slots):
+            raise RuntimeError(
+                f"{self.name}: resident mode is chosen once, before the codec's first encode (it "
+                f"fixes the payload sizes and where the state lives); this codec already runs "
+                f"{'resident' if self._resident else 'on the host'}: build a new codec to change it"
+            )
+        self._resident = on
 
     @property
     def _on_device(self) -> bool:

@@ -131,7 +131,9 @@ class Compressor(abc.ABC):
         """Resident mode: payloads of a size fixed in advance, statistics and flags left on the
         device, headers written there and never read by the host. What a GPU needs to overlap
         communication with computation; on the CPU it serves tests and audits. Every rank must
-        choose the same (the payload sizes depend on it)."""
+        choose the same (the payload sizes depend on it). Chosen once: at build
+        (:func:`~gradsync.codecs.build_codec`'s ``resident``) or before the first encode; a codec
+        that has encoded refuses a change (RuntimeError)."""
         self.plain.set_resident(on)
 
     def compresses(self, shape: torch.Size) -> bool:

@@ -41,11 +41,19 @@ def codec_class(name: str) -> type[Codec]:
         raise ValueError(f"unknown codec {name!r}; available codecs: {', '.join(sorted(_CODECS))}") from None
 
 
-def build_codec(spec: str | CodecConfig) -> Compressor:
+def build_codec(spec: str | CodecConfig, *, resident: bool = False) -> Compressor:
     """Build a codec from a spec string (``"topk:density=0.01"``, ``"dgc+ef:momentum=0.9"``) or a config.
 
     Wrappers follow ``+``: ``ef`` adds error feedback (:class:`~gradsync.codecs.feedback.ErrorFeedback`).
+    ``resident``: the codec's resident mode (:meth:`~gradsync.codecs.Compressor.set_resident`),
+    chosen here once: what a front on a GPU passes.
     """
+    codec = _build(spec)
+    codec.set_resident(resident)
+    return codec
+
+
+def _build(spec: str | CodecConfig) -> Compressor:
     if isinstance(spec, CodecConfig):
         return codec_class(spec.codec)(spec)
     parts = split_spec(spec)

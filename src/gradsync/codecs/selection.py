@@ -47,6 +47,8 @@ from gradsync.codecs.ops import (
     Key,
     TensorStats,
     Workspace,
+    chunk_positions,
+    dgc_sample,
     draw_index,
     f32,
     f32_above,
@@ -290,10 +292,9 @@ def sampled_threshold(
 ) -> float:
     """DGC's estimate of the k-th magnitude: the matching order statistic of a random sample."""
     n = x.numel()
-    s = min(n, max(math.ceil(sample * n), 1024))
+    s, rank = dgc_sample(n, k, sample)
     sidx = torch.randint(0, n, (s,), generator=gen).to(x.device)
     keys = x[sidx].float().abs().nan_to_num(nan=-math.inf)
-    rank = min(s, max(1, round(k * s / n)))
     return kth_largest(keys, rank, ws)
 
 
@@ -358,16 +359,6 @@ def chunked_topk(x: torch.Tensor, chunk: int, per_chunk: int, of_tail: int) -> S
     largest of the shorter last one; indices ascending. The count is known before looking at the
     data, so nothing about the selection has to come back to the host."""
     n = x.numel()
-    full = n // chunk
-    parts = []
-    if full:
-        rows = x[: full * chunk].view(full, chunk)
-        top = rows.abs().topk(per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
-        base = torch.arange(0, full * chunk, chunk, device=x.device, dtype=top.dtype).unsqueeze(1)
-        parts.append((top + base).view(-1))
-    if of_tail:
-        tail = x[full * chunk :]
-        parts.append(tail.abs().topk(of_tail, sorted=False).indices.sort().values + full * chunk)
-    idx = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else x.new_zeros(0, dtype=torch.int64)
+    idx = chunk_positions(x.abs(), chunk, per_chunk, of_tail)
     idx = idx.to(torch.int32) if n <= 2**31 - 1 else idx
     return Selected(idx, x[idx], tensor_stats(x))

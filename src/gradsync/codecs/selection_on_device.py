@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.codecs import kernels
-from gradsync.codecs.ops import DeviceStats, device_stats, hashed_uniform
+from gradsync.codecs.ops import DeviceStats, chunk_positions, device_stats, dgc_sample, hashed_uniform
 
 Addends = tuple[torch.Tensor, torch.Tensor] | None
 """Error feedback's two addends: the input is their sum, written into it as it is read (one pass
@@ -258,11 +258,10 @@ def sampled_threshold(x: torch.Tensor, k: int, sample: float, words: torch.Tenso
     sample's positions come from the counter-based hash keyed by the two device ``words``: no
     host-made index tensor to copy)."""
     n = x.numel()
-    s = min(n, max(math.ceil(sample * n), 1024))
+    s, rank = dgc_sample(n, k, sample)
     w1, w2 = words[0], words[1]
     pos = (hashed_uniform(s, w1, w2, x.device) * n).long().clamp(max=n - 1)
     keys = x[pos].float().abs().nan_to_num(nan=-math.inf)
-    rank = min(s, max(1, round(k * s / n)))
     return keys.topk(rank, sorted=False).values.min()
 
 
@@ -324,14 +323,5 @@ def chunked_topk(
         kernels.chunked_topk(a, chunk, per_chunk, of_tail, idx, val, bad, b=b, v_out=v)
         return Capped(idx, val, torch.full((), count, dtype=torch.int64, device=x.device), bad[0] > 0)
     _summed(x, addends)
-    full = n // chunk
-    parts = []
-    if full:
-        rows = _keys(x[: full * chunk]).view(full, chunk).nan_to_num(nan=math.inf)
-        top = rows.topk(per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
-        parts.append((top + torch.arange(0, full * chunk, chunk, device=x.device).unsqueeze(1)).view(-1))
-    if of_tail:
-        tail = _keys(x[full * chunk :]).nan_to_num(nan=math.inf)
-        parts.append(tail.topk(of_tail, sorted=False).indices.sort().values + full * chunk)
-    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=x.device)
+    idx = chunk_positions(_keys(x).nan_to_num(nan=math.inf), chunk, per_chunk, of_tail)
     return _slots(x, idx, device_stats(x))

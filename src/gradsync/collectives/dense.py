@@ -148,8 +148,7 @@ def allreduce_program(
     if comm_dtype is None:
         tail = yield from dense_steps(buf, topo, algorithm, ws)
         return chain(tail, (lambda: buf.div_(topo.world)) if op == "mean" else None)
-    codec = build_codec(comm_dtype)
-    codec.set_resident(resident if resident is not None else buf.device.type != "cpu")
+    codec = build_codec(comm_dtype, resident=resident if resident is not None else buf.device.type != "cpu")
     # the scale must be the same everywhere: agree on the global max first
     if codec.resident:  # the agreed max stays on the device
         amax = abs_max_on_device(buf)

@@ -165,7 +165,7 @@ class HookState:
     def _bound_to(self, topo: Topology) -> Topology:
         self.scheme = Scheme.parse(self.config.scheme).resolve(topo.nodes, topo.per_node)
         self.topo = topo
-        self.resident = self.codec_set.set_resident(topo.comm_device)
+        self.resident = self.codec_set.choose_resident(topo.comm_device)
         """Resident mode (:attr:`SyncConfig.resident`), decided once the device is known."""
         self.manager.device = topo.device  # the threads start with the first bucket
         return topo

@@ -108,7 +108,8 @@ class SyncEngine:
         self.scheme = Scheme.parse(config.scheme).resolve(topology.nodes, topology.per_node)
         self.codec_set = CodecSet(config, self.scheme, topology)
         self.codecs: list[Compressor] = self.codec_set.codecs
-        self.resident = self.codec_set.set_resident(topology.comm_device)
+        assert self.codec_set.resident is not None  # chosen at build: the topology knows the device
+        self.resident: bool = self.codec_set.resident
         """Resident mode (:attr:`SyncConfig.resident`): nothing on the path waits for the host."""
         self.schemes: list[Scheme] = self.codec_set.schemes
         """The scheme each codec runs under (by codec id): the scheme's own, then the candidates'."""

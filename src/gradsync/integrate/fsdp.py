@@ -266,9 +266,10 @@ class FsdpCompression:
         self.scheme = parse_fsdp_scheme(scheme)
         self.where = where
         self.replicate_group = replicate_group
-        self.codec: Compressor | None = self.scheme.build(error_feedback)
+        self.codec: Compressor | None = self.scheme.build(error_feedback, resident=bool(resident))
         self.resident = resident
-        """Resident mode for the codec (None: decided by the gradients' device at the first call)."""
+        """Resident mode for the codec (None: chosen once, by the gradients' device at the first
+        compressed reduction)."""
         self.dense_warmup_steps = dense_warmup_steps
         self.min_compress_bytes = min_compress_bytes
         self.grad_scaler = grad_scaler
@@ -505,9 +506,7 @@ class FsdpCompression:
             self.traffic.add("shard", (p - 1) / p * inp.numel() * inp.element_size(), "reduce_scatter")
             return
         self._check_dtype(module_key, inp.dtype)
-        assert self.codec is not None
-        self.codec.set_resident(resident_on(self.resident, inp.device))
-        coder = Coder(self.codec, key, self.loss_scale)
+        coder = Coder(self._resident_codec(inp.device), key, self.loss_scale)
 
         def program() -> Program:
             pieces = yield from reduce_scatter_pieces(flat, group, "shard", coder)
@@ -516,6 +515,15 @@ class FsdpCompression:
         with P.record_traffic() as t:
             run(program())
         self._count(t)
+
+    def _resident_codec(self, device: torch.device) -> Compressor:
+        """The codec, its resident mode chosen at the first compressed reduction (by ``device``,
+        unless ``resident`` was given) and kept: the codec refuses a change once it has encoded."""
+        assert self.codec is not None
+        if self.resident is None:
+            self.resident = resident_on(None, device)
+            self.codec.set_resident(self.resident)
+        return self.codec
 
     def watched_all_reduce(self, module_key: str, shard: torch.Tensor) -> None:
         """:meth:`all_reduce` as FSDP's hook calls it (seen by an audit of host reads)."""
@@ -559,9 +567,7 @@ class FsdpCompression:
             )
             return
         self._check_dtype(module_key, shard.dtype)
-        assert self.codec is not None
-        self.codec.set_resident(resident_on(self.resident, shard.device))
-        coder = Coder(self.codec, key, self.loss_scale)
+        coder = Coder(self._resident_codec(shard.device), key, self.loss_scale)
         rank = dist.get_rank()
 
         def program() -> Program:

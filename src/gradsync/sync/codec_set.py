@@ -28,28 +28,30 @@ from gradsync.sync.scheme import Scheme
 log = logging.getLogger("gradsync")
 
 
-def build_codecs(config: SyncConfig, scheme: Scheme) -> list[Compressor]:
+def build_codecs(config: SyncConfig, scheme: Scheme, resident: bool = False) -> list[Compressor]:
     """The codecs an engine with ``config`` runs ``scheme`` with, error feedback included: the
-    scheme's, then the one for large tensors (none for a dense scheme)."""
+    scheme's, then the one for large tensors (none for a dense scheme); ``resident``: their
+    resident mode."""
     codecs: list[Compressor] = []
-    main = scheme.build(config.error_feedback)
+    main = scheme.build(config.error_feedback, resident=resident)
     if main is not None:
         codecs.append(main)
         if config.large_codec is not None:
-            large = Scheme.parse(f"allgather/{config.large_codec}").build(config.error_feedback)
+            large_scheme = Scheme.parse(f"allgather/{config.large_codec}")
+            large = large_scheme.build(config.error_feedback, resident=resident)
             assert large is not None  # a compressed scheme always has a codec
             codecs.append(large)
     return codecs
 
 
 def build_candidates(
-    config: SyncConfig, scheme: Scheme, nodes: int, per_node: int
+    config: SyncConfig, scheme: Scheme, nodes: int, per_node: int, resident: bool = False
 ) -> list[tuple[Scheme, Compressor]]:
     """The other candidates of ``auto:candidates=...`` (none for other schemes): each resolved
     for the topology, with its codec (error feedback as :func:`build_codecs` adds it)."""
     out = []
     for alt in scheme.alternatives(nodes, per_node):
-        codec = alt.build(config.error_feedback)
+        codec = alt.build(config.error_feedback, resident=resident)
         assert codec is not None  # a candidate is a compressed scheme
         out.append((alt, codec))
     return out
@@ -81,18 +83,28 @@ def resident_on(choice: bool | None, device: torch.device) -> bool:
 class CodecSet:
     """The codecs of one front, by id, each with the scheme it runs under: ``wrap``'s engine's
     (with a topology: the candidates of ``auto:candidates=...`` resolved for it), the DDP hook's
-    (before it knows its process group: no candidates, which the hook refuses)."""
+    (before it knows its process group: no candidates, which the hook refuses).
+
+    Resident mode (:attr:`SyncConfig.resident`) is chosen once for all of them: at build where the
+    topology says the device, else by :meth:`choose_resident` when the front learns it."""
 
     def __init__(self, config: SyncConfig, scheme: Scheme, topology: Topology | None = None) -> None:
         self.config = config
         self.scheme = scheme
         self.topo = topology
-        self.codecs: list[Compressor] = build_codecs(config, scheme)
+        self.resident: bool | None = (
+            resident_on(config.resident, topology.comm_device) if topology is not None else None
+        )
+        """Whether the codecs run resident (None: not chosen yet)."""
+        on = bool(self.resident)
+        self.codecs: list[Compressor] = build_codecs(config, scheme, on)
         self.class_count = len(self.codecs)
         """The codecs a tensor belongs to by its size (the candidates are not among them)."""
         self.schemes: list[Scheme] = [scheme] * len(self.codecs)
         """The scheme each codec runs under (by id): the scheme's own, then the candidates'."""
-        alternatives = build_candidates(config, scheme, topology.nodes, topology.per_node) if topology else []
+        alternatives = (
+            build_candidates(config, scheme, topology.nodes, topology.per_node, on) if topology else []
+        )
         for alt, codec in alternatives:
             self.schemes.append(alt)
             self.codecs.append(codec)
@@ -102,12 +114,20 @@ class CodecSet:
         """What the last step ran at under the schedule (the largest density; None when every
         sparsifier ran at its own)."""
 
-    def set_resident(self, device: torch.device) -> bool:
-        """Put every codec in resident mode as the config says (None: where ``device`` is a GPU);
-        returns the choice."""
+    def choose_resident(self, device: torch.device) -> bool:
+        """Resident mode for every codec, as the config says (None: where ``device`` is a GPU),
+        when the set was built without knowing its device; returns the choice. Once chosen it
+        stays: a later call with another answer is refused."""
         on = resident_on(self.config.resident, device)
-        for codec in self.codecs:
-            codec.set_resident(on)
+        if self.resident is not None and on != self.resident:
+            raise RuntimeError(
+                f"gradsync: the codecs were set up {'resident' if self.resident else 'on the host'}"
+                f" and now run on {device}: resident mode is chosen once; build the front again"
+            )
+        if self.resident is None:
+            for codec in self.codecs:
+                codec.set_resident(on)
+            self.resident = on
         return on
 
     def __len__(self) -> int:

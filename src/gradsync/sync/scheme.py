@@ -211,16 +211,17 @@ class Scheme:
             return self.algorithm + (f"/{self.comm_dtype}" if self.comm_dtype else "")
         return f"{self.strategy or '?'}{'+local' if self.local else ''}/{self.codec}"
 
-    def build(self, error_feedback: bool | None = None) -> Compressor | None:
+    def build(self, error_feedback: bool | None = None, *, resident: bool = False) -> Compressor | None:
         """The codec of a compressed scheme (None for dense ones).
 
         ``error_feedback``: None adds ``+ef`` to codecs whose compression is biased (it is what
         makes top-k, onebit or PowerSGD converge like dense training) unless the spec already has
-        it; True requires it (adds it); False never adds it.
+        it; True requires it (adds it); False never adds it. ``resident``: the codec's resident
+        mode, chosen here once (:meth:`~gradsync.codecs.Compressor.set_resident`).
         """
         if self.kind == "dense":
             return None
-        codec = build_codec(self.codec or DEFAULT_CODEC)
+        codec = build_codec(self.codec or DEFAULT_CODEC, resident=resident)
         if codec.error_feedback or error_feedback is False:
             return codec
         if error_feedback is None and not codec.biased:

@@ -54,10 +54,9 @@ class CodecTable:
 
     def __call__(self, spec: str, sizes: list[float]) -> CodecCost:
         if spec not in self.entries:
-            codec = build_codec(spec)
             # on a GPU the codecs run resident, as the engine runs them there (host-free, their
             # work replayed as CUDA graphs)
-            codec.set_resident(torch.device(self.device).type == "cuda")
+            codec = build_codec(spec, resident=torch.device(self.device).type == "cuda")
             torch.manual_seed(0)
             self.entries[spec] = measure_codec(codec, list(self.sizes), reps=3, device=self.device)
             self.measured.append(spec)

@@ -34,7 +34,7 @@ from gradsync.codecs.kernels.launch import (
     module,
     use_kernels,
 )
-from gradsync.codecs.ops import DeviceStats, hashed_uniform
+from gradsync.codecs.ops import DeviceStats, dgc_sample, hashed_uniform
 
 BLOCK = 4096
 """Elements per program of the passes (and per partial)."""
@@ -386,11 +386,6 @@ def _f32(x: float) -> float:
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
-def sample_size(numel: int, sample: float) -> int:
-    """Elements of DGC's sample: ``ceil(sample * numel)``, at least 1024, at most ``numel``."""
-    return min(numel, max(math.ceil(sample * numel), 1024))
-
-
 def sampled_threshold(
     a: torch.Tensor,
     k: int,
@@ -402,7 +397,7 @@ def sampled_threshold(
     keys_out: torch.Tensor | None = None,
 ) -> None:
     """:func:`gradsync.codecs.selection_on_device.sampled_threshold` of ``v = a (+ b)``: the
-    ``round(k * s / numel)``-th largest magnitude among ``s =`` :func:`sample_size` elements at
+    order statistic of :func:`gradsync.codecs.ops.dgc_sample` among its ``s`` magnitudes at
     the hashed positions keyed by ``words`` (int64 device tensor ``[w1, w2]``: the two words
     the reference draws from its generator). Writes ``t_out`` (one float32 element).
 
@@ -416,7 +411,7 @@ def sampled_threshold(
         raise ValueError("sampled_threshold needs a non-empty tensor")
     check_words(words, dev)
     check_out("t_out", t_out, 1, (torch.float32,), dev)
-    s = sample_size(n, sample)
+    s, rank = dgc_sample(n, k, sample)
     if keys_out is None:
         keys_out = torch.empty(s, dtype=torch.float32, device=dev)
     check_out("keys_out", keys_out, s, (torch.float32,), dev)
@@ -441,5 +436,4 @@ def sampled_threshold(
         pos = (hashed_uniform(s, w1, w2, dev) * n).long().clamp(max=n - 1)
         picked = a.view(-1)[pos] if b is None else torch.add(a.view(-1)[pos], b.view(-1)[pos])
         keys.copy_(picked.float().abs().nan_to_num(nan=-math.inf))
-    rank = min(s, max(1, round(k * s / n)))
     t_out.view(-1)[:1].copy_(keys.topk(rank, sorted=False).values.min().reshape(1))

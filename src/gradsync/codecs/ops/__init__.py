@@ -49,7 +49,18 @@ from gradsync.codecs.ops.reduce import (
     device_stats,
     tensor_stats,
 )
-from gradsync.codecs.ops.select import CandidateSet, Key, count_ge, f32, f32_above, keyed, kth_largest, topk
+from gradsync.codecs.ops.select import (
+    CandidateSet,
+    Key,
+    chunk_positions,
+    count_ge,
+    dgc_sample,
+    f32,
+    f32_above,
+    keyed,
+    kth_largest,
+    topk,
+)
 from gradsync.codecs.ops.sparse import gather, sparse_add_, sparse_to_dense_
 from gradsync.codecs.ops.workspace import Workspace
 
@@ -68,9 +79,11 @@ __all__ = [
     "backend",
     "cast_checked",
     "cast_on_device",
+    "chunk_positions",
     "count_ge",
     "device_stats",
     "device_words",
+    "dgc_sample",
     "draw_index",
     "draw_words",
     "f32",

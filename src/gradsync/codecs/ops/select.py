@@ -398,3 +398,32 @@ def topk(
     cand = CandidateSet.scan(x, key, target=k, minimum=k, at_least=at_least, ws=ws, want_sum=False)
     idx, val = cand.top(k)
     return idx, val, cand.stats
+
+
+def dgc_sample(numel: int, k: int, sample: float) -> tuple[int, int]:
+    """DGC's sampled estimate of the ``k``-th magnitude of ``numel`` elements, as sizes: how many
+    positions it draws (``ceil(sample * numel)``, at least 1024, at most ``numel``) and which
+    largest of their magnitudes stands for the ``k``-th of the whole (``round(k * s / numel)``,
+    at least 1). One rule for the host, the device and the kernel forms."""
+    s = min(numel, max(math.ceil(sample * numel), 1024))
+    return s, min(s, max(1, round(k * s / numel)))
+
+
+def chunk_positions(keys: torch.Tensor, chunk: int, per_chunk: int, of_tail: int) -> torch.Tensor:
+    """Chunked top-k's positions: those of the ``per_chunk`` largest ``keys`` of every full
+    ``chunk`` and of the ``of_tail`` largest of the shorter last one, ascending (int64). Its count
+    is known before the data is seen. One rule for the host and device forms (which differ only in
+    how they make ``keys`` and what they do with the positions)."""
+    n = keys.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        rows = keys[: full * chunk].view(full, chunk)
+        top = rows.topk(per_chunk, dim=1, sorted=False).indices.sort(dim=1).values
+        base = torch.arange(0, full * chunk, chunk, device=keys.device, dtype=top.dtype).unsqueeze(1)
+        parts.append((top + base).view(-1))
+    if of_tail:
+        parts.append(keys[full * chunk :].topk(of_tail, sorted=False).indices.sort().values + full * chunk)
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=keys.device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
