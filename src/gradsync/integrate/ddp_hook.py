@@ -71,10 +71,11 @@ from gradsync.integrate.wrap import build_config
 from gradsync.sync import host_reads
 from gradsync.sync.bucket_sync import bucket_program
 from gradsync.sync.checkpoint import front_state, must_reset
-from gradsync.sync.codec_set import CodecSet, build_codecs, sync_momentum
+from gradsync.sync.codec_set import CodecSet, scheme_codecs
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule
 from gradsync.sync.ledger import Ledger
+from gradsync.sync.momentum import sync_momentum
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.sequence import EngineWords, sequence_program, warn_forwards_apart
 from gradsync.sync.tasks import TaskManager
@@ -478,7 +479,7 @@ def hook_config(config: SyncConfig) -> SyncConfig:
             "or make DDP's buckets smaller with bucket_cap_mb"
         )
     scheme = Scheme.parse(config.scheme)
-    if scheme.kind != "dense" and sync_momentum(build_codecs(config, scheme)) is not None:
+    if scheme.kind != "dense" and sync_momentum(scheme_codecs(config, scheme).classes) is not None:
         raise ValueError(
             f"scheme {config.scheme!r}: ef momentum (momentum correction) needs gradsync.wrap: it "
             "moves the optimizer's momentum into the synchronization, and the DDP hook cannot give "

@@ -32,7 +32,7 @@ from gradsync.planner.decide import (
 from gradsync.planner.plan import Plan, same_plan
 from gradsync.planner.trials import DUEL_BLOCKS, Duel, codec_families, trial_plans, trial_steps
 from gradsync.sync.buckets import Slot
-from gradsync.sync.codec_set import CodecSet, build_candidates
+from gradsync.sync.codec_set import CodecSet, scheme_codecs
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.sync.stats import StepStats
@@ -103,7 +103,7 @@ class Replanner:
         c, cfg = self.codecs, self.config
         there = Scheme.parse(cfg.scheme).resolve(model.m, model.n)
         theirs = [there.name] * c.class_count + [
-            alt.name for alt, _ in build_candidates(cfg, there, model.m, model.n)
+            alt.name for alt, _ in scheme_codecs(cfg, there, (model.m, model.n)).candidates
         ]
         if theirs != [s.name for s in c.schemes]:
             raise ValueError(

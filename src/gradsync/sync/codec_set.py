@@ -16,63 +16,26 @@ from collections.abc import Sequence
 
 import torch
 
-from gradsync.codecs import Compressor, ErrorFeedback
+from gradsync.codecs import Compressor
 from gradsync.collectives.compressed import codec_refusal
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot, codec_class_for
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.density_schedule import apply_schedule, schedule_for
-from gradsync.sync.momentum import SyncMomentum
-from gradsync.sync.scheme import Scheme
+from gradsync.sync.scheme import Scheme, SchemeCodecs
 
 log = logging.getLogger("gradsync")
 
 
-def build_codecs(config: SyncConfig, scheme: Scheme, resident: bool = False) -> list[Compressor]:
-    """The codecs an engine with ``config`` runs ``scheme`` with, error feedback included: the
-    scheme's, then the one for large tensors (none for a dense scheme); ``resident``: their
-    resident mode."""
-    codecs: list[Compressor] = []
-    main = scheme.build(config.error_feedback, resident=resident)
-    if main is not None:
-        codecs.append(main)
-        if config.large_codec is not None:
-            large_scheme = Scheme.parse(f"allgather/{config.large_codec}")
-            large = large_scheme.build(config.error_feedback, resident=resident)
-            assert large is not None  # a compressed scheme always has a codec
-            codecs.append(large)
-    return codecs
-
-
-def build_candidates(
-    config: SyncConfig, scheme: Scheme, nodes: int, per_node: int, resident: bool = False
-) -> list[tuple[Scheme, Compressor]]:
-    """The other candidates of ``auto:candidates=...`` (none for other schemes): each resolved
-    for the topology, with its codec (error feedback as :func:`build_codecs` adds it)."""
-    out = []
-    for alt in scheme.alternatives(nodes, per_node):
-        codec = alt.build(config.error_feedback, resident=resident)
-        assert codec is not None  # a candidate is a compressed scheme
-        out.append((alt, codec))
-    return out
-
-
-def sync_momentum(codecs: list[Compressor]) -> SyncMomentum | None:
-    """The dense side of momentum correction when the codecs carry the optimizer's momentum
-    (``ef:momentum=M``), else None. Every codec must then carry the same momentum: a bucket
-    under a codec without it would get none."""
-    kinds = {
-        (c.config.momentum, c.config.nesterov) if isinstance(c, ErrorFeedback) else (0.0, False)
-        for c in codecs
-    }
-    if len(kinds) > 1:
-        raise ValueError(
-            "ef: momentum must be the same for every codec of the scheme (momentum correction moves "
-            "the optimizer's momentum into the synchronization, so every bucket needs it), got "
-            + ", ".join(sorted(c.spec() for c in codecs))
-        )
-    m, nesterov = kinds.pop() if kinds else (0.0, False)
-    return SyncMomentum(m, nesterov) if m > 0 else None
+def scheme_codecs(
+    config: SyncConfig, scheme: Scheme, shape: tuple[int, int] | None = None, resident: bool = False
+) -> SchemeCodecs:
+    """The codecs an engine with ``config`` runs ``scheme`` with (:meth:`Scheme.build_set`: error
+    feedback as the config says, its codec for large tensors; with the topology's ``shape``, the
+    candidates resolved for it)."""
+    return scheme.build_set(
+        config.error_feedback, large_codec=config.large_codec, shape=shape, resident=resident
+    )
 
 
 def resident_on(choice: bool | None, device: torch.device) -> bool:
@@ -96,18 +59,13 @@ class CodecSet:
             resident_on(config.resident, topology.comm_device) if topology is not None else None
         )
         """Whether the codecs run resident (None: not chosen yet)."""
-        on = bool(self.resident)
-        self.codecs: list[Compressor] = build_codecs(config, scheme, on)
-        self.class_count = len(self.codecs)
+        shape = (topology.nodes, topology.per_node) if topology is not None else None
+        built = scheme_codecs(config, scheme, shape, bool(self.resident))
+        self.codecs: list[Compressor] = built.all
+        self.class_count = len(built.classes)
         """The codecs a tensor belongs to by its size (the candidates are not among them)."""
-        self.schemes: list[Scheme] = [scheme] * len(self.codecs)
+        self.schemes: list[Scheme] = [scheme] * self.class_count + [alt for alt, _ in built.candidates]
         """The scheme each codec runs under (by id): the scheme's own, then the candidates'."""
-        alternatives = (
-            build_candidates(config, scheme, topology.nodes, topology.per_node, on) if topology else []
-        )
-        for alt, codec in alternatives:
-            self.schemes.append(alt)
-            self.codecs.append(codec)
         self.candidates = list(range(self.class_count, len(self.codecs)))
         self.density_schedule = schedule_for(config.density_schedule, self.codecs, config.scheme)
         self.density: float | None = None

@@ -3,7 +3,7 @@ the front, the benchmarks and the simulator all read them."""
 
 from __future__ import annotations
 
-from gradsync.sync.codec_set import sync_momentum
+from gradsync.sync.momentum import sync_momentum
 from gradsync.sync.scheme import Scheme
 
 

@@ -40,7 +40,7 @@ from gradsync.collectives import primitives as P
 from gradsync.collectives.topology import Topology
 from gradsync.sync.buckets import Slot
 from gradsync.sync.carry import Carry, Layouts, Piece, gather_for_mean, give_back_unused, owed_by_parameter
-from gradsync.sync.codec_set import sync_momentum
+from gradsync.sync.momentum import sync_momentum
 
 Keep = Callable[[str], bool] | dict[int, Callable[[str], bool]]
 """Which streams stay when streams end: one filter for every codec, or one per codec index (a

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from gradsync.codecs import Compressor, ErrorFeedback
+
 NEGLIGIBLE = 1e-6
 """Released momentum is dropped once it has decayed to this fraction of what it was."""
 
@@ -155,3 +157,21 @@ class SyncMomentum:
         self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
         self._released = {k: int(v) for k, v in state["released"].items()}
         self._undo = []
+
+
+def sync_momentum(codecs: Sequence[Compressor]) -> SyncMomentum | None:
+    """The dense side of momentum correction when the codecs carry the optimizer's momentum
+    (``ef:momentum=M``), else None. Every codec must then carry the same momentum: a bucket
+    under a codec without it would get none."""
+    kinds = {
+        (c.config.momentum, c.config.nesterov) if isinstance(c, ErrorFeedback) else (0.0, False)
+        for c in codecs
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            "ef: momentum must be the same for every codec of the scheme (momentum correction moves "
+            "the optimizer's momentum into the synchronization, so every bucket needs it), got "
+            + ", ".join(sorted(c.spec() for c in codecs))
+        )
+    m, nesterov = kinds.pop() if kinds else (0.0, False)
+    return SyncMomentum(m, nesterov) if m > 0 else None

@@ -230,6 +230,48 @@ class Scheme:
             raise ValueError(f"error_feedback=True makes no sense with the lossless codec {codec.name!r}")
         return ErrorFeedback(codec.plain)
 
+    def build_set(
+        self,
+        error_feedback: bool | None = None,
+        *,
+        large_codec: str | None = None,
+        shape: tuple[int, int] | None = None,
+        resident: bool = False,
+    ) -> SchemeCodecs:
+        """Every codec this scheme runs, built once (each as :meth:`build` builds it): its own
+        codec and, with ``large_codec``, the one for large tensors (sent by all-gather); with the
+        topology's ``shape`` (nodes, ranks per node), the other candidates of
+        ``auto:candidates=...`` resolved for it, each with the scheme it runs under. None of
+        them for a dense scheme."""
+        own = self.build(error_feedback, resident=resident)
+        classes: list[Compressor] = []
+        if own is not None:
+            classes.append(own)
+            if large_codec is not None:
+                large = Scheme.parse(f"allgather/{large_codec}").build(error_feedback, resident=resident)
+                assert large is not None  # a compressed scheme always has a codec
+                classes.append(large)
+        candidates = []
+        for alt in self.alternatives(*shape) if shape is not None else []:
+            codec = alt.build(error_feedback, resident=resident)
+            assert codec is not None  # a candidate is a compressed scheme
+            candidates.append((alt, codec))
+        return SchemeCodecs(classes, candidates)
+
+
+@dataclass
+class SchemeCodecs:
+    """The codecs of one scheme (:meth:`Scheme.build_set`)."""
+
+    classes: list[Compressor]
+    """By the size class of the tensors they take: the scheme's own, then the large tensors'."""
+    candidates: list[tuple[Scheme, Compressor]]
+    """The other candidates of ``auto:candidates=...``, each with the scheme it runs under."""
+
+    @property
+    def all(self) -> list[Compressor]:
+        return [*self.classes, *(c for _, c in self.candidates)]
+
 
 def split_candidates(value: str) -> list[str]:
     """``topk:density=0.01,compile=false,powersgd:rank=1`` -> the two candidate specs: ``|``

@@ -58,7 +58,7 @@ from gradsync.planner.decide import (
 from gradsync.planner.plan import Plan
 from gradsync.planner.trials import codec_families, trial_plans
 from gradsync.sync.buckets import Slot, build_groups, codec_class_for
-from gradsync.sync.codec_set import build_candidates, build_codecs
+from gradsync.sync.codec_set import scheme_codecs
 from gradsync.sync.config import SyncConfig
 from gradsync.sync.scheme import Scheme
 from gradsync.whatif.modes import (
@@ -481,7 +481,8 @@ def _planning(
     config = SyncConfig.from_options({"scheme": name, **options})
     scheme = Scheme.parse(config.scheme).resolve(cluster.nodes, cluster.per_node)
     slots = _meta_slots(workload)
-    codecs = [c.spec() for c in build_codecs(config, scheme)]  # as the engine runs them (+ef)
+    built = scheme_codecs(config, scheme, (cluster.nodes, cluster.per_node))
+    codecs = [c.spec() for c in built.classes]  # as the engine runs them (+ef)
     classes = [
         codec_class_for(s.nbytes, workload.tensors[s.index].floating, len(codecs), config.min_compress_bytes,
                         config.large_bytes)
@@ -489,7 +490,7 @@ def _planning(
     ]  # fmt: skip
     schemes = [scheme] * len(codecs)  # the scheme of each codec id, then the other candidates'
     candidates = []
-    for alt, codec in build_candidates(config, scheme, cluster.nodes, cluster.per_node):
+    for alt, codec in built.candidates:
         candidates.append(len(codecs))
         schemes.append(alt)
         codecs.append(codec.spec())
@@ -631,5 +632,4 @@ def codec_spec_of(name: str, sync_options: dict[str, str] | None = None) -> list
         return []
     config = SyncConfig.from_options({"scheme": name, **(sync_options or {})})
     scheme = Scheme.parse(config.scheme)
-    alternatives = [codec for _, codec in build_candidates(config, scheme, 2, 2)]
-    return [c.spec() for c in [*build_codecs(config, scheme), *alternatives]]
+    return [c.spec() for c in scheme_codecs(config, scheme, (2, 2)).all]

@@ -32,7 +32,7 @@ from gradsync.codecs import Compressor, ErrorFeedback, build_codec
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.outer.schedule import outer_step_for
 from gradsync.sync import Scheme, SyncConfig
-from gradsync.sync.codec_set import build_candidates, build_codecs
+from gradsync.sync.codec_set import scheme_codecs
 from gradsync.sync.config import parse_options
 from gradsync.sync.density_schedule import check_stages, schedule_for
 from gradsync.units import parse_size
@@ -488,4 +488,4 @@ def clip_where(args: argparse.Namespace, config: SyncConfig) -> str | None:
 def _codecs(config: SyncConfig) -> list[Compressor]:
     """Every codec the scheme may run (its own, the one for large tensors, the candidates')."""
     scheme = Scheme.parse(config.scheme)
-    return [*build_codecs(config, scheme), *(c for _, c in build_candidates(config, scheme, 2, 2))]
+    return scheme_codecs(config, scheme, (2, 2)).all

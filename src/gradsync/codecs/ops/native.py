@@ -99,7 +99,7 @@ class Kernels(Protocol):
 
 _ext: Kernels | None
 try:  # the extension is optional (see setup.py)
-    from gradsync import _native
+    import gradsync._native as _native  # the extension module itself, not the package's facade
 
     _ext = _native
     AVAILABLE = bool(_native.SUPPORTED)
