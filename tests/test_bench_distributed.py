@@ -543,6 +543,33 @@ def test_a_contender_carries_its_own_sync_options():
         bench_step.check_contender("auto@replan=-1")
 
 
+def test_a_contender_list_keeps_a_codec_with_several_options_whole():
+    """``--contenders`` is a comma list, and a codec's own options are comma-separated too: a
+    piece ``key=value`` continues the contender before it (as ``auto:candidates=...`` does)."""
+    import argparse
+
+    from gradsync.apps.commands.bench import train as bench_train
+
+    listed = (
+        "local,ddp,topk:density=0.01,compile=false,"
+        "outer@every=10@codec=sparseloco:density=0.2,bits=4+ef@fragments=4@delay=2"
+    )
+    parser = argparse.ArgumentParser()
+    bench_train.add_arguments(parser)
+    full = parser.parse_args(["--contenders", listed, "--model", "transformer"])
+    bench_train.check(full)  # every contender whole, checked before any process group
+    want = [
+        "local",
+        "ddp",
+        "topk:density=0.01,compile=false",
+        "outer@every=10@codec=sparseloco:density=0.2,bits=4+ef@fragments=4@delay=2",
+    ]
+    from gradsync.codecs.config import split_spec_list
+
+    assert split_spec_list(listed) == want
+    assert bench_step.outer_options(want[-1])["codec"] == "sparseloco:density=0.2,bits=4+ef"
+
+
 def test_self_syncing_optimizers_and_outer_loops_warm_up_afresh_every_round():
     """Round after round the engine's state is carried (one unmeasured step), but a self-syncing
     optimizer is made afresh: every round skips its dense warm-up and its first compressed step

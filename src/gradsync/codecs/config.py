@@ -195,6 +195,22 @@ class SparsityConfig(CodecConfig):
         return min(numel, max(1, math.ceil(self.density * numel)))
 
 
+def split_spec_list(text: str) -> list[str]:
+    """A comma-separated list of specs (schemes, contenders) whose codecs may have options of
+    their own: ``none,topk:density=0.01,compile=false,outer@codec=sparseloco:density=0.2,bits=4``
+    -> ``none``, ``topk:density=0.01,compile=false``, ``outer@codec=sparseloco:density=0.2,bits=4``.
+    A piece of the form ``key=value`` whose key is a plain option name continues the spec before
+    it; any other piece starts the next."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        key, eq, _ = piece.partition("=")
+        if specs and eq and key.strip().isidentifier():
+            specs[-1] += "," + piece
+        elif piece:
+            specs.append(piece)
+    return specs
+
+
 def split_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
     """``"a:x=1,y=2+b:z=3"`` -> ``[("a", {"x": "1", "y": "2"}), ("b", {"z": "3"})]``."""
     if not isinstance(spec, str) or not spec.strip():

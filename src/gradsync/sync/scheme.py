@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gradsync.codecs import Compressor, ErrorFeedback, build_codec
-from gradsync.codecs.config import split_spec
+from gradsync.codecs.config import split_spec, split_spec_list
 from gradsync.collectives.dense import dense_algorithm_names
 from gradsync.collectives.strategies import compressed_strategy_names
 
@@ -277,13 +277,4 @@ def split_candidates(value: str) -> list[str]:
     """``topk:density=0.01,compile=false,powersgd:rank=1`` -> the two candidate specs: ``|``
     always separates candidates; a comma piece of the form ``key=value`` with a plain option name
     continues the candidate before it (a codec's own options), any other piece starts the next."""
-    specs: list[str] = []
-    for chunk in value.split("|"):
-        start = len(specs)
-        for piece in (p.strip() for p in chunk.split(",")):
-            key, eq, _ = piece.partition("=")
-            if len(specs) > start and eq and key.strip().isidentifier():
-                specs[-1] += "," + piece
-            elif piece:
-                specs.append(piece)
-    return specs
+    return [spec for chunk in value.split("|") for spec in split_spec_list(chunk)]

@@ -21,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from gradsync.apps.command_line import command_line
+from gradsync.codecs.config import split_spec_list
 from gradsync.units import parse_duration, parse_rate
 from gradsync.whatif.network import DEFAULT_INTER_LATENCY, DEFAULT_INTRA, DEFAULT_INTRA_LATENCY
 
@@ -207,7 +208,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _schemes(args: argparse.Namespace) -> list[str]:
-    return [s.strip() for s in args.scheme.split(",") if s.strip()]
+    return split_spec_list(args.scheme)
 
 
 def check_codec_device(device: str) -> None:

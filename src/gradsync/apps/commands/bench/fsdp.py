@@ -41,6 +41,7 @@ from gradsync.apps.commands.bench.support.world import (
 from gradsync.apps.commands.bench.train import check_world_options, round_order
 from gradsync.apps.models import parameter_count
 from gradsync.apps.models.text import TransformerLanguageModel
+from gradsync.codecs.config import split_spec_list
 from gradsync.collectives import Topology
 from gradsync.collectives.topology import default_device
 from gradsync.whatif.sharded import sharded_contender
@@ -102,7 +103,7 @@ def check(args: argparse.Namespace) -> None:
     if args.dim % 4:
         raise ValueError(f"--dim must be a multiple of 4 (the attention heads), got {args.dim}")
     check_world_options(args)
-    names = [c for c in args.contenders.split(",") if c.strip()]
+    names = split_spec_list(args.contenders)
     if not names:
         raise ValueError(f"--contenders must name at least one contender, got {args.contenders!r}")
     for c in names:
@@ -171,7 +172,7 @@ def measure(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     topo = join_world(args.timeout, args.nodes, args.per_node)
-    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    names = split_spec_list(args.contenders)
     g = torch.Generator().manual_seed(1 + topo.rank)
     tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g).to(
         default_device()

@@ -53,6 +53,7 @@ from gradsync.apps.commands.bench.support.world import (
     slowest_and_mean,
 )
 from gradsync.apps.models import build_model, build_model_for, models_for, parameter_count
+from gradsync.codecs.config import split_spec_list
 from gradsync.collectives import Topology
 from gradsync.integrate.wrap import check_trace_path
 from gradsync.observe.profiler import default_loss
@@ -446,7 +447,7 @@ def model_label(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    contenders = [check_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    contenders = [check_contender(c) for c in split_spec_list(args.contenders)]
     topo, base, x, y = join_with_batch(args)
     rank0 = topo.rank == 0
     if rank0:
@@ -586,9 +587,8 @@ def check(args: argparse.Namespace) -> None:
             check_trace_path(args.trace)
         except ValueError as e:
             raise ValueError(f"--trace: {e}") from e
-    for c in args.contenders.split(","):
-        if c.strip():
-            check_contender(c.strip())
+    for c in split_spec_list(args.contenders):
+        check_contender(c)
     SyncConfig.from_options(parse_sync_options(args.sync_option))
     bench_nic.check(args)
 

@@ -41,6 +41,7 @@ from gradsync.apps.commands.bench.support import nic as bench_nic
 from gradsync.apps.commands.bench.support.output import markdown_table, save_result
 from gradsync.apps.commands.bench.support.world import check_world_options, run_emulated
 from gradsync.apps.models import parameter_count
+from gradsync.codecs.config import split_spec_list
 from gradsync.collectives import Topology
 from gradsync.observe.profiler import default_loss
 
@@ -249,7 +250,7 @@ def is_automatic(name: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    contenders = [bench_step.check_contender(c.strip()) for c in args.contenders.split(",") if c.strip()]
+    contenders = [bench_step.check_contender(c) for c in split_spec_list(args.contenders)]
     bench_step.SyncConfig.from_options(bench_step.parse_sync_options(args.sync_option))
     topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
@@ -413,7 +414,7 @@ def check(args: argparse.Namespace) -> None:
     bench_step.check_sizes(args, ("steps", "threads", "rounds"))
     if args.warmup < 2:
         raise ValueError(f"--warmup must be at least 2 (the PowerSGD hook's dense start), got {args.warmup}")
-    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    names = split_spec_list(args.contenders)
     if not names:
         raise ValueError(f"--contenders must name at least one contender, got {args.contenders!r}")
     for c in names:

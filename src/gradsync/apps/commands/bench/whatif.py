@@ -50,6 +50,7 @@ from gradsync.apps.commands.bench.support.output import markdown_table, save_res
 from gradsync.apps.commands.bench.support.own_work import measure_in_subprocess
 from gradsync.apps.commands.bench.support.world import run_emulated
 from gradsync.apps.models import parameter_count
+from gradsync.codecs.config import split_spec_list
 from gradsync.collectives.topology import Topology
 from gradsync.observe.profiler import default_loss
 from gradsync.whatif.modes import is_outer, is_self_syncing
@@ -98,9 +99,8 @@ def check(args: argparse.Namespace) -> None:
     bench_train.check(args)
     from gradsync.whatif.contenders import check_contender
 
-    for c in args.contenders.split(","):
-        if c.strip():
-            check_contender(c.strip())
+    for c in split_spec_list(args.contenders):
+        check_contender(c)
     if args.profile_steps < 1:
         raise ValueError(f"--profile-steps must be at least 1, got {args.profile_steps}")
     if args.ranks_per_host is not None and args.ranks_per_host < 1:
@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from gradsync.whatif.codec_costs import CodecTable
     from gradsync.whatif.contenders import codec_spec_of, powersgd_rank
 
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    contenders = split_spec_list(args.contenders)
     options = bench_step.parse_sync_options(args.sync_option)
     topo, base, x, y = bench_step.join_with_batch(args)
     rank0 = topo.rank == 0
