@@ -75,6 +75,11 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     # 4.189 at 40 and 4.346 at 5, dense pseudo-gradients), dense and with 4-bit ones
     "outer-h20": ("none", OUTER_H20),
     "outer-int4-h20": ("none", [*OUTER_H20, "--outer-codec", "terngrad:bits=4"]),
+    # the same streamed (4 fragments, each landing 2 inner steps late): what the speed runs time
+    "outer-int4-h20-streamed": (
+        "none",
+        [*OUTER_H20, "--outer-codec", "terngrad:bits=4", "--fragments", "4", "--outer-delay", "2"],
+    ),
     # the sparseloco codec (chunked top-k, 16-bit positions, few-bit values, error feedback), as
     # tuned at this scale (text-adam, seed 1: density 0.2 and 4-bit values, plain error feedback
     # and the momentum-0.3 outer step: 4.172, below the dense outer loop's 4.177 at H = 10) and
