@@ -6,9 +6,12 @@ set), slow but bit-faithful, so that the same kernels are checked on a machine w
 Everywhere else each public function of this package runs its plain-torch version, with the
 same signature and the same outputs.
 
-Triton chooses between compiling and interpreting when a kernel is defined, that is when the
-first kernel module is imported; so the mode is fixed then, for the process, and
-:func:`available` answers for that mode.
+Triton chooses between compiling and interpreting when a function is decorated: its own
+library (``tl.max``, ``tl.sum`` ...) when ``triton.language`` is first imported, by anyone (a
+``torch.compile`` call imports it too), and this package's kernels when their module is first
+imported. A kernel runs only when both were made in the mode ``TRITON_INTERPRET`` asks for now;
+:func:`available` answers no otherwise (the torch versions run), instead of letting a compiled
+library function be called from an interpreted kernel.
 
 A kernel compiles and loads on its first launch (a few hundred milliseconds, on the host), which
 a stream that is capturing a CUDA graph does not allow: run each variant once before capture.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -55,8 +59,23 @@ def _mode_at_load() -> bool:
     return interpreting()
 
 
-def _loaded_mode() -> bool | None:
-    return _mode_at_load() if _mode_at_load.cache_info().currsize else None
+def _language_interprets() -> bool | None:
+    """Whether triton's own library functions were made for the interpreter (None: not imported)."""
+    language = sys.modules.get("triton.language")
+    if language is None:
+        return None
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # an interpreter this version does not have: treat the library as compiled
+        return False
+    return isinstance(getattr(language, "max", None), InterpretedFunction)
+
+
+def _loaded_modes() -> set[bool]:
+    """The modes triton's library and this package's kernels were made in, where made yet."""
+    modes = {_mode_at_load()} if _mode_at_load.cache_info().currsize else set()
+    language = _language_interprets()
+    return modes if language is None else modes | {language}
 
 
 def module(name: str) -> ModuleType:
@@ -85,14 +104,14 @@ def available(device: torch.device | str) -> bool:
     dev = torch.device(device)
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no") or not _triton_imports():
         return False
-    loaded = _loaded_mode()
+    loaded = _loaded_modes()
     if dev.type == "cuda":
-        if interpreting() or loaded is True or not torch.cuda.is_available():
+        if interpreting() or True in loaded or not torch.cuda.is_available():
             return False
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         return _probe(index)
     if dev.type == "cpu":
-        return interpreting() and loaded is not False
+        return interpreting() and False not in loaded
     return False
 
 
