@@ -174,39 +174,16 @@ def mstopk(x: torch.Tensor, k: int, iters: int, words: torch.Tensor, addends: Ad
     """The MSTopK paper's Algorithm 1 on the device: exactly ``min(k, numel)`` elements when the
     tensor is finite. ``words``: the call's random words (a device tensor; the first is used).
 
-    Where the fused kernels run (:mod:`gradsync.codecs.kernels`), in five reads instead of one
-    counting pass per bisection step: the same thresholds, evaluated through histograms."""
-    if _fused(x, addends) and iters <= kernels.MAX_ITERS:
-        a, b, v = _source(x, addends)
-        idx, val, count, stats_out = _outputs(x, min(k, x.numel()))
-        kernels.mstopk(a, k, iters, words[:1], idx, val, count, stats_out, b=b, v_out=v)
-        return Capped(idx, val, count[0], stats_out[2] > 0)
-    _summed(x, addends)
-    keys, stats = _keys(x), device_stats(x)
-    mean, top = stats.mean_abs.float(), stats.max_abs.float()
-    lo, hi = torch.zeros_like(mean), torch.ones_like(mean)
-    thres1 = torch.full_like(mean, math.inf)  # threshold of the largest count <= k seen
-    k1 = torch.zeros((), dtype=torch.int64, device=x.device)
-    thres2 = torch.zeros_like(mean)  # threshold of the smallest count > k seen
-    for _ in range(iters):
-        ratio = lo + (hi - lo) / 2
-        t = mean + ratio * (top - mean)
-        count = (keys >= t).sum()
-        fits = count <= k
-        hi, lo = torch.where(fits, ratio, hi), torch.where(fits, lo, ratio)
-        thres1, k1 = torch.where(fits, t, thres1), torch.where(fits, count, k1)
-        thres2 = torch.where(fits, thres2, t)
-    upper = keys >= thres1
-    need = (min(k, x.numel()) - k1).clamp(min=0)
-    band = (keys >= thres2) & ~upper
-    # too few in the band only when fewer than k elements are finite: take any finite ones
-    band = torch.where(band.sum() >= need, band, (keys < thres1))
-    rank = band.cumsum(0, dtype=torch.int64) - 1
-    word = words[0]
-    start = torch.floor((word >> 8) / 16777216.0 * (band.sum() - need + 1).clamp(min=1))
-    run = band & (rank >= start) & (rank < start + need)
-    cand = torch.nonzero_static(upper | run, size=min(k, x.numel()), fill_value=-1).view(-1)
-    return _slots(x, cand, stats)
+    One rule in one place, :func:`gradsync.codecs.kernels.mstopk`: where the fused kernels run,
+    five reads instead of one counting pass per bisection step (the same thresholds, evaluated
+    through histograms); elsewhere its torch form, ``iters`` counting passes."""
+    if not _fused(x, addends):
+        _summed(x, addends)
+        addends = None
+    a, b, v = _source(x, addends)
+    idx, val, count, stats_out = _outputs(x, min(k, x.numel()))
+    kernels.mstopk(a, k, iters, words[:1], idx, val, count, stats_out, b=b, v_out=v)
+    return Capped(idx, val, count[0], stats_out[2] > 0)
 
 
 def trimmed_topk(x: torch.Tensor, k: int, step: float, addends: Addends = None) -> Capped:
