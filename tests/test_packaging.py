@@ -161,6 +161,19 @@ def test_library_runs_without_the_apps_dependencies(tmp_path):
         assert "library ok" in out
 
 
+def test_import_gradsync_leaves_the_heavy_optional_parts_of_torch_alone():
+    """Every process of a world imports gradsync: DTensor's module (and with it sympy), triton
+    and torchft load only when used (FSDP2, the fused kernels, --fault-tolerant)."""
+    code = (
+        "import sys, gradsync\n"
+        "heavy = ('torch.distributed.tensor', 'sympy', 'triton', 'torchft')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def _cli_without_apps(*argv: str) -> subprocess.CompletedProcess[str]:
     code = BLOCKER + f"from gradsync.apps.commands import main\nsys.exit(main({list(argv)!r}))\n"
     return subprocess.run(

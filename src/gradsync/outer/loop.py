@@ -38,15 +38,18 @@ References:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from gradsync.codecs import Compressor
 from gradsync.collectives import primitives as P
@@ -210,7 +213,7 @@ class OuterLoop:
             return
         with torch.no_grad():
             for p in module.parameters():
-                if isinstance(p, DTensor):
+                if is_dtensor(p):
                     # the rank with this local index on node 0
                     P.broadcast(p.to_local(), topo.global_rank(topo.local_rank), topo.inter_group, "inter")
                 else:
@@ -682,9 +685,17 @@ def _nothing_to_send() -> Program:
     yield  # (a generator: the task manager runs it like any program)
 
 
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters), without importing DTensor's
+    module for the answer: no tensor is one before that module was imported, and importing it
+    costs every ``import gradsync`` about a second (it pulls sympy)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_part(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter: its shard under FSDP2 (a DTensor), else itself."""
-    return p.to_local() if isinstance(p, DTensor) else p
+    return p.to_local() if is_dtensor(p) else p
 
 
 def _check_sharding(
@@ -693,14 +704,12 @@ def _check_sharding(
     """Whether the parameters are FSDP2 shards; if so, they must be sharded over this rank's
     node exactly (the meeting pairs each rank with the same rank of the other nodes), and the
     codec must not need whole matrices."""
-    sharded = [isinstance(p, DTensor) for p in params]
+    sharded = [is_dtensor(p) for p in params]
     if not any(sharded):
         return False
     node = topo.node_ranks(topo.node)
     for name, p in zip(names, params, strict=True):
-        ranks = (
-            sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist()) if isinstance(p, DTensor) else None
-        )
+        ranks = sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist()) if is_dtensor(p) else None
         if ranks != node:
             where = "not sharded" if ranks is None else f"sharded over ranks {ranks}"
             raise ValueError(
