@@ -10,7 +10,7 @@ import statistics
 import torch
 
 from gradsync.apps.commands.bench import step as bench_step
-from gradsync.apps.commands.bench.own_work import outer_work_periods
+from gradsync.apps.commands.bench.support.own_work import outer_work_periods
 from gradsync.collectives import Topology
 from gradsync.observe.hook_costs import one_rank_world
 

@@ -16,6 +16,7 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from gradsync.apps.models import build_model_for
 from gradsync.observe.hook_costs import cross_entropy_of, gradient_bytes, one_rank_world, powersgd_hook_rate
 
 
-def steps(model, loss_of, n):
+def steps(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], torch.Tensor], n: int) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -36,7 +37,12 @@ def steps(model, loss_of, n):
     return out
 
 
-def difference(base, loss_of, bucket_mb, passes=5):
+def difference(
+    base: torch.nn.Module,
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    bucket_mb: float,
+    passes: int = 5,
+) -> float:
     alone = dist.new_group([0], use_local_synchronization=True)
     kw = {"find_unused_parameters": True, "bucket_cap_mb": bucket_mb}
     plain = DDP(copy.deepcopy(base), process_group=alone, **kw)
@@ -53,7 +59,7 @@ def difference(base, loss_of, bucket_mb, passes=5):
     return max(statistics.median(diffs), 0.0)
 
 
-def main():
+def main() -> None:
     name, batch, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -69,8 +75,11 @@ def main():
             t1 = time.perf_counter()
             direct = powersgd_hook_rate(base, loss_of, 1, bucket_mb) * nbytes
             t2 = time.perf_counter()
-            print(f"{name} batch {batch}: difference {diff * 1e3:7.2f} ms ({t1 - t0:4.1f} s)   "
-                  f"direct {direct * 1e3:7.2f} ms ({t2 - t1:4.1f} s)", flush=True)
+            print(
+                f"{name} batch {batch}: difference {diff * 1e3:7.2f} ms ({t1 - t0:4.1f} s)   "
+                f"direct {direct * 1e3:7.2f} ms ({t2 - t1:4.1f} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
