@@ -25,7 +25,7 @@ from gradsync.codecs.kernels.launch import (
     module,
     use_kernels,
 )
-from gradsync.codecs.ops import FORMAT_MAX, hashed_uniform16, packed_nbytes
+from gradsync.codecs.ops import FORMAT_MAX, hashed_uniform16, pack_codes, packed_nbytes
 
 _ELEMENTS = 4096  # elements per program
 
@@ -118,21 +118,9 @@ def onebit_encode_torch(
         (~torch.isfinite(xf)).sum(),
     ]
     sums_out[:4].copy_(torch.stack([p.to(torch.float64) for p in parts]))
-    _pack_into(nonneg.to(torch.int32), 1, codes_out)
+    pack_codes(nonneg.to(torch.int32), 1, codes_out)
     if v_out is not None:
         v_out.view(-1)[: v.numel()].copy_(v)
-
-
-def _pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """The packing of :func:`gradsync.codecs.ops.pack_codes`, written into ``out``."""
-    per = 8 // bits
-    c = codes.reshape(-1).to(torch.int32)
-    pad = (-c.numel()) % per
-    if pad:
-        c = torch.cat([c, c.new_zeros(pad)])
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=c.device)
-    packed = (c.view(-1, per) << shifts).sum(1).to(torch.uint8)
-    out[: packed.numel()].copy_(packed)
 
 
 def _unpack(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -240,7 +228,7 @@ def tbq_encode_torch(
     t = tau.reshape(()).float() if isinstance(tau, torch.Tensor) else torch.full((), tau, device=v.device)
     up, down = xf > t, xf < -t
     codes = up.to(torch.int32) + 2 * down.to(torch.int32)
-    _pack_into(codes, 2, codes_out)
+    pack_codes(codes, 2, codes_out)
     counts_out[:2].copy_(torch.stack([(codes != 0).sum(), (~torch.isfinite(xf)).sum()]))
     if residual_out is not None:
         step = t.to(v.dtype)
@@ -351,7 +339,7 @@ def stochastic_encode_torch(
     s = xf.abs() * mult.reshape(()).float() + f
     lvl = (torch.floor(s) - 1).nan_to_num(0.0).clamp(0, levels).to(torch.int32)
     codes = lvl | (torch.signbit(xf).to(torch.int32) << (bits - 1))
-    _pack_into(codes, bits, codes_out)
+    pack_codes(codes, bits, codes_out)
     if residual_out is not None:
         assert lut is not None
         decoded = lut.float()[codes.long()].to(v.dtype)

@@ -34,7 +34,7 @@ from gradsync.codecs.kernels.launch import (
     module,
     use_kernels,
 )
-from gradsync.codecs.ops import DeviceStats, dgc_sample, hashed_uniform
+from gradsync.codecs.ops import DeviceStats, dgc_sample, hashed_uniform, stats_vector
 
 BLOCK = 4096
 """Elements per program of the passes (and per partial)."""
@@ -174,24 +174,9 @@ def fused_stats_torch(
     """:func:`fused_stats` in torch operations (``scratch`` unused)."""
     check_addend(a, b)
     v = (torch.add(a, b) if b is not None else a).view(-1)
-    stats_out[:4].copy_(_stats(v))
+    stats_out[:4].copy_(stats_vector(v))
     if v_out is not None:
         v_out.view(-1)[: v.numel()].copy_(v)
-
-
-def _stats(v: torch.Tensor) -> torch.Tensor:
-    """float64 ``[sum |v|, max |v| (NaN ignored), non-finite count, sum v^2]``."""
-    if v.numel() == 0:
-        return torch.zeros(4, dtype=torch.float64, device=v.device)
-    xf = v.float()
-    a = xf.abs()
-    parts = [
-        a.sum(),
-        torch.where(torch.isnan(a), 0.0, a).amax(),
-        (~torch.isfinite(xf)).sum(),
-        xf.square().sum(),
-    ]
-    return torch.stack([p.to(torch.float64) for p in parts])
 
 
 def as_device_stats(stats: torch.Tensor, numel: int) -> DeviceStats:
@@ -362,7 +347,7 @@ def select_above_torch(
     _check_select(a, t, capacity, idx_out, val_out, count_out, stats_out, v_out)
     n = a.numel()
     v = (torch.add(a, b) if b is not None else a).view(-1)
-    stats = _stats(v)
+    stats = stats_vector(v)
     stats_out[:4].copy_(stats)
     if v_out is not None:
         v_out.view(-1)[:n].copy_(v)

@@ -47,6 +47,7 @@ from gradsync.codecs.ops.reduce import (
     abs_max,
     abs_max_on_device,
     device_stats,
+    stats_vector,
     tensor_stats,
 )
 from gradsync.codecs.ops.select import (
@@ -104,6 +105,7 @@ __all__ = [
     "sign_pack_on_device",
     "sparse_add_",
     "sparse_to_dense_",
+    "stats_vector",
     "stochastic_pack",
     "stochastic_round",
     "stream_seed",

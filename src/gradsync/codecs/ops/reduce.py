@@ -91,6 +91,14 @@ def device_stats(x: torch.Tensor) -> DeviceStats:
     return DeviceStats(x.numel(), v[0], v[1], v[2] > 0, v[3])
 
 
+def stats_vector(x: torch.Tensor) -> torch.Tensor:
+    """The four reductions of :func:`device_stats` as one float64 tensor on x's device,
+    ``[sum |x|, max |x| (NaN ignored), non-finite count, sum x^2]`` (zeros for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros(4, dtype=torch.float64, device=x.device)
+    return _stats(x)
+
+
 def abs_max(x: torch.Tensor) -> tuple[float, bool]:
     """``(max |x|, whether any element is inf or NaN)`` in one pass; max is 0 for an empty tensor."""
     if x.numel() == 0:
