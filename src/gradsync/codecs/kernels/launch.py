@@ -59,16 +59,23 @@ def _mode_at_load() -> bool:
     return interpreting()
 
 
+_language_mode: list[bool] = []  # triton's library mode, once triton.language is imported (fixed then)
+
+
 def _language_interprets() -> bool | None:
     """Whether triton's own library functions were made for the interpreter (None: not imported)."""
+    if _language_mode:
+        return _language_mode[0]
     language = sys.modules.get("triton.language")
     if language is None:
         return None
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except Exception:  # an interpreter this version does not have: treat the library as compiled
-        return False
-    return isinstance(getattr(language, "max", None), InterpretedFunction)
+        _language_mode.append(False)
+    else:
+        _language_mode.append(isinstance(getattr(language, "max", None), InterpretedFunction))
+    return _language_mode[0]
 
 
 def _loaded_modes() -> set[bool]:
